@@ -1,0 +1,151 @@
+// The only translation unit with <torch/extension.h>: Python bindings, input validation and
+// device dispatch. Kernels live in cpu/*.cpp (at::parallel_for) and cuda/*.cu (raw pointers).
+#include <torch/extension.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ops.h"
+
+namespace hpcrl {
+namespace {
+
+bool is_float_type(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+// Checks shared by flatten and unflatten_; returns the total number of elements.
+int64_t check_tensor_list(const std::vector<at::Tensor>& tensors, const at::Tensor& flat, const char* op) {
+  TORCH_CHECK(is_float_type(flat.scalar_type()), op, ": dtype ", flat.scalar_type(),
+              " is not supported (use float32, float16 or bfloat16)");
+  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(), op, ": the flat buffer must be a contiguous 1-D tensor, got shape ",
+              flat.sizes());
+  int64_t total = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    TORCH_CHECK(t.defined(), op, ": tensors[", i, "] is None (use zeros for a missing gradient)");
+    TORCH_CHECK(t.scalar_type() == flat.scalar_type(), op, ": mixed dtypes: tensors[", i, "] is ", t.scalar_type(),
+                " but expected ", flat.scalar_type(), " (pack each dtype in its own call)");
+    TORCH_CHECK(t.device() == flat.device(), op, ": mixed devices: tensors[", i, "] is on ", t.device(),
+                " but expected ", flat.device());
+    TORCH_CHECK(t.is_contiguous(), op, ": tensors[", i, "] is not contiguous (shape ", t.sizes(), ", strides ",
+                t.strides(), "); call .contiguous() first");
+    total += t.numel();
+  }
+  TORCH_CHECK(flat.numel() == total, op, ": size mismatch: the tensors hold ", total,
+              " elements but the flat buffer has ", flat.numel());
+  return total;
+}
+
+at::Tensor flatten(const std::vector<at::Tensor>& tensors, std::optional<at::Tensor> out) {
+  at::Tensor flat;
+  if (out.has_value()) {
+    flat = *out;
+  } else {
+    TORCH_CHECK(!tensors.empty(), "flatten: empty list and no `out`: cannot infer dtype/device");
+    int64_t total = 0;
+    for (const auto& t : tensors) total += t.defined() ? t.numel() : 0;
+    flat = at::empty({total}, tensors.front().options());
+  }
+  if (check_tensor_list(tensors, flat, "flatten") == 0) return flat;
+  if (flat.is_cuda()) {
+#ifdef HPCRL_WITH_CUDA
+    flatten_cuda(tensors, flat);
+#else
+    TORCH_CHECK(false, "flatten: hpcrl._C was built without CUDA; rebuild with HPCRL_CUDA=1");
+#endif
+  } else {
+    TORCH_CHECK(flat.is_cpu(), "flatten: unsupported device ", flat.device());
+    flatten_cpu(tensors, flat);
+  }
+  return flat;
+}
+
+void unflatten_(const at::Tensor& flat, const std::vector<at::Tensor>& tensors, double scale) {
+  if (check_tensor_list(tensors, flat, "unflatten_") == 0) return;
+  if (flat.is_cuda()) {
+#ifdef HPCRL_WITH_CUDA
+    unflatten_cuda(flat, tensors, scale);
+#else
+    TORCH_CHECK(false, "unflatten_: hpcrl._C was built without CUDA; rebuild with HPCRL_CUDA=1");
+#endif
+  } else {
+    TORCH_CHECK(flat.is_cpu(), "unflatten_: unsupported device ", flat.device());
+    unflatten_cpu(flat, tensors, scale);
+  }
+}
+
+void check_storage(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim, const at::Device& dev) {
+  TORCH_CHECK(t.scalar_type() == dtype, "replay_gather: ", name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, "replay_gather: ", name, " must have ", dim, " dims, got shape ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), "replay_gather: ", name, " must be contiguous");
+  TORCH_CHECK(t.device() == dev, "replay_gather: ", name, " is on ", t.device(), " but the shard is on ", dev);
+}
+
+std::vector<at::Tensor> replay_gather(const at::Tensor& obs, const at::Tensor& action, const at::Tensor& reward,
+                                      const at::Tensor& flags, const at::Tensor& final_ref,
+                                      const at::Tensor& final_pool, const at::Tensor& head_next_obs,
+                                      const at::Tensor& env_idx, const at::Tensor& slot_idx, int64_t ptr,
+                                      int64_t n_step, double gamma) {
+  const at::Device dev = reward.device();
+  check_storage(obs, "obs", at::kFloat, 3, dev);
+  check_storage(action, "action", at::kFloat, 3, dev);
+  check_storage(reward, "reward", at::kFloat, 2, dev);
+  check_storage(flags, "flags", at::kByte, 2, dev);
+  check_storage(final_ref, "final_ref", at::kLong, 2, dev);
+  check_storage(final_pool, "final_pool", at::kFloat, 2, dev);
+  check_storage(head_next_obs, "head_next_obs", at::kFloat, 2, dev);
+  check_storage(env_idx, "env_idx", at::kLong, 1, dev);
+  check_storage(slot_idx, "slot_idx", at::kLong, 1, dev);
+  const int64_t capacity = reward.size(0), num_envs = reward.size(1), obs_dim = obs.size(2);
+  TORCH_CHECK(obs.size(0) == capacity && obs.size(1) == num_envs && action.size(0) == capacity &&
+                  action.size(1) == num_envs && flags.sizes() == reward.sizes() &&
+                  final_ref.sizes() == reward.sizes(),
+              "replay_gather: storage shapes disagree (obs ", obs.sizes(), ", action ", action.sizes(),
+              ", reward ", reward.sizes(), ", flags ", flags.sizes(), ", final_ref ", final_ref.sizes(), ")");
+  TORCH_CHECK(final_pool.size(1) == obs_dim && head_next_obs.size(0) == num_envs && head_next_obs.size(1) == obs_dim,
+              "replay_gather: final_pool ", final_pool.sizes(), " / head_next_obs ", head_next_obs.sizes(),
+              " do not match obs_dim=", obs_dim, ", num_envs=", num_envs);
+  TORCH_CHECK(env_idx.numel() == slot_idx.numel(), "replay_gather: env_idx has ", env_idx.numel(),
+              " rows but slot_idx has ", slot_idx.numel());
+  TORCH_CHECK(ptr >= 1, "replay_gather: the shard is empty (add() at least once before sampling)");
+  TORCH_CHECK(n_step >= 1, "replay_gather: n_step must be >= 1, got ", n_step);
+
+  const int64_t batch = env_idx.numel();
+  const auto f32 = reward.options();
+  ReplayBatch out{at::empty({batch, obs_dim}, f32), at::empty({batch, action.size(2)}, f32),
+                  at::empty({batch}, f32),         at::empty({batch, obs_dim}, f32),
+                  at::empty({batch}, f32),         at::empty({batch}, env_idx.options())};
+  const ReplayStorage storage{obs, action, reward, flags, final_ref, final_pool, head_next_obs, ptr};
+  if (batch > 0) {
+    if (dev.is_cuda()) {
+#ifdef HPCRL_WITH_CUDA
+      replay_gather_cuda(storage, env_idx, slot_idx, n_step, gamma, out);
+#else
+      TORCH_CHECK(false, "replay_gather: hpcrl._C was built without CUDA; rebuild with HPCRL_CUDA=1");
+#endif
+    } else {
+      TORCH_CHECK(dev.is_cpu(), "replay_gather: unsupported device ", dev);
+      replay_gather_cpu(storage, env_idx, slot_idx, n_step, gamma, out);
+    }
+  }
+  return {out.obs, out.action, out.reward, out.next_obs, out.discount, out.n};
+}
+
+}  // namespace
+}  // namespace hpcrl
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "hpcrl fused kernels: multi-tensor flatten/unflatten and per-env replay gather with n-step returns";
+#ifdef HPCRL_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+  m.def("flatten", &hpcrl::flatten, "Pack same-dtype contiguous tensors into one 1-D tensor", py::arg("tensors"),
+        py::arg("out") = py::none());
+  m.def("unflatten_", &hpcrl::unflatten_, "Scatter a flat tensor back into tensors, times scale", py::arg("flat"),
+        py::arg("tensors"), py::arg("scale") = 1.0);
+  m.def("replay_gather", &hpcrl::replay_gather, "Gather replay rows with n-step returns");
+}

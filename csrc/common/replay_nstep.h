@@ -1,0 +1,69 @@
+// n-step window of one sampled transition, shared verbatim by the CPU and CUDA kernels so both
+// compute bit-for-bit the same arithmetic. Torch-free on purpose (nvcc compiles it without torch).
+//
+// Storage is time-major: element (slot s, env e) lives at s * num_envs + e.
+// `ptr` counts every add() ever made; the newest transition has logical time ptr - 1.
+#pragma once
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define HPCRL_HD __host__ __device__ __forceinline__
+#else
+#define HPCRL_HD inline
+#endif
+
+namespace hpcrl {
+
+constexpr uint8_t kTerminated = 1;  // flags bit 0: episode ended, no bootstrap
+constexpr uint8_t kTruncated = 2;   // flags bit 1: episode cut by a time limit, bootstrap from final obs
+
+// Where the bootstrap observation of a window comes from.
+enum NextObsSource : int32_t {
+  kNextFromHead = 0,   // newest transition: the shard's `head_next_obs[env]`
+  kNextFromFinal = 1,  // episode ended at the last step: `final_pool[final_ref[last, env]]`
+  kNextFromRing = 2,   // ordinary step: `obs[last + 1, env]`
+};
+
+struct NStepWindow {
+  float ret;        // sum_j gamma^j * r_{t+j} over the k included steps
+  float discount;   // gamma^k, or 0 when the last included step terminated
+  int64_t k;        // effective n (1 <= k <= n_step)
+  int64_t last;     // physical slot of the last included step
+  int32_t source;   // NextObsSource
+};
+
+// Window starting at physical slot `slot` of env `env`. Included steps stop after the first
+// terminated/truncated step (rewards of the next episode never leak in) and never reach the write
+// head (logical time >= ptr does not exist yet), so a window cannot read across the ring's seam.
+// Preconditions (checked by the callers): 0 <= slot < min(ptr, capacity), 0 <= env < num_envs.
+HPCRL_HD NStepWindow nstep_window(const float* reward, const uint8_t* flags, int64_t capacity,
+                                  int64_t num_envs, int64_t env, int64_t slot, int64_t ptr,
+                                  int64_t n_step, float gamma) {
+  // Logical time of the slot: the newest write that landed on it.
+  const int64_t t = slot + capacity * ((ptr - 1 - slot) / capacity);
+  const int64_t available = ptr - t;  // steps from t up to (excluding) the write head, >= 1
+  const int64_t n = n_step < available ? n_step : available;
+  NStepWindow w{0.0f, 1.0f, 0, slot, kNextFromRing};
+  uint8_t f = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t s = (slot + j) % capacity;
+    const int64_t i = s * num_envs + env;
+    w.ret += w.discount * reward[i];
+    w.discount *= gamma;
+    w.k = j + 1;
+    w.last = s;
+    f = flags[i];
+    if (f != 0) break;
+  }
+  if (f & kTerminated) w.discount = 0.0f;
+  if (t + w.k == ptr) {
+    w.source = kNextFromHead;
+  } else if (f != 0) {
+    w.source = kNextFromFinal;
+  } else {
+    w.source = kNextFromRing;
+  }
+  return w;
+}
+
+}  // namespace hpcrl

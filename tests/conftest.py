@@ -1,0 +1,23 @@
+import os
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    # `cuda` tests are GPU parity checks (benchmarks/gpu_check.sh runs them on a lent GPU).
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run benchmarks/gpu_check.sh on one)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # 2-core CI machine: keep each test process at one intra-op thread unless a test asks for more.
+    prev = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("HPCRL_TEST_THREADS", "1")))
+    yield
+    torch.set_num_threads(prev)
