@@ -57,7 +57,7 @@ if use_cuda:
         "hpcrl._C",
         cpp_sources + ["csrc/cuda/glue.cpp", "csrc/cuda/multi_tensor.cu", "csrc/cuda/replay.cu"],
         define_macros=[("HPCRL_WITH_CUDA", "1")],
-        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17"]},
+        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", "--fmad=false", "-DHPCRL_NVCC_FMAD_OFF"]},
     )
 else:
     print("hpcrl: building CPU-only extension")

@@ -1,0 +1,156 @@
+"""FastSAC learner state and its update step: critic+alpha every step, actor every
+``policy_frequency`` critic steps, Polyak target after every critic step.
+
+All randomness of an update comes in through :class:`UpdateNoise`, so W ranks can be checked
+against one rank fed the concatenated batches and noise (tests/test_sac_dp.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from hpcrl.dist import GradSync
+from hpcrl.replay import Batch
+
+from . import losses
+from .config import SACConfig
+from .networks import Actor, DistributionalCritic
+
+
+class UpdateNoise(NamedTuple):
+    next_eps: torch.Tensor  # [B, A] noise of a' ~ pi(.|s') in the critic target
+    actor_eps: torch.Tensor  # [B, A] noise of a ~ pi(.|s) in the actor loss
+
+    @staticmethod
+    def draw(batch: int, action_dim: int, generator: torch.Generator, device: torch.device) -> "UpdateNoise":
+        eps = torch.randn(2, batch, action_dim, generator=generator, device=device)
+        return UpdateNoise(eps[0], eps[1])
+
+
+@dataclass
+class Counters:
+    iteration: int = 0  # env steps of the vector env (each = num_envs transitions globally)
+    critic_steps: int = 0
+    actor_steps: int = 0
+
+
+class FastSAC(nn.Module):
+    """Networks, optimisers and gradient sync of one rank."""
+
+    def __init__(self, cfg: SACConfig, obs_dim: int, action_dim: int, action_low: torch.Tensor,
+                 action_high: torch.Tensor, device: torch.device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.action_dim = action_dim
+        self.actor = Actor(obs_dim, action_dim, cfg.actor_hidden, action_low, action_high, cfg.layer_norm,
+                           cfg.log_std_min, cfg.log_std_max).to(device)
+        self.critic = DistributionalCritic(obs_dim, action_dim, cfg.critic_hidden, cfg.num_q, cfg.num_atoms,
+                                           cfg.v_min, cfg.v_max, cfg.layer_norm).to(device)
+        self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
+        self.log_alpha = nn.Parameter(torch.tensor(float(cfg.alpha_init), device=device).log())
+        self.target_entropy = -cfg.target_entropy_ratio * action_dim
+        # fused: one kernel for all parameters (CPU and CUDA) instead of a dozen ops per tensor.
+        adamw = dict(betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=True)
+        self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic_lr, **adamw)
+        self.actor_opt = torch.optim.AdamW(self.actor.parameters(), lr=cfg.actor_lr, **adamw)
+        # Plain Adam: holosoma's AdamW default weight decay 1e-2 silently pulls log(alpha) to 0.
+        self.alpha_opt = torch.optim.Adam([self.log_alpha], lr=cfg.alpha_lr, betas=(0.9, 0.95), fused=True)
+        # One collective per optimizer update: critic + log-alpha together, the actor alone.
+        self.critic_sync = GradSync([*self.critic.parameters(), self.log_alpha], cfg.grad_sync)
+        self.actor_sync = GradSync(self.actor.parameters(), cfg.grad_sync)
+        self.critic_train = self.critic_sync.wrap(self.critic)
+        self.actor_train = self.actor_sync.wrap(self.actor)
+        self.counters = Counters()
+        self._target_params = list(self.critic_target.parameters())
+        self._online_params = list(self.critic.parameters())
+        self._autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16
+                          else contextlib.nullcontext())
+        for sync in (self.critic_sync, self.actor_sync):
+            sync.zero_grad()
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        return self.log_alpha.exp().detach()
+
+    def update(self, batch: Batch, noise: UpdateNoise) -> dict[str, torch.Tensor]:
+        """One critic (+alpha) step, the target update, and the actor step when it is due.
+
+        Returns detached scalar tensors (no host sync) for logging.
+        """
+        cfg = self.cfg
+        alpha = self.alpha
+        with torch.no_grad(), self._autocast:
+            next_action, next_log_prob = self.actor.sample(batch.next_obs, noise.next_eps)
+            next_log_prob = next_log_prob.float()
+            target_logits = self.critic_target(batch.next_obs, next_action)
+            reward = losses.soft_reward(batch.reward, batch.discount, alpha, next_log_prob)
+            target = losses.categorical_projection(torch.softmax(target_logits.float(), -1), reward,
+                                                   batch.discount, self.critic.support)
+        with self._autocast:
+            logits = self.critic_train(batch.obs, batch.action)
+        critic_loss = losses.critic_loss(logits, target)
+        alpha_loss = losses.alpha_loss(self.log_alpha, next_log_prob, self.target_entropy)
+        (critic_loss + alpha_loss).backward()  # disjoint graphs: one backward fills both grads
+        self.critic_sync.all_reduce()
+        self.critic_opt.step()
+        if cfg.autotune_alpha:
+            self.alpha_opt.step()
+        self.critic_sync.zero_grad()
+        torch._foreach_lerp_(self._target_params, self._online_params, cfg.tau)
+        self.counters.critic_steps += 1
+        out = {"critic_loss": critic_loss.detach(), "alpha_loss": alpha_loss.detach()}
+
+        if self.counters.critic_steps % cfg.policy_frequency == 0:  # i.e. (critic_step + 1) % pf == 0
+            out["actor_loss"], out["entropy"] = self._update_actor(batch.obs, noise.actor_eps, alpha)
+        return out
+
+    def _update_actor(self, obs: torch.Tensor, eps: torch.Tensor, alpha: torch.Tensor):
+        # Critic frozen for this backward: no (unused) critic weight gradients are computed.
+        self.critic.requires_grad_(False)
+        try:
+            with self._autocast:
+                # Through actor_train's forward, so DDP (grad_sync="ddp") sees the pass and reduces.
+                action, log_prob = self.actor.squash(*self.actor_train(obs), eps)
+                q = self.critic.q_value(self.critic(obs, action))
+            loss = losses.actor_loss(log_prob.float(), q, alpha)
+            loss.backward()
+        finally:
+            self.critic.requires_grad_(True)
+        self.actor_sync.all_reduce()
+        self.actor_opt.step()
+        self.actor_sync.zero_grad()
+        self.counters.actor_steps += 1
+        return loss.detach(), -log_prob.detach().float().mean()
+
+    # -- state -------------------------------------------------------------------------------------
+
+    def learner_state(self) -> dict:
+        return {
+            "actor": self.actor.state_dict(), "critic": self.critic.state_dict(),
+            "critic_target": self.critic_target.state_dict(), "log_alpha": self.log_alpha.detach().clone(),
+            "critic_opt": self.critic_opt.state_dict(), "actor_opt": self.actor_opt.state_dict(),
+            "alpha_opt": self.alpha_opt.state_dict(),
+            "counters": [self.counters.iteration, self.counters.critic_steps, self.counters.actor_steps],
+        }
+
+    def load_learner_state(self, state: dict) -> None:
+        self.actor.load_state_dict(state["actor"])
+        self.critic.load_state_dict(state["critic"])
+        self.critic_target.load_state_dict(state["critic_target"])
+        with torch.no_grad():
+            self.log_alpha.copy_(state["log_alpha"])
+        self.critic_opt.load_state_dict(state["critic_opt"])
+        self.actor_opt.load_state_dict(state["actor_opt"])
+        self.alpha_opt.load_state_dict(state["alpha_opt"])
+        self.counters = Counters(*[int(x) for x in state["counters"]])
+
+    def broadcast_tensors(self) -> list[torch.Tensor]:
+        """Everything rank 0 broadcasts at start-up and after a resume."""
+        return [*self.actor.parameters(), *self.critic.parameters(), *self.critic_target.parameters(),
+                self.log_alpha]

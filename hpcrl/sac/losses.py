@@ -1,0 +1,53 @@
+"""FastSAC losses as pure functions (research/fastsac.md §1.3), so tests can hit them directly."""
+
+from __future__ import annotations
+
+import torch
+
+
+def categorical_projection(next_probs: torch.Tensor, reward: torch.Tensor, discount: torch.Tensor,
+                           support: torch.Tensor) -> torch.Tensor:
+    """Project the distribution ``reward + discount * Z`` onto ``support`` (C51).
+
+    ``next_probs`` is ``[..., B, N]``; ``reward`` and ``discount`` are ``[B]`` (``discount`` is
+    gamma^k, 0 after a termination). Returns ``[..., B, N]`` with the mass of every row preserved.
+    Uses ``scatter_add_`` along the atom axis: no flattened offsets (holosoma's float32 linspace
+    offsets break above 2^24 elements) and no index clamp.
+    """
+    v_min, v_max = support[0], support[-1]
+    delta = (v_max - v_min) / (support.numel() - 1)
+    tz = (reward[:, None] + discount[:, None] * support[None, :]).clamp(v_min, v_max)
+    b = ((tz - v_min) / delta).clamp(0, support.numel() - 1)
+    lower, upper = b.floor(), b.ceil()
+    # Split the mass between the two neighbouring atoms; an exact hit puts it all on one atom.
+    w_lower = (upper - b) + (lower == upper).to(b.dtype)
+    w_upper = b - lower
+    shape = next_probs.shape
+    lower = lower.long().expand(shape)
+    upper = upper.long().expand(shape)
+    proj = torch.zeros_like(next_probs)
+    proj.scatter_add_(-1, lower, next_probs * w_lower)
+    proj.scatter_add_(-1, upper, next_probs * w_upper)
+    return proj
+
+
+def critic_loss(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of each head against its projected target, mean over the batch, summed over heads."""
+    log_p = torch.log_softmax(logits.float(), dim=-1)
+    return -(target_probs * log_p).sum(-1).mean(-1).sum()
+
+
+def soft_reward(reward: torch.Tensor, discount: torch.Tensor, alpha: torch.Tensor,
+                next_log_prob: torch.Tensor) -> torch.Tensor:
+    """Entropy bonus of the bootstrap state folded into the reward: r - discount * alpha * log pi(a'|s')."""
+    return reward - discount * alpha * next_log_prob
+
+
+def actor_loss(log_prob: torch.Tensor, q_values: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """mean(alpha * log pi - mean over heads of Q); ``q_values`` is ``[num_q, B]``."""
+    return (alpha * log_prob - q_values.mean(0)).mean()
+
+
+def alpha_loss(log_alpha: torch.Tensor, log_prob: torch.Tensor, target_entropy: float) -> torch.Tensor:
+    """Temperature loss with detached log-probs (holosoma: the next-state ones of the critic target)."""
+    return -(log_alpha.exp() * (log_prob.detach() + target_entropy)).mean()
