@@ -10,7 +10,7 @@ import sys
 
 import tyro
 
-from hpcrl.dist import DistSetupError, spawn
+from hpcrl.dist import DistSetupError, SpawnError, spawn
 
 from .config import PRESETS, SACConfig, preset
 from .train import ConfigError, plan, train
@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DistSetupError) as err:
         print(f"hpcrl.sac: error: {err}", file=sys.stderr)
         return 2
+    except SpawnError as err:  # a local rank failed: its message names the rank and carries its traceback
+        print(f"hpcrl.sac: error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -94,10 +94,10 @@ PRESETS: dict[str, dict] = {
     "holosoma": {},
     # Small networks and a Pendulum-sized value range: solves Pendulum on a CPU in about a minute.
     "pendulum": dict(
-        env="pendulum", num_envs=8, total_env_steps=16_000, batch_size=256, buffer_size=4096, gamma=0.98,
+        env="pendulum", num_envs=8, total_env_steps=8_000, batch_size=256, buffer_size=4096, gamma=0.98,
         learning_starts=64, random_steps=64, num_updates=4, policy_frequency=2, tau=0.01, critic_lr=1e-3,
         actor_lr=1e-3, alpha_lr=1e-3, weight_decay=0.0, alpha_init=0.1, target_entropy_ratio=1.0,
-        actor_hidden=256, critic_hidden=256, v_min=-100.0, v_max=10.0, reward_scale=0.1, log_std_max=2.0,
+        actor_hidden=128, critic_hidden=128, v_min=-100.0, v_max=10.0, reward_scale=0.1, log_std_max=2.0,
         log_every=25, checkpoint_every=500, eval_episodes=4,
     ),
 }

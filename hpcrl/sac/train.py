@@ -19,7 +19,7 @@ import torch
 
 from hpcrl import checkpoint
 from hpcrl.dist import (DistContext, all_reduce_sum_, barrier, broadcast_, check_parameters_in_sync,
-                        init_distributed, reduce_metrics)
+                        init_distributed, reduce_metrics, shutdown)
 from hpcrl.envs import EpisodeStats, make_env
 from hpcrl.metrics import RunLogger
 from hpcrl.replay import ReplayShard
@@ -94,7 +94,12 @@ def train(cfg: SACConfig) -> dict[str, float]:
 
     # Model init identical on every rank (then broadcast anyway); env and sampling streams per rank.
     torch.manual_seed(cfg.seed)
-    env = make_env(cfg.env, layout.envs_per_rank, device=device, seed=cfg.seed + rank)
+    env_seed = cfg.seed + rank * layout.envs_per_rank
+    try:
+        # gymnasium seeds sub-env i with seed + i: space the ranks so their streams never overlap.
+        env = make_env(cfg.env, layout.envs_per_rank, device=device, seed=env_seed)
+    except ValueError as err:  # unknown env name or bad size: a config problem, not a crash
+        raise ConfigError(str(err)) from None
     if env.num_actions is not None:
         raise ConfigError(f"env {cfg.env!r} has discrete actions; FastSAC needs a continuous action space")
     agent = FastSAC(cfg, env.obs_dim, env.action_dim, env.action_low, env.action_high, device)
@@ -107,7 +112,7 @@ def train(cfg: SACConfig) -> dict[str, float]:
                          cfg.gamma, device)
     generator = torch.Generator(device).manual_seed(cfg.seed * 1_000_003 + rank)
     stats = EpisodeStats(layout.envs_per_rank, device)
-    obs = env.reset(seed=cfg.seed + rank)
+    obs = env.reset(seed=env_seed)
     low, high = env.action_low, env.action_high
 
     resume_from = checkpoint.latest(cfg.run_dir) if cfg.resume else None
@@ -180,6 +185,7 @@ def train(cfg: SACConfig) -> dict[str, float]:
         row.update(evaluate(cfg, agent, normalizer, device, ctx))
         logger.log(row)
     logger.close()
+    shutdown()  # rank 0 usually hosts the rendezvous store: it leaves only after every peer is done
     return row
 
 

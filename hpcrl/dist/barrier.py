@@ -1,0 +1,84 @@
+"""A barrier on the rendezvous store that says WHO is missing when it times out.
+
+A gloo/NCCL barrier that times out only reports "timeout"; here every rank sets its own key and the
+waiters list the keys that never appeared, so the error names the absent ranks (and their hosts,
+when they got far enough to register one).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from .context import DistContext
+
+__all__ = ["BarrierTimeoutError", "barrier", "register_host"]
+
+
+class BarrierTimeoutError(TimeoutError):
+    """Some ranks did not reach a barrier in time; ``missing`` lists them."""
+
+    def __init__(self, message: str, missing: list[int]):
+        super().__init__(message)
+        self.missing = missing
+
+
+def _host_key(rank: int) -> str:
+    return f"host/{rank}"
+
+
+def register_host(ctx: DistContext) -> None:
+    """Publish this rank's hostname so later barrier errors can say where a missing rank ran."""
+    assert ctx.store is not None
+    ctx.store.set(_host_key(ctx.rank), ctx.hostname)
+
+
+def _describe(ctx: DistContext, ranks: list[int]) -> str:
+    assert ctx.store is not None
+    parts = []
+    for r in ranks:
+        host = ctx.store.get(_host_key(r)).decode() if ctx.store.check([_host_key(r)]) else ""
+        parts.append(f"rank {r}" + (f" ({host})" if host else ""))
+    return ", ".join(parts)
+
+
+def barrier(ctx: DistContext, name: str, timeout_s: float | None = None) -> None:
+    """Wait until every rank of ``ctx`` has called ``barrier(ctx, name)`` (a no-op for one rank).
+
+    Raises :class:`BarrierTimeoutError` naming the ranks that did not arrive within ``timeout_s``
+    (default: the context's timeout). Every rank must call barriers in the same order; the same
+    name may be reused any number of times.
+    """
+    if not ctx.is_distributed:
+        return
+    store = ctx.store
+    assert store is not None
+    gen = ctx.barrier_generations.get(name, 0)
+    ctx.barrier_generations[name] = gen + 1
+
+    def key(g: int, r: int) -> str:
+        return f"barrier/{name}/{g}/{r}"
+
+    store.set(key(gen, ctx.rank), "1")
+    if gen >= 2:
+        # Reaching generation g means every rank has left generation g-2 (it set its g-1 key after
+        # leaving g-2), so nobody still waits on our g-2 key: drop it to keep the store small.
+        store.delete_key(key(gen - 2, ctx.rank))
+    timeout = ctx.timeout if timeout_s is None else timedelta(seconds=timeout_s)
+    try:
+        store.wait([key(gen, r) for r in range(ctx.world_size)], timeout)
+    except RuntimeError as err:  # DistStoreError on timeout, DistNetworkError if the store is gone
+        where = f"barrier {name!r} on rank {ctx.rank} of {ctx.world_size} ({ctx.hostname})"
+        try:
+            missing = [r for r in range(ctx.world_size) if not store.check([key(gen, r)])]
+            who = _describe(ctx, missing)
+        except RuntimeError:
+            raise BarrierTimeoutError(
+                f"{where}: lost the rendezvous store (hosted by rank 0 / the launcher): {err}", []
+            ) from err
+        if not missing:
+            raise BarrierTimeoutError(f"{where}: store wait failed: {err}", []) from err
+        raise BarrierTimeoutError(
+            f"{where} timed out after {timeout.total_seconds():g} s: {who} did not arrive "
+            "(crashed, hung, or never started?)",
+            missing,
+        ) from err

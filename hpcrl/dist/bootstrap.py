@@ -1,0 +1,170 @@
+"""The one bootstrap every entry point calls: launcher detection -> store -> named barrier -> group.
+
+The rendezvous store is created here (not by ``init_process_group``) so that a missing peer is
+caught by :func:`hpcrl.dist.barrier`, which names it, before gloo/NCCL start their opaque
+full-mesh connect.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .barrier import barrier, register_host
+from .context import DistContext, DistSetupError, Source
+from .env import LaunchInfo, detect_launch
+
+__all__ = ["init_distributed", "shutdown", "current"]
+
+DEFAULT_TIMEOUT_S = 600.0
+
+_active: DistContext | None = None
+
+
+def _device(local_rank: int) -> torch.device:
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    # With per-task GPU binding (srun --gpus-per-task=1) each task sees exactly its own GPU as cuda:0.
+    if count == 1:
+        return torch.device("cuda", 0)
+    if local_rank >= count:
+        raise DistSetupError(
+            f"LOCAL_RANK={local_rank} but only {count} GPUs are visible on this node: start at most "
+            f"{count} tasks per node, or bind one GPU per task (srun --gpus-per-task=1)"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def _tcp_store(addr: str, port: int, info: LaunchInfo, is_master: bool, timeout: timedelta) -> dist.TCPStore:
+    try:
+        # wait_for_workers=False: the named barrier below does the waiting, with a better error.
+        return dist.TCPStore(addr, port, info.world_size, is_master, timeout, wait_for_workers=False)
+    except RuntimeError as err:
+        if is_master:
+            raise DistSetupError(
+                f"rank 0 ({info.hostname}) could not host the rendezvous store on port {port}: {err}. "
+                "Is the port taken (another job on this node)? Set MASTER_PORT to a free port."
+            ) from err
+        raise DistSetupError(
+            f"rank {info.rank} ({info.hostname}, via {info.source}) could not reach the rendezvous store "
+            f"at {addr}:{port} within {timeout.total_seconds():g} s: {err}. Is rank 0 running, does "
+            f"{addr} resolve from this host, and do MASTER_ADDR / MASTER_PORT agree on every rank?"
+        ) from err
+
+
+def _mpi_store(info: LaunchInfo, timeout: timedelta) -> dist.TCPStore:
+    """Rank 0 opens the store on a free port and broadcasts its address over MPI."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    payload: tuple[str, int, str] | None = None
+    store = None
+    if info.rank == 0:
+        addr = os.environ.get("MASTER_ADDR") or socket.gethostname()
+        port = int(os.environ.get("MASTER_PORT", "0"))  # 0: the OS picks a free port, no race
+        try:
+            store = _tcp_store(addr, port, info, True, timeout)
+            payload = (addr, store.port, "")
+        except DistSetupError as err:
+            payload = ("", 0, str(err))  # tell the others instead of leaving them in bcast
+    addr, port, error = comm.bcast(payload, root=0)
+    if error:
+        raise DistSetupError(error if info.rank == 0 else f"rank 0 failed to open the store: {error}")
+    return store if store is not None else _tcp_store(addr, port, info, False, timeout)
+
+
+def init_distributed(
+    backend: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    *,
+    source: Source | None = None,
+) -> DistContext:
+    """Join the job as its launcher describes it and return this rank's :class:`DistContext`.
+
+    Precedence: torchrun variables -> Slurm task variables -> MPI (mpi4py) -> single process; see
+    :func:`hpcrl.dist.env.detect_launch` (``source`` forces one). ``backend`` defaults to ``nccl``
+    when CUDA is available, else ``gloo``; the device is ``cuda:LOCAL_RANK`` (made current) or cpu.
+    ``timeout_s`` bounds the rendezvous, the start barrier and every collective of the group.
+    World size 1 creates no process group. Calling it again returns the active context.
+    """
+    global _active
+    if _active is not None:
+        return _active
+    info = detect_launch(source=source)
+    device = _device(info.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=timeout_s)
+    if info.world_size == 1:
+        _active = DistContext(0, 1, info.local_rank, device, None, False, info.source, timeout, info.hostname)
+        return _active
+
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if info.source == "mpi":
+        raw = _mpi_store(info, timeout)
+    else:
+        assert info.master_addr is not None and info.master_port is not None
+        is_master = info.rank == 0 and not info.store_hosted_elsewhere
+        raw = _tcp_store(info.master_addr, info.master_port, info, is_master, timeout)
+    # Keys of an earlier torchrun attempt may still sit in the launcher's store: namespace by attempt.
+    base = dist.PrefixStore(f"attempt{info.restart}", raw)
+    ctx = DistContext(
+        rank=info.rank,
+        world_size=info.world_size,
+        local_rank=info.local_rank,
+        device=device,
+        backend=backend,
+        is_distributed=True,
+        source=info.source,
+        timeout=timeout,
+        hostname=info.hostname,
+        store=dist.PrefixStore("hpcrl", base),
+    )
+    register_host(ctx)
+    barrier(ctx, "init")  # a missing peer is named here, not reported as a gloo connect timeout
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("default_pg", base),
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=timeout,
+        device_id=device if backend == "nccl" else None,
+    )
+    _active = ctx
+    return ctx
+
+
+def current() -> DistContext | None:
+    """The context returned by the last :func:`init_distributed`, or None."""
+    return _active
+
+
+def shutdown(timeout_s: float | None = None) -> None:
+    """Leave the job: destroy the process group. Safe to call when nothing was initialized.
+
+    Rank 0 first waits up to ``timeout_s`` (default: the context's timeout) for every other rank
+    to reach shutdown, because it usually hosts the store and leaving first would pull it from
+    under peers still using it (NCCL creates communicators lazily through it). On an error path
+    pass a short ``timeout_s``.
+    """
+    global _active
+    ctx, _active = _active, None
+    if ctx is None or not ctx.is_distributed:
+        return
+    store = ctx.store
+    assert store is not None
+    try:
+        store.set(f"exit/{ctx.rank}", "1")
+        if ctx.rank == 0:
+            timeout = ctx.timeout if timeout_s is None else timedelta(seconds=timeout_s)
+            store.wait([f"exit/{r}" for r in range(ctx.world_size)], timeout)
+    except RuntimeError as err:
+        warnings.warn(f"hpcrl.dist.shutdown on rank {ctx.rank}: not every rank reached shutdown ({err})")
+    if dist.is_initialized():
+        dist.destroy_process_group()

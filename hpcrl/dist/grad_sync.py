@@ -1,0 +1,206 @@
+"""Average gradients across ranks at every optimizer update, with one collective per GradSync.
+
+Call order per update::
+
+    sync.zero_grad()            # or optimizer.zero_grad(); see "view" below
+    loss.backward()
+    sync.all_reduce()           # every rank, every update, same order
+    optimizer.step()
+
+Modes (all give the same numbers; exactly for power-of-two world sizes):
+
+- ``flat``: ``ops.flatten(grads, out=buffer)`` -> one all-reduce(SUM) -> ``ops.unflatten_(buffer,
+  grads, scale=1/W)``: two fused copies around the collective, grads stay where autograd put them.
+- ``view``: every ``p.grad`` is a view into one persistent flat buffer, so backward accumulates
+  straight into it and the all-reduce runs in place (zero copies), followed by one in-place scale
+  (NCCL applies ``ReduceOp.AVG`` itself instead). Use :meth:`GradSync.zero_grad`, or
+  ``optimizer.zero_grad(set_to_none=False)``, to keep the views: ``set_to_none=True`` (torch's
+  default) detaches them, and :meth:`all_reduce` then copies each fresh grad back into the buffer
+  and re-attaches the view (correct, but no longer zero-copy; warned once).
+- ``ddp``: the reference. :meth:`GradSync.wrap` returns ``DistributedDataParallel(module)``, which
+  reduces that module's grads during backward; :meth:`all_reduce` then only covers parameters that
+  no wrapped module owns (e.g. a bare ``log_alpha``), with one flat collective. Only losses computed
+  through the wrapper are synced: evaluate the module unwrapped (``.module``) elsewhere. Without
+  ``wrap()``, ddp mode reduces every parameter with the flat collective.
+
+Gradients that are None on a rank count as zeros: after :meth:`all_reduce` every parameter has a
+gradient (the average) on every rank, so every optimizer steps the same parameters. The collective
+has the same shape on all ranks regardless. With world size 1 nothing is communicated or touched.
+Parameters of several dtypes (fp32 + bf16) get one buffer, hence one collective, per dtype.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._pack import pack, unpack_
+
+__all__ = ["GradSync", "Mode"]
+
+Mode = Literal["flat", "view", "ddp"]
+_ALIGN_BYTES = 16  # view offsets aligned so foreach/fused optimizer kernels keep vectorized loads
+
+
+@dataclass
+class _Bucket:
+    """Parameters of one dtype and their persistent flat buffer (plus grad views in view mode)."""
+
+    params: list[nn.Parameter]
+    buffer: torch.Tensor
+    views: list[torch.Tensor] = field(default_factory=list)
+
+
+def _world_size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def _make_buckets(params: list[nn.Parameter], view: bool) -> list[_Bucket]:
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    buckets = []
+    for dtype, group in by_dtype.items():
+        align = max(1, _ALIGN_BYTES // group[0].element_size()) if view else 1
+        offsets, total = [], 0
+        for p in group:
+            offsets.append(total)
+            total += -(-p.numel() // align) * align
+        buffer = torch.zeros(total, dtype=dtype, device=group[0].device)
+        bucket = _Bucket(group, buffer)
+        if view:
+            for p, off in zip(group, offsets):
+                v = buffer[off : off + p.numel()].view_as(p)
+                if p.grad is not None:
+                    v.copy_(p.grad)  # keep a gradient computed before the GradSync existed
+                p.grad = v
+                bucket.views.append(v)
+        buckets.append(bucket)
+    return buckets
+
+
+class GradSync:
+    """Gradient averaging for one set of parameters (e.g. critic + log-alpha, or the actor).
+
+    ``params``: the parameters whose grads are averaged (frozen ones, ``requires_grad=False``, are
+    skipped; duplicates are dropped). ``group``: the process group (default: the world; detached
+    PPO passes its trainer subgroup). ``ddp_kwargs``: extra DistributedDataParallel options.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        mode: Mode = "flat",
+        *,
+        group: dist.ProcessGroup | None = None,
+        ddp_kwargs: dict[str, Any] | None = None,
+    ):
+        if mode not in ("flat", "view", "ddp"):
+            raise ValueError(f"GradSync mode must be 'flat', 'view' or 'ddp', not {mode!r}")
+        unique: dict[int, nn.Parameter] = {}
+        for p in params:
+            if p.requires_grad:
+                unique.setdefault(id(p), p)  # type: ignore[arg-type]
+        self.params = list(unique.values())
+        if not self.params:
+            raise ValueError("GradSync got no parameters that require grad")
+        if len({p.device for p in self.params}) > 1:
+            raise ValueError(f"GradSync parameters span devices {sorted({str(p.device) for p in self.params})}")
+        for i, p in enumerate(self.params):
+            if not p.is_contiguous():
+                raise ValueError(f"GradSync parameter {i} (shape {tuple(p.shape)}) is not contiguous")
+        self.mode: Mode = mode
+        self.group = group
+        self.world_size = _world_size(group)
+        # NCCL applies the 1/W inside the collective; elsewhere SUM then one in-place scale.
+        self._avg_op = self.world_size > 1 and dist.get_backend(group) == "nccl"
+        self._ddp_kwargs = ddp_kwargs or {}
+        self._covered: set[int] = set()  # ids of parameters reduced by a DDP wrapper
+        self._warned_detached = False
+        self._buckets = _make_buckets(self.params, view=mode == "view")
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        """``DistributedDataParallel(module)`` in ddp mode with world size > 1, else ``module``."""
+        if self.mode != "ddp" or self.world_size == 1:
+            return module
+        ids = {id(p) for p in self.params}
+        owned = {id(p) for p in module.parameters() if id(p) in ids}
+        if not owned:
+            raise ValueError("none of this module's parameters belong to this GradSync")
+        self._covered |= owned
+        self._buckets = _make_buckets([p for p in self.params if id(p) not in self._covered], view=False)
+        device = next(module.parameters()).device
+        options: dict[str, Any] = dict(
+            # Buffers (e.g. normalizer statistics) are synced explicitly by the trainer; DDP's
+            # default would overwrite them with rank 0's copy at every forward.
+            broadcast_buffers=False,
+            device_ids=[device.index] if device.type == "cuda" else None,
+        )
+        options.update(self._ddp_kwargs)
+        return nn.parallel.DistributedDataParallel(module, process_group=self.group, **options)
+
+    def all_reduce(self) -> None:
+        """Replace every gradient by its mean over the ranks of the group (one collective per dtype)."""
+        if self.world_size == 1:
+            return
+        for bucket in self._buckets:
+            if self.mode == "view":
+                self._reduce_view(bucket)
+            else:
+                self._reduce_flat(bucket)
+
+    def zero_grad(self) -> None:
+        """Zero the gradients: one memset of the buffer in view mode (views re-attached), else None."""
+        for bucket in self._buckets:
+            if self.mode == "view":
+                bucket.buffer.zero_()
+                for p, v in zip(bucket.params, bucket.views):
+                    if p.grad is None or p.grad.data_ptr() != v.data_ptr():
+                        p.grad = v
+        if self.mode != "view":
+            for p in self.params:
+                p.grad = None
+
+    def _reduce_flat(self, bucket: _Bucket) -> None:
+        grads = []
+        for p in bucket.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        pack(grads, out=bucket.buffer)
+        dist.all_reduce(bucket.buffer, group=self.group)
+        unpack_(bucket.buffer, grads, scale=1.0 / self.world_size)
+
+    def _reduce_view(self, bucket: _Bucket) -> None:
+        detached = False
+        for p, v in zip(bucket.params, bucket.views):
+            g = p.grad
+            if g is not None and g.data_ptr() == v.data_ptr():
+                continue
+            detached = True
+            if g is None:
+                v.zero_()
+            else:
+                v.copy_(g)
+            p.grad = v
+        if detached and not self._warned_detached:
+            self._warned_detached = True
+            warnings.warn(
+                "GradSync(view): gradients were replaced or set to None (optimizer.zero_grad() "
+                "defaults to set_to_none=True), so they were copied back into the flat buffer. "
+                "Call GradSync.zero_grad() or optimizer.zero_grad(set_to_none=False) to stay zero-copy.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        if self._avg_op:
+            dist.all_reduce(bucket.buffer, op=dist.ReduceOp.AVG, group=self.group)
+        else:
+            # SUM then x(1/W) is bitwise what flat mode's unflatten_ computes, for any W (AVG on gloo
+            # is newer than some torch versions we support and gives no fusion on CPU anyway).
+            dist.all_reduce(bucket.buffer, group=self.group)
+            bucket.buffer.mul_(1.0 / self.world_size)

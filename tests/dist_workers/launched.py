@@ -1,0 +1,19 @@
+"""Entry point for ranks started by a launcher (fake Slurm env, mpiexec): prints one JSON line."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.distributed as dist
+
+from hpcrl.dist import init_distributed, shutdown
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    ctx = init_distributed(timeout_s=30)
+    x = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(x)
+    print(json.dumps({"rank": ctx.rank, "world": ctx.world_size, "local_rank": ctx.local_rank,
+                      "source": ctx.source, "backend": ctx.backend, "sum": x.item()}), flush=True)
+    shutdown(timeout_s=15)

@@ -1,0 +1,148 @@
+"""FastSAC end to end: schedule, CLI, run directory, exact resume after a kill, bad configs, learning."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpcrl import checkpoint
+from hpcrl.sac import FastSAC, UpdateNoise, plan, preset
+from hpcrl.sac.train import ConfigError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sac_workers  # noqa: E402
+
+TINY = ["--preset", "pendulum", "--num-envs", "4", "--batch-size", "32", "--actor-hidden", "32",
+        "--critic-hidden", "32", "--num-atoms", "21", "--learning-starts", "4", "--random-steps", "4",
+        "--num-updates", "2", "--log-every", "5", "--eval-episodes", "0"]
+
+
+def run_cli(args, timeout=120, **kw):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(kw.pop("env", {}))
+    return subprocess.run([sys.executable, "-m", "hpcrl.sac", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, **kw)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if k not in ("time", "sps")} for row in rows]
+
+
+@pytest.mark.parametrize("num_updates, policy_frequency", [(1, 1), (8, 4), (3, 2), (2, 5), (4, 1)])
+def test_update_schedule_counts(num_updates, policy_frequency):
+    cfg = preset("pendulum", actor_hidden=16, critic_hidden=16, num_atoms=5, num_updates=num_updates,
+                 policy_frequency=policy_frequency)
+    torch.manual_seed(0)
+    agent = FastSAC(cfg, 3, 1, torch.tensor([-2.0]), torch.tensor([2.0]), torch.device("cpu"))
+    batch, _ = sac_workers.global_data(0)
+    batch = batch._replace(obs=batch.obs[:, :3], next_obs=batch.next_obs[:, :3], action=batch.action[:, :1])
+    g = torch.Generator().manual_seed(0)
+    env_steps = 5
+    for _ in range(env_steps):  # the train loop's inner loop
+        for _ in range(cfg.num_updates):
+            agent.update(batch, UpdateNoise.draw(32, 1, g, torch.device("cpu")))
+    critic = env_steps * num_updates
+    steps = lambda opt: int(next(iter(opt.state.values()))["step"]) if opt.state else 0  # noqa: E731
+    assert agent.counters.critic_steps == critic
+    assert steps(agent.critic_opt) == critic
+    assert steps(agent.alpha_opt) == critic  # alpha every critic step
+    assert agent.counters.actor_steps == steps(agent.actor_opt) == critic // policy_frequency
+    assert steps(agent.actor_opt) > 0 or critic < policy_frequency  # pf=1 updates the actor (holosoma bug 9.1.1)
+
+
+def test_plan_validates_sizes_with_actionable_messages():
+    assert plan(preset("pendulum", num_envs=8, batch_size=256), 2).batch_per_rank == 128
+    with pytest.raises(ConfigError, match=r"num_envs=10 not divisible by world_size=4; use e.g. --num-envs 8, 12"):
+        plan(preset("pendulum", num_envs=10), 4)
+    with pytest.raises(ConfigError, match=r"batch_size=2 < world_size=4"):
+        plan(preset("pendulum", num_envs=8, batch_size=2), 4)
+    with pytest.raises(ConfigError, match="checkpoint_every=7 must be a multiple of log_every=5"):
+        plan(preset("pendulum", checkpoint_every=7, log_every=5), 1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_cli_run_dir_and_exact_resume_after_kill(tmp_path):
+    common = TINY + ["--nproc", "2", "--total-env-steps", "240", "--checkpoint-every", "10"]
+    ref = tmp_path / "ref"
+    done = run_cli(common + ["--run-dir", str(ref)])
+    assert done.returncode == 0, done.stderr
+    config = json.loads((ref / "config.json").read_text())
+    assert config["world_size"] == 2 and config["envs_per_rank"] == 2 and config["batch_per_rank"] == 16
+    rows = metrics(ref)
+    assert [r["env_steps"] for r in rows] == list(range(20, 241, 20))
+    for key in ("env_steps", "updates", "episode_return", "critic_loss", "actor_loss", "alpha"):
+        assert key in rows[-1]
+    assert rows[-1]["updates"] == (60 - 4) * 2
+    assert list((ref / "tb").glob("events.out.tfevents.*")), "no TensorBoard events"
+
+    # Same job, SIGKILLed (the whole process group, mid-run) once its first checkpoint is committed.
+    run = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.sac", *common, "--run-dir", str(run)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 120
+    while checkpoint.latest(run) is None and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert checkpoint.latest(run) is not None, "no checkpoint was committed before the kill"
+    resumed = run_cli(common + ["--run-dir", str(run), "--resume"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from" in resumed.stdout
+    assert metrics(run) == rows  # every logged number equals the uninterrupted run's
+
+
+def test_interrupted_checkpoint_never_replaces_the_last_good_one(tmp_path, monkeypatch):
+    barrier = lambda name: None  # noqa: E731  (one rank)
+    good = checkpoint.save(tmp_path, 10, 0, 1, {"x": torch.ones(2)}, {"a": torch.zeros(3)}, barrier)
+    import hpcrl.checkpoint as ck
+
+    def crash(*a, **k):
+        raise OSError("killed while writing (simulated)")
+
+    monkeypatch.setattr(ck, "save_h5", crash)
+    with pytest.raises(OSError, match="simulated"):
+        checkpoint.save(tmp_path, 20, 0, 1, {"x": torch.full((2,), 2.0)}, {"a": torch.ones(3)}, barrier)
+    assert checkpoint.latest(tmp_path) == good
+    learner, mine = checkpoint.load(good, 0, 1, torch.device("cpu"))
+    assert learner["x"].tolist() == [1.0, 1.0] and mine["a"].tolist() == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="written by 1 ranks but this job has 2"):
+        checkpoint.load(good, 0, 2, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "args, env, message, code",
+    [
+        (["--num-envs", "10", "--nproc", "4"], {}, "num_envs=10 not divisible by world_size=4", 2),
+        (["--num-envs", "8", "--batch-size", "2", "--nproc", "4"], {}, "batch_size=2 < world_size=4", 2),
+        (["--env", "no-such-env"], {}, "no-such-env", 2),
+        ([], {"SLURM_PROCID": "0", "SLURM_JOB_ID": "7"}, "SLURM_NTASKS", 2),
+    ],
+)
+def test_bad_configs_fail_fast_with_clear_errors(tmp_path, args, env, message, code):
+    result = run_cli(["--preset", "pendulum", "--run-dir", str(tmp_path / "r"), *args], timeout=60, env=env)
+    assert result.returncode == code, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_pendulum_learns_with_two_ranks(tmp_path):
+    result = run_cli(["--preset", "pendulum", "--nproc", "2", "--run-dir", str(tmp_path / "p"),
+                      "--checkpoint-every", "0"], timeout=580)
+    assert result.returncode == 0, result.stderr
+    rows = metrics(tmp_path / "p")
+    curve = [(r["env_steps"], r["episode_return"]) for r in rows if r["episode_return"] == r["episode_return"]]
+    final = rows[-1]
+    assert final["eval_return"] > -300, f"eval return {final['eval_return']}; curve: {curve}"
+    assert curve[-1][1] > -300, f"training return did not reach -300; curve: {curve}"

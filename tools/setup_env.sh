@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Fresh machine -> .venv with torch, hpcrl (C++ extension built in place) and every test dependency.
+# Usage: bash tools/setup_env.sh   (idempotent; rerunning rebuilds the extension)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+pip install -q --upgrade pip
+# torch first and pinned (a local wheel provides 2.13.0 CPU); build tools because we build without
+# isolation, so the extension compiles against this exact torch.
+pip install -q torch==2.13.0 setuptools wheel ninja pybind11
+pip install -q --no-build-isolation -e ".[dev,tb,gym,mpi]" "torch==2.13.0"
+python -c "import hpcrl.ops as o; assert o.backend() == 'extension', 'hpcrl._C did not build'; print('hpcrl._C:', o.backend(), '| CUDA kernels:', o.with_cuda())"
