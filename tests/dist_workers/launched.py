@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,7 @@ if __name__ == "__main__":
     ctx = init_distributed(timeout_s=30)
     x = torch.tensor([float(ctx.rank + 1)])
     dist.all_reduce(x)
-    print(json.dumps({"rank": ctx.rank, "world": ctx.world_size, "local_rank": ctx.local_rank,
-                      "source": ctx.source, "backend": ctx.backend, "sum": x.item()}), flush=True)
+    line = json.dumps({"rank": ctx.rank, "world": ctx.world_size, "local_rank": ctx.local_rank,
+                       "source": ctx.source, "backend": ctx.backend, "sum": x.item()}) + "\n"
+    os.write(1, line.encode())  # one write: ranks sharing a stdout pipe cannot interleave mid-line
     shutdown(timeout_s=15)
