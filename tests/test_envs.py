@@ -247,7 +247,7 @@ def test_step_has_no_host_sync(monkeypatch):
         torch.zeros(1).item()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_step_without_sync():
     for cls in TORCH_ENVS:
         env = cls(1024, "cuda", seed=0)

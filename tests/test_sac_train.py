@@ -69,12 +69,21 @@ def test_plan_validates_sizes_with_actionable_messages():
         plan(preset("pendulum", checkpoint_every=7, log_every=5), 1)
 
 
+COMMON = TINY + ["--nproc", "2", "--total-env-steps", "240", "--checkpoint-every", "10"]
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    ref = tmp_path_factory.mktemp("ref")
+    done = run_cli(COMMON + ["--run-dir", str(ref)])
+    return ref, done
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_cli_run_dir_and_exact_resume_after_kill(tmp_path):
-    common = TINY + ["--nproc", "2", "--total-env-steps", "240", "--checkpoint-every", "10"]
-    ref = tmp_path / "ref"
-    done = run_cli(common + ["--run-dir", str(ref)])
+def test_cli_run_dir_and_exact_resume_after_kill(tmp_path, reference_run):
+    common = COMMON
+    ref, done = reference_run
     assert done.returncode == 0, done.stderr
     config = json.loads((ref / "config.json").read_text())
     assert config["world_size"] == 2 and config["envs_per_rank"] == 2 and config["batch_per_rank"] == 16
@@ -99,6 +108,45 @@ def test_cli_run_dir_and_exact_resume_after_kill(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stdout
     assert metrics(run) == rows  # every logged number equals the uninterrupted run's
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_sigusr2_checkpoints_stops_and_resumes_exactly(tmp_path, reference_run):
+    ref, _ = reference_run
+    run = tmp_path / "preempted"
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.sac", *COMMON, "--checkpoint-every", "0",
+                             "--run-dir", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGUSR2)  # what Slurm's --signal=USR2@<s> delivers to every task
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "stop requested (SIGUSR2)" in out
+    stopped_at = metrics(run)[-1]["env_steps"]
+    assert stopped_at < 240, "the run finished before the signal arrived"
+    assert checkpoint.latest(run).name.endswith(f"{stopped_at // 4:012d}")
+    resumed = run_cli(COMMON + ["--checkpoint-every", "0", "--run-dir", str(run), "--resume"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert metrics(run) == metrics(ref)
+
+
+def test_bf16_autocast_update_is_finite_and_learns():
+    cfg = sac_workers.small_config("flat")
+    cfg = type(cfg)(**{**cfg.__dict__, "bf16": True})
+    torch.manual_seed(0)
+    agent = FastSAC(cfg, sac_workers.OBS, sac_workers.ACT, -torch.ones(2), torch.ones(2), torch.device("cpu"))
+    before = {k: v.clone() for k, v in agent.critic.state_dict().items()}
+    for step in range(4):
+        batch, noise = sac_workers.global_data(step)
+        out = agent.update(batch, noise)
+        assert all(torch.isfinite(v) for v in out.values()), out
+    assert all(p.dtype == torch.float32 for p in agent.critic.parameters())  # master weights stay fp32
+    assert any(not torch.equal(v, agent.critic.state_dict()[k]) for k, v in before.items())
 
 
 def test_interrupted_checkpoint_never_replaces_the_last_good_one(tmp_path, monkeypatch):

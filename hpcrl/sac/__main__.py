@@ -6,6 +6,7 @@ Without a launcher and with ``--nproc N`` it spawns N local ranks (gloo); under 
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import tyro
@@ -13,7 +14,7 @@ import tyro
 from hpcrl.dist import DistSetupError, SpawnError, spawn
 
 from .config import PRESETS, SACConfig, preset
-from .train import ConfigError, plan, train
+from .train import ConfigError, StopRequest, plan, train
 
 
 def parse(argv: list[str]) -> SACConfig:
@@ -37,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if cfg.nproc > 1:
             plan(cfg, cfg.nproc)  # fail before spawning anything
+            # The ranks checkpoint and stop on SIGUSR2/SIGTERM; the parent only waits for them
+            # (send the signal to the process group: kill -USR2 -<pgid>).
+            for sig in StopRequest.SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
             spawn(train, cfg.nproc, args=(cfg,), timeout_s=None)
         else:
             train(cfg)

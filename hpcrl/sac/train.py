@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,6 +143,7 @@ def train(cfg: SACConfig) -> dict[str, float]:
     logger = RunLogger(run_dir, rank == 0, layout.iterations * cfg.num_envs,
                        resume_env_steps=start_iter * cfg.num_envs if resume_from else 0)
 
+    stop = StopRequest.install()
     window: dict[str, list[torch.Tensor]] = {}
     window_start = time.time()
     window_iters = 0
@@ -178,6 +180,14 @@ def train(cfg: SACConfig) -> dict[str, float]:
             row = _log_row(agent, stats, window, window_iters, time.time() - window_start, cfg, ctx)
             logger.log(row)
             window, window_iters, window_start = {}, 0, time.time()
+            if it + 1 < layout.iterations and stop.agreed(ctx):
+                _save(cfg, ctx, agent, normalizer, replay, env, stats, generator, obs, sync_barrier)
+                if rank == 0:
+                    print(f"hpcrl.sac: stop requested ({stop.reason}); checkpoint at env step "
+                          f"{agent.counters.iteration * cfg.num_envs} written, resume with --resume", flush=True)
+                logger.close()
+                shutdown()
+                return {**row, "preempted": 1.0}
         if cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0 and it + 1 < layout.iterations:
             _save(cfg, ctx, agent, normalizer, replay, env, stats, generator, obs, sync_barrier)
 
@@ -187,6 +197,36 @@ def train(cfg: SACConfig) -> dict[str, float]:
     logger.close()
     shutdown()  # rank 0 usually hosts the rendezvous store: it leaves only after every peer is done
     return row
+
+
+class StopRequest:
+    """SIGUSR2 (Slurm's ``--signal=USR2@<s>``; NCCL owns USR1) or SIGTERM asks the run to stop cleanly:
+    the ranks agree at the next metrics row, checkpoint there and return, so ``--resume`` (or a
+    requeued job) continues exactly where this one stopped."""
+
+    SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.reason = ""
+
+    @classmethod
+    def install(cls) -> "StopRequest":
+        req = cls()
+        if threading.current_thread() is threading.main_thread():
+            for sig in cls.SIGNALS:
+                signal.signal(sig, req._handle)
+        return req
+
+    def _handle(self, signum, _frame) -> None:
+        self.reason = signal.Signals(signum).name
+
+    def agreed(self, ctx: DistContext) -> bool:
+        """True on every rank if any rank was signalled (one tiny all-reduce per metrics row)."""
+        flag = torch.tensor([1.0 if self.reason else 0.0])
+        all_reduce_sum_([flag])
+        if flag.item() > 0 and not self.reason:
+            self.reason = "signal on another rank"
+        return flag.item() > 0
 
 
 def _log_row(agent: FastSAC, stats: EpisodeStats, window: dict[str, list[torch.Tensor]], iters: int,
