@@ -2,6 +2,9 @@
 
 Without a launcher and with ``--nproc N`` it spawns N local ranks (gloo); under ``srun`` or
 ``torchrun`` every task runs one rank (the bootstrap reads the launcher's variables).
+
+Exit codes: 0 done, 2 bad configuration, 1 a rank failed, 75 stopped by SIGUSR2/SIGTERM after
+writing a checkpoint (resume with ``--resume``; the sbatch script requeues on 75).
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ def parse(argv: list[str]) -> SACConfig:
                     description=f"FastSAC, data parallel (preset {name!r}; presets: {', '.join(sorted(PRESETS))})")
 
 
+EXIT_STOPPED = 75  # sysexits EX_TEMPFAIL: stopped on request after a checkpoint; rerun with --resume
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse(sys.argv[1:] if argv is None else argv)
     try:
@@ -42,16 +48,16 @@ def main(argv: list[str] | None = None) -> int:
             # (send the signal to the process group: kill -USR2 -<pgid>).
             for sig in StopRequest.SIGNALS:
                 signal.signal(sig, signal.SIG_IGN)
-            spawn(train, cfg.nproc, args=(cfg,), timeout_s=None)
+            rows = spawn(train, cfg.nproc, args=(cfg,), timeout_s=None)
         else:
-            train(cfg)
+            rows = [train(cfg)]
     except (ConfigError, DistSetupError) as err:
         print(f"hpcrl.sac: error: {err}", file=sys.stderr)
         return 2
     except SpawnError as err:  # a local rank failed: its message names the rank and carries its traceback
         print(f"hpcrl.sac: error: {err}", file=sys.stderr)
         return 1
-    return 0
+    return EXIT_STOPPED if any(row.get("preempted") for row in rows) else 0
 
 
 if __name__ == "__main__":
