@@ -15,9 +15,10 @@ from typing import Any
 
 class RunLogger:
     def __init__(self, run_dir: str | Path, enabled: bool, total_env_steps: int, resume_env_steps: int = 0,
-                 tensorboard: bool = True, progress_every_s: float = 10.0) -> None:
+                 tensorboard: bool = True, progress_every_s: float = 10.0, progress_key: str = "env_steps") -> None:
         self.enabled = enabled
         self.total = total_env_steps
+        self._progress_key = progress_key  # the row field that runs from 0 to `total`
         self.start = time.time()
         self._last_print = 0.0
         self._tty = sys.stderr.isatty()
@@ -56,11 +57,11 @@ class RunLogger:
 
     def _progress(self, row: dict[str, Any]) -> None:
         now = time.time()
-        done = row["env_steps"] >= self.total
+        done = row[self._progress_key] >= self.total
         if not self._tty and not done and now - self._last_print < self._progress_every_s:
             return
         self._last_print = now
-        pct = 100.0 * row["env_steps"] / max(self.total, 1)
+        pct = 100.0 * row[self._progress_key] / max(self.total, 1)
         fields = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                           for k, v in row.items() if k not in ("time",))
         line = f"[{pct:5.1f}%] {fields}"

@@ -1,0 +1,41 @@
+"""``python -m hpcrl.ppo --workload cartpole --makers 2 --trainers 1 --run-dir DIR``
+
+Without a launcher it spawns ``makers + trainers`` local ranks (gloo). Under ``srun``/``torchrun``
+each task takes its role from its rank: trainers ``[0, T)``, makers after.
+Exit codes: 0 done, 2 bad configuration, 1 a rank failed (the message names it).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import tyro
+
+from hpcrl.dist import DistSetupError, SpawnError, detect_launch, spawn
+
+from .config import DetachedConfig
+from .roles import PeerLost
+from .run import ConfigError, build_workload, train
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = tyro.cli(DetachedConfig, args=sys.argv[1:] if argv is None else argv,
+                   description="Detached PPO: experience makers and PPO trainers as separate process groups")
+    try:
+        build_workload(cfg)  # fail on a bad workload before starting any process
+        if detect_launch().source == "single" and cfg.makers + cfg.trainers > 1:
+            spawn(train, cfg.makers + cfg.trainers, args=(cfg,), timeout_s=None, num_threads=cfg.threads)
+        else:
+            train(cfg)
+    except (ConfigError, DistSetupError) as err:
+        print(f"hpcrl.ppo: error: {err}", file=sys.stderr)
+        return 2
+    except (SpawnError, PeerLost) as err:
+        print(f"hpcrl.ppo: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""Detached PPO configuration: one typed dataclass; every field is a command-line flag (tyro)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class DetachedConfig:
+    workload: str = "cartpole"
+    """"cartpole" (discrete vector-env PPO), "swingup" (continuous), "lm" (token-level LM PPO)."""
+    makers: int = 1
+    trainers: int = 1
+    lag: int = 1
+    """Staleness bound: trainers keep (lag + 1) x batches_per_step credits out, each requiring weights at
+    least as new as the trainer's version when it was granted. 0 = synchronous (generate <-> train barrier)."""
+    max_lag: int | None = None
+    """Safety cap: batches older than this many versions are dropped and counted (default: lag)."""
+    batches_per_step: int = 1
+    """Experience batches every trainer consumes per PPO update (the same on every trainer)."""
+    total_steps: int = 100
+    """PPO updates (= policy versions) to run."""
+    target_return: float | None = None
+    """Stop early once the mean episode return of a step reaches this (vector-env workloads)."""
+    bucket_mb: float = 16.0
+    """Weight publishes travel in buckets of this many MiB."""
+    seed: int = 0
+    run_dir: str = "runs/ppo"
+    resume: bool = False
+    timeout_s: float = 120.0
+    """Longest wait for anything (experience, credits, weights, collectives) before failing with a named peer."""
+    heartbeat_timeout_s: float = 15.0
+    """A peer whose heartbeat stalls this long is dead (makers: dropped; trainers: the run fails)."""
+    threads: int = 1
+    checkpoint_every: int = 0
+    """PPO updates between trainer checkpoints (0: only at the end)."""
+    workload_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the workload (e.g. num_envs, rollout_len)."""
+    ppo_args: dict[str, Any] = field(default_factory=dict)
+    """Overrides of the workload's PPO hyper-parameters (hpcrl.ppo.workload.PPOConfig fields)."""
+
+    @property
+    def stale_cap(self) -> int:
+        return self.lag if self.max_lag is None else self.max_lag

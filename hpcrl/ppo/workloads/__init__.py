@@ -1,0 +1,52 @@
+"""Workload registry: ``make_workload(name, **kwargs)``.
+
+* ``cartpole``: :class:`VectorEnvWorkload` on the discrete CartPole (8 envs x 32 steps, hidden 64);
+  pair it with ``workload.default_config()`` (SB3-zoo hyper-parameters).
+* ``swingup`` (alias ``continuous``): the continuous cart-pole swing-up; ``pendulum``: Pendulum.
+* ``lm``: token-level LM PPO, ``hpcrl.ppo.workloads.lm.LMWorkload``, imported only when asked for.
+
+``kwargs`` override the constructor's arguments (e.g. ``num_envs=16``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .vector_env import VectorEnvWorkload
+
+__all__ = ["VectorEnvWorkload", "make_workload", "workload_names"]
+
+
+def _vector(env: str, name: str, **defaults: Any) -> Callable[..., Any]:
+    def make(**kwargs: Any) -> VectorEnvWorkload:
+        return VectorEnvWorkload(**{"env": env, "name": name, **defaults, **kwargs})
+
+    return make
+
+
+def _lm(**kwargs: Any) -> Any:
+    from .lm import LMWorkload  # lazy: the LM workload is optional and heavier
+
+    return LMWorkload(**kwargs)
+
+
+_REGISTRY: dict[str, Callable[..., Any]] = {
+    "cartpole": _vector("cartpole", "cartpole"),
+    "swingup": _vector("cartpole_swingup", "swingup"),
+    "continuous": _vector("cartpole_swingup", "continuous"),
+    "pendulum": _vector("pendulum", "pendulum"),
+    "lm": _lm,
+}
+
+
+def workload_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def make_workload(name: str, **kwargs: Any) -> Any:
+    """Build a workload by registry name; unknown names raise ValueError listing the known ones."""
+    try:
+        factory = _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(workload_names())}") from None
+    return factory(**kwargs)
