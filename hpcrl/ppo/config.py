@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass, field
 from typing import Any
+
+
+def _literal(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    try:
+        return ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return value
 
 
 @dataclass
@@ -35,10 +45,17 @@ class DetachedConfig:
     threads: int = 1
     checkpoint_every: int = 0
     """PPO updates between trainer checkpoints (0: only at the end)."""
-    workload_args: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments for the workload (e.g. num_envs, rollout_len)."""
-    ppo_args: dict[str, Any] = field(default_factory=dict)
-    """Overrides of the workload's PPO hyper-parameters (hpcrl.ppo.workload.PPOConfig fields)."""
+    workload_args: dict[str, str] = field(default_factory=dict)
+    """Keyword arguments for the workload, e.g. ``--workload-args num_envs 16 rollout_len 64``
+    (values are Python literals; anything else is a string)."""
+    ppo_args: dict[str, str] = field(default_factory=dict)
+    """Overrides of the workload's PPO hyper-parameters (PPOConfig fields), e.g. ``--ppo-args lr 1e-3``."""
+
+    def workload_kwargs(self) -> dict[str, Any]:
+        return {k: _literal(v) for k, v in self.workload_args.items()}
+
+    def ppo_kwargs(self) -> dict[str, Any]:
+        return {k: _literal(v) for k, v in self.ppo_args.items()}
 
     @property
     def stale_cap(self) -> int:

@@ -12,6 +12,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -164,7 +165,11 @@ class Maker:
                                f"{_describe(self.ctx, 0, 'trainer')} within {self.cfg.timeout_s:.0f} s")
 
     def _check_trainers(self, waiting_for: str) -> None:
-        dead = self.watch.dead()
+        try:
+            dead = self.watch.dead()
+        except Exception as err:  # the store lives on trainer 0: losing it means losing trainer 0
+            raise PeerLost(f"maker {self.index}: lost the rendezvous store hosted by "
+                           f"{_describe(self.ctx, 0, 'trainer')} while waiting for {waiting_for}: {err}") from None
         if dead:
             names = ", ".join(_describe(self.ctx, r, "trainer") for r in dead)
             raise PeerLost(f"maker {self.index}: {names} stopped responding (no heartbeat for "
@@ -242,7 +247,8 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(cfg.seed + 2 + 1000 * self.index)
         self.version = 0
         self.inbox: queue.Queue = queue.Queue()
-        self.dead: set[int] = set()  # maker indices
+        self.dead: set[int] = set()  # maker indices (only the main thread changes it)
+        self._unreachable: set[int] = set()  # makers the weight thread failed to reach
         self.outstanding = [0] * top.makers  # credits granted and not yet returned as experience
         self.granted_total = 0
         self.watch = Watcher(ctx.store, [top.maker_rank(m) for m in range(top.makers)], cfg.heartbeat_timeout_s)
@@ -300,18 +306,16 @@ class Trainer:
                 return
             version, flat = item
             t0 = time.perf_counter()
-            for m in range(self.top.makers):
-                if m in self.dead:
-                    continue
-                try:
-                    transport.send_weights(flat, version, self.top.maker_rank(m), self.bucket)
-                except Exception:
-                    self.dead.add(m)  # the watcher confirms; sending is skipped from now on
+            failed = transport.send_weights(flat, version, [self.top.maker_rank(m) for m in self._live()],
+                                            self.bucket, timedelta(seconds=self.cfg.heartbeat_timeout_s))
             self.publish_ms = (time.perf_counter() - t0) * 1000
+            # A maker we could not reach gets no more weights; the main thread's heartbeat watcher
+            # drops it (and re-issues its credits) once its heartbeat stalls too.
+            self._unreachable.update(self.top.maker_index(r) for r in failed)
 
     # credits -------------------------------------------------------------------------------------
     def _live(self) -> list[int]:
-        return [m for m in range(self.top.makers) if m not in self.dead]
+        return [m for m in range(self.top.makers) if m not in self.dead and m not in self._unreachable]
 
     def grant(self, count: int) -> None:
         """Hand ``count`` credits to my makers, round-robin, requiring my current version."""
@@ -348,7 +352,10 @@ class Trainer:
             self.grant(len(lost))  # its unfinished rollouts are re-issued to the live makers
 
     def _check_peers(self) -> None:
-        dead_trainers = self.trainer_watch.dead()
+        try:
+            dead_trainers = self.trainer_watch.dead()
+        except Exception as err:
+            raise PeerLost(f"trainer {self.index}: lost the rendezvous store hosted by trainer rank 0: {err}") from None
         if dead_trainers:
             raise PeerLost(f"trainer {self.index}: " + ", ".join(_describe(self.ctx, r, "trainer") for r in dead_trainers)
                            + f" stopped responding (no heartbeat for {self.cfg.heartbeat_timeout_s:.0f} s)")

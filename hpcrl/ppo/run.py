@@ -33,16 +33,16 @@ def build_workload(cfg: DetachedConfig):
     try:
         if ":" in cfg.workload:
             module, _, attr = cfg.workload.partition(":")
-            workload = getattr(importlib.import_module(module), attr)(**cfg.workload_args)
+            workload = getattr(importlib.import_module(module), attr)(**cfg.workload_kwargs())
         else:
             from .workloads import make_workload
 
-            workload = make_workload(cfg.workload, **cfg.workload_args)
+            workload = make_workload(cfg.workload, **cfg.workload_kwargs())
     except (ValueError, TypeError, ImportError, AttributeError) as err:
         raise ConfigError(f"workload {cfg.workload!r}: {err}") from None
     ppo = getattr(workload, "default_ppo", PPOConfig())
     try:
-        ppo = dataclasses.replace(ppo, **cfg.ppo_args)
+        ppo = dataclasses.replace(ppo, **cfg.ppo_kwargs())
     except TypeError as err:
         raise ConfigError(f"ppo_args: {err}") from None
     return workload, ppo
@@ -149,13 +149,13 @@ def _train_loop(ctx: DistContext, top: Topology, cfg: DetachedConfig, tr: Traine
         names = sorted(learn)
         summed = _trainer_sum([samples, stats_sum.get("episode_return_sum", 0.0), stats_sum.get("episodes", 0.0),
                                sum(lags), len(lags), wait_s, dropped_stale] + [learn[k] for k in names], tr.group)
-        lag_max = _trainer_max([max(lags)], tr.group)[0]
+        lag_max, neg_lag_min = _trainer_max([max(lags), -min(lags)], tr.group)
         env_steps += summed[0]
         now = time.perf_counter()
         n_tr = top.trainers
         row = {"env_steps": int(env_steps), "updates": tr.version, "policy_version": tr.version,
                "episode_return": summed[1] / summed[2] if summed[2] else float("nan"),
-               "lag_mean": summed[3] / summed[4], "lag_max": lag_max, "dropped_stale": summed[6],
+               "lag_mean": summed[3] / summed[4], "lag_max": lag_max, "lag_min": -neg_lag_min, "dropped_stale": summed[6],
                "weight_sync_ms": tr.publish_ms, "samples_per_s": summed[0] / max(now - last, 1e-9),
                "trainer_idle_frac": (summed[5] / n_tr) / max(now - last, 1e-9),
                **{k: summed[7 + i] / n_tr for i, k in enumerate(names)}}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -68,9 +69,10 @@ class Schema:
     def unpack(self, buf: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         out, offset = {}, 0
         for (name, shape, dtype), size in zip(self.fields, self._sizes()):
-            out[name] = buf[offset : offset + size].view(getattr(torch, dtype)).reshape(shape).clone()
+            # clone() first: a fresh buffer is aligned for any dtype (the packed offset may not be)
+            out[name] = buf[offset : offset + size].clone().view(getattr(torch, dtype)).reshape(shape)
             offset += size
-        values = buf[offset:].view(torch.float64).tolist()
+        values = buf[offset:].clone().view(torch.float64).tolist()
         return out, dict(zip(self.stats, values))
 
 
@@ -102,15 +104,27 @@ def checksum(flat: torch.Tensor) -> float:
     return float(int(bits.to(torch.int64).sum()) % (1 << 52))
 
 
-def send_weights(flat: torch.Tensor, version: int, dst: int, bucket_numel: int) -> None:
-    """Blocking bucketed send of ``flat`` to ``dst`` (raises if the peer is gone)."""
+def send_weights(flat: torch.Tensor, version: int, dsts: list[int], bucket_numel: int,
+                 timeout: timedelta) -> list[int]:
+    """Bucketed send of ``flat`` to every rank of ``dsts`` at once; returns the ranks it failed for
+    (gone, or not receiving within ``timeout``) so one dead maker never stalls the others."""
     n_buckets = max(1, math.ceil(flat.numel() / bucket_numel))
     header = torch.tensor([version, n_buckets, checksum(flat), flat.numel()], dtype=torch.float64)
-    works = [dist.isend(header, dst, tag=TAG_WEIGHTS)]
-    for i in range(n_buckets):
-        works.append(dist.isend(flat[i * bucket_numel : (i + 1) * bucket_numel], dst, tag=TAG_WEIGHTS))
-    for w in works:
-        w.wait()
+    buckets = [flat[i * bucket_numel : (i + 1) * bucket_numel] for i in range(n_buckets)]
+    works: dict[int, list] = {}
+    failed: list[int] = []
+    for dst in dsts:
+        try:
+            works[dst] = [dist.isend(header, dst, tag=TAG_WEIGHTS)] + [dist.isend(b, dst, tag=TAG_WEIGHTS) for b in buckets]
+        except Exception:
+            failed.append(dst)
+    for dst, ws in works.items():
+        try:
+            for w in ws:
+                w.wait(timeout)
+        except Exception:
+            failed.append(dst)
+    return failed
 
 
 def send_goodbye(dst: int) -> None:

@@ -286,9 +286,9 @@ class LMWorkload:
 
     name = "lm"
 
-    def __init__(self, vocab: int = 16, prompt_len: int = 8, gen_len: int = 8, d_model: int = 64,
+    def __init__(self, vocab: int = 16, prompt_len: int = 6, gen_len: int = 6, d_model: int = 32,
                  n_layers: int = 2, n_heads: int = 2, batch_size: int = 32, lora_rank: int = 0,
-                 lora_alpha: float | None = None, pretrain_steps: int = 300, pretrain_batch: int = 64,
+                 lora_alpha: float | None = None, pretrain_steps: int = 200, pretrain_batch: int = 32,
                  pretrain_lr: float = 3e-3, task: str = "target_token", target_token: int = 0,
                  noise: float = 0.1, steps: tuple[int, ...] = (1, 2, 3), kl_estimator: str = "k1",
                  seq_len: int | None = None) -> None:
@@ -314,11 +314,20 @@ class LMWorkload:
         self._recipe = (noise, tuple(steps), pretrain_steps, pretrain_batch, pretrain_lr)
         self._refs: dict[tuple, CausalTransformer] = {}
         self._expected: list[tuple[str, tuple[int, ...]]] | None = None
-        self.default_ppo = PPOConfig(epochs=4, minibatches=4, lr=1e-3 if lora_rank else 3e-4, gamma=1.0,
-                                     gae_lambda=0.95, clip_coef=0.2, value_clip_coef=0.2, ent_coef=0.0,
-                                     vf_coef=0.5, max_grad_norm=1.0, kl_coef=0.05)
-        """PPO hyper-parameters this workload was tuned with (picked up by ``hpcrl.ppo.run``)."""
         self.pretrain_loss = float("nan")
+
+    def default_config(self) -> PPOConfig:
+        """PPO hyper-parameters this workload was tuned with: gamma = 1 (the episode is the response),
+        kl_coef = 0.02 (below 1 / KL(all-target response) ~ 1 / 28 nats, so the reward optimum is also
+        the KL-regularised one), a higher learning rate for LoRA adapters."""
+        return PPOConfig(epochs=4, minibatches=4, lr=3e-3 if self.lora_rank else 5e-4, gamma=1.0, gae_lambda=0.95,
+                         clip_coef=0.2, value_clip_coef=0.2, ent_coef=0.0, vf_coef=0.5, max_grad_norm=1.0,
+                         kl_coef=0.02)
+
+    @property
+    def default_ppo(self) -> PPOConfig:
+        """Same as :meth:`default_config` (the attribute ``hpcrl.ppo.run`` looks up)."""
+        return self.default_config()
 
     # -- models ----------------------------------------------------------------------------------
     def _new_lm(self, out_dim: int, rank: int) -> CausalTransformer:
@@ -546,7 +555,7 @@ class LMLearner:
                     row = {"policy_loss": pg_loss, "value_loss": v_loss, "entropy": ent,
                            "approx_kl": masked_mean(approx_kl(anchor, logp), m), "grad_norm": grad_norm, **pg_stats}
                 for k, v in row.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
+                    sums[k] = sums.get(k, 0.0) + float(v.detach())
                 steps += 1
         self.updates += 1
         out = {k: v / max(1, steps) for k, v in sums.items()}

@@ -1,0 +1,157 @@
+"""Detached PPO plumbing with real processes (gloo): topology, wire formats, N:M runs, sample
+accounting, staleness bound, weight sync, and peers dying."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpcrl.dist import spawn
+from hpcrl.ppo.config import DetachedConfig
+from hpcrl.ppo.run import train
+from hpcrl.ppo.topology import Topology
+from hpcrl.ppo.transport import Schema, checksum
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize("makers, trainers", [(1, 1), (2, 1), (1, 2), (3, 2), (2, 3), (5, 3), (4, 4)])
+def test_modulo_rule_links_everyone(makers, trainers):
+    top = Topology(trainers, makers)
+    for t in range(trainers):
+        assert top.makers_of(t), f"trainer {t} has no maker"
+    for m in range(makers):
+        assert top.trainers_of(m), f"maker {m} has no trainer"
+    assert [top.role(r) for r in range(top.world_size)] == ["trainer"] * trainers + ["maker"] * makers
+
+
+def test_rerouting_over_live_makers():
+    top = Topology(2, 3)  # 3 makers : 2 trainers -> {0, 2}, {1}
+    assert [top.makers_of(t) for t in range(2)] == [[0, 2], [1]]
+    assert [top.makers_of(t, live=[0, 2]) for t in range(2)] == [[0], [2]]  # maker 1 died
+    assert [top.makers_of(t, live=[2]) for t in range(2)] == [[2], [2]]
+
+
+def test_schema_round_trip_and_checksum():
+    batch = {"obs": torch.randn(3, 4), "act": torch.tensor([1, 0, 1]), "done": torch.tensor([True, False, True]),
+             "behaviour_logp": torch.randn(3).double()}
+    stats = {"env_steps": 3.0, "episodes": 1.0}
+    schema = Schema.of(batch, stats)
+    assert Schema.from_json(schema.to_json()) == schema
+    buf = schema.pack(batch, stats)
+    assert buf.dtype == torch.uint8 and buf.numel() == schema.nbytes
+    out, out_stats = schema.unpack(buf)
+    assert out_stats == stats
+    for k in batch:
+        assert torch.equal(out[k], batch[k]) and out[k].dtype == batch[k].dtype
+    with pytest.raises(ValueError, match="act"):
+        schema.pack({**batch, "act": torch.zeros(4, dtype=torch.int64)}, stats)
+    x = torch.randn(1000)
+    assert checksum(x) == checksum(x.clone()) and checksum(x[torch.randperm(1000)]) == checksum(x)
+    y = x.clone()
+    y[17] = torch.nextafter(y[17], torch.tensor(1e9))
+    assert checksum(y) != checksum(x)
+
+
+def toy_config(tmp_path, makers, trainers, **kw) -> DetachedConfig:
+    return DetachedConfig(workload="ppo_toy:ToyWorkload", makers=makers, trainers=trainers, total_steps=12,
+                          run_dir=str(tmp_path), timeout_s=30, heartbeat_timeout_s=5, **kw)
+
+
+@pytest.mark.parametrize("makers, trainers, lag", [(2, 1, 1), (1, 2, 1), (3, 2, 2)])
+def test_topologies_complete_with_every_sample_accounted(tmp_path, makers, trainers, lag):
+    cfg = toy_config(tmp_path, makers, trainers, lag=lag, workload_args={"rollout_s": 0.01})
+    rows = spawn(train, makers + trainers, args=(cfg,), timeout_s=100)
+    final = rows[0]
+    assert final["policy_version"] == 12
+    assert final["samples_produced"] == final["samples_consumed"] + final["dropped_stale"] + final["dropped_shutdown"]
+    assert final["samples_consumed"] == 12 * trainers * 8  # every trainer consumed the same amount each step
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["lag_max"] for r in metrics) <= lag
+    assert min(r["lag_min"] for r in metrics) >= 0  # no experience from a version the trainer doesn't have
+    assert final["checksum_mismatches"] == 0  # makers ran exactly a published version's weights
+    assert all(r["produced"] > 0 for r in rows[trainers:]), "a maker produced nothing"
+
+
+def test_trainable_only_sync_keeps_the_frozen_base(tmp_path):
+    cfg = toy_config(tmp_path, 2, 1, lag=1, workload_args={"trainable_only": True})
+    rows = spawn(train, 3, args=(cfg,), timeout_s=100)
+    assert rows[0]["checksum_mismatches"] == 0  # full-model checksums equal: base untouched, head synced
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp_path, makers, trainers, extra):
+    """Independent processes, torchrun-style variables, no supervisor: peers may die alone."""
+    port, world = _free_port(), makers + trainers
+    procs = []
+    for rank in range(world):
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "RANK": str(rank),
+               "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "hpcrl.ppo", "--workload", "ppo_toy:ToyWorkload", "--makers", str(makers),
+             "--trainers", str(trainers), "--run-dir", str(tmp_path), "--heartbeat-timeout-s", "3", *extra],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def _wait_rows(tmp_path, n, procs, timeout=60):
+    deadline = time.time() + timeout
+    path = tmp_path / "metrics.jsonl"
+    while time.time() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= n:
+            return
+        if any(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.05)
+    raise AssertionError("the run did not log enough rows: " + "".join(p.communicate()[1][-2000:] for p in procs))
+
+
+def test_dead_maker_is_dropped_and_training_continues(tmp_path):
+    procs = _launch(tmp_path, 2, 1, ["--total-steps", "40", "--timeout-s", "30",
+                                     "--workload-args", "rollout_s", "0.05"])
+    try:
+        _wait_rows(tmp_path, 3, procs)
+        procs[2].send_signal(signal.SIGKILL)  # maker 1
+        out, err = procs[0].communicate(timeout=90)
+        assert procs[0].returncode == 0, err[-3000:]
+        assert procs[1].wait(timeout=30) == 0
+    finally:
+        for p in procs:
+            p.kill()
+    final = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert final["policy_version"] == 40 and final["makers_lost"] == 1
+
+
+def test_dead_trainer_stops_makers_with_a_named_error(tmp_path):
+    procs = _launch(tmp_path, 2, 1, ["--total-steps", "1000", "--timeout-s", "20",
+                                     "--workload-args", "rollout_s", "0.02"])
+    try:
+        _wait_rows(tmp_path, 2, procs)
+        t0 = time.time()
+        procs[0].send_signal(signal.SIGKILL)
+        for maker in procs[1:]:
+            _, err = maker.communicate(timeout=60)
+            assert maker.returncode == 1
+            assert "trainer rank 0" in err, err[-2000:]
+        assert time.time() - t0 < 40
+    finally:
+        for p in procs:
+            p.kill()
