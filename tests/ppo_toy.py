@@ -13,7 +13,7 @@ from torch import nn
 
 from hpcrl.ppo.transport import checksum
 
-VERSIONS: dict[int, float] = {}  # trainer side: version -> checksum of the published weights
+VERSIONS: set[float] = set()  # trainer side: checksums of every version this trainer has held
 
 
 class ToyWorkload:
@@ -71,13 +71,12 @@ class ToyLearner:
     def __init__(self, w: ToyWorkload, model: nn.Module, grad_sync) -> None:
         self.w, self.model, self.sync = w, model, grad_sync
         self.opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-        self.version = 0
-        VERSIONS[0] = model_checksum(model)
         self.mismatches = 0
 
     def update(self, batches, generator):
-        for b in batches:  # each batch says which weights produced it: they must be a published version
-            if float(b["weights_checksum"]) not in VERSIONS.values():
+        VERSIONS.add(model_checksum(self.model))  # the current version (also right after a resume)
+        for b in batches:  # each batch says which weights produced it: they must be a version we held
+            if float(b["weights_checksum"]) not in VERSIONS:
                 self.mismatches += 1
         if self.w.train_s:
             time.sleep(self.w.train_s)
@@ -86,8 +85,7 @@ class ToyLearner:
         self.model(obs).square().mean().backward()
         self.sync.all_reduce()
         self.opt.step()
-        self.version += 1
-        VERSIONS[self.version] = model_checksum(self.model)
+        VERSIONS.add(model_checksum(self.model))
         return {"loss": 0.0, "checksum_mismatches": float(self.mismatches)}
 
     def state_dict(self):

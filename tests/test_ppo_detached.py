@@ -66,8 +66,8 @@ def test_schema_round_trip_and_checksum():
 
 
 def toy_config(tmp_path, makers, trainers, **kw) -> DetachedConfig:
-    return DetachedConfig(workload="ppo_toy:ToyWorkload", makers=makers, trainers=trainers, total_steps=12,
-                          run_dir=str(tmp_path), timeout_s=30, heartbeat_timeout_s=5, **kw)
+    kw = {"total_steps": 12, "timeout_s": 30, "heartbeat_timeout_s": 5, **kw}
+    return DetachedConfig(workload="ppo_toy:ToyWorkload", makers=makers, trainers=trainers, run_dir=str(tmp_path), **kw)
 
 
 @pytest.mark.parametrize("makers, trainers, lag", [(2, 1, 1), (1, 2, 1), (3, 2, 2)])
@@ -89,6 +89,17 @@ def test_trainable_only_sync_keeps_the_frozen_base(tmp_path):
     cfg = toy_config(tmp_path, 2, 1, lag=1, workload_args={"trainable_only": True})
     rows = spawn(train, 3, args=(cfg,), timeout_s=100)
     assert rows[0]["checksum_mismatches"] == 0  # full-model checksums equal: base untouched, head synced
+
+
+def test_trainer_checkpoint_and_resume_continue_the_version_count(tmp_path):
+    spawn(train, 2, args=(toy_config(tmp_path, 1, 1, total_steps=5),), timeout_s=100)
+    rows = spawn(train, 2, args=(toy_config(tmp_path, 1, 1, total_steps=9, resume=True),), timeout_s=100)
+    assert rows[0]["policy_version"] == 9
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    versions = [r["policy_version"] for r in metrics if "samples_produced" not in r]
+    assert versions == list(range(1, 10))  # no step lost or repeated across the restart
+    assert rows[0]["checksum_mismatches"] == 0  # makers were brought to the resumed weights
+    assert rows[0]["samples_produced"] == rows[0]["samples_consumed"] + rows[0]["dropped_shutdown"] + rows[0]["dropped_stale"]
 
 
 def _free_port() -> int:

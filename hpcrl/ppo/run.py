@@ -99,11 +99,13 @@ def _trainer_max(values: list[float], group) -> list[float]:
 def _train_loop(ctx: DistContext, top: Topology, cfg: DetachedConfig, tr: Trainer) -> dict[str, float]:
     run_dir = Path(cfg.run_dir)
     main = tr.index == 0
+    env_steps = 0.0
     if cfg.resume and (ck := checkpoint.latest(run_dir)) is not None:
         learner_state, mine = checkpoint.load(ck, tr.index, top.trainers, tr.device)
         tr.model.load_state_dict(learner_state["model"])
         tr.learner.load_state_dict(learner_state["learner"])
         tr.version = int(learner_state["version"])
+        env_steps = float(learner_state["env_steps"])
         tr.generator.set_state(mine["generator"])
         if tr.version > 0:
             tr.publish()  # makers start from the initial weights: bring them to the resumed version
@@ -114,10 +116,11 @@ def _train_loop(ctx: DistContext, top: Topology, cfg: DetachedConfig, tr: Traine
         print(f"hpcrl.ppo: {top.makers} maker(s) : {top.trainers} trainer(s) via {ctx.source}; workload "
               f"{cfg.workload}; lag {cfg.lag} (cap {cfg.stale_cap}); {cfg.batches_per_step} batch(es) per trainer "
               f"per step; {cfg.total_steps} steps" + (f"; resuming at v{tr.version}" if tr.version else ""), flush=True)
-    logger = RunLogger(run_dir, main, cfg.total_steps, progress_key="updates")
+    resumed_env_steps = env_steps
+    logger = RunLogger(run_dir, main, cfg.total_steps, resume_env_steps=int(env_steps), progress_key="updates")
     start_version = tr.version
     tr.grant((cfg.lag + 1) * cfg.batches_per_step)
-    env_steps = dropped_stale = 0.0
+    dropped_stale = 0.0
     row: dict[str, float] = {}
     last = time.perf_counter()
     for _ in range(start_version, cfg.total_steps):
@@ -163,12 +166,12 @@ def _train_loop(ctx: DistContext, top: Topology, cfg: DetachedConfig, tr: Traine
         last = now
         logger.log(row)
         if cfg.checkpoint_every and tr.version % cfg.checkpoint_every == 0:
-            _save(ctx, top, cfg, tr)
+            _save(ctx, top, cfg, tr, env_steps)
         if cfg.target_return is not None and row["episode_return"] == row["episode_return"] \
                 and _trainer_max([float(row["episode_return"] >= cfg.target_return)], tr.group)[0] > 0:
             break
-    consumed = env_steps
-    _save(ctx, top, cfg, tr)
+    consumed = env_steps - resumed_env_steps  # this job's makers produced only this job's samples
+    _save(ctx, top, cfg, tr, env_steps)
     dropped_shutdown = _drain(tr, cfg)
     totals = _trainer_sum([dropped_shutdown, dropped_stale], tr.group)
     tr.stop_publisher()
@@ -200,14 +203,15 @@ def _drain(tr: Trainer, cfg: DetachedConfig) -> float:
     return dropped
 
 
-def _save(ctx: DistContext, top: Topology, cfg: DetachedConfig, tr: Trainer) -> None:
+def _save(ctx: DistContext, top: Topology, cfg: DetachedConfig, tr: Trainer, env_steps: float) -> None:
     group = tr.group
 
     def trainer_barrier(name: str) -> None:
         if group is not None:
             dist.barrier(group=group)
 
-    learner = ({"model": tr.model.state_dict(), "learner": tr.learner.state_dict(), "version": tr.version}
+    learner = ({"model": tr.model.state_dict(), "learner": tr.learner.state_dict(), "version": tr.version,
+                "env_steps": env_steps}
                if tr.index == 0 else None)
     checkpoint.save(cfg.run_dir, tr.version, tr.index, top.trainers, learner, {"generator": tr.generator.get_state()},
                     trainer_barrier)
