@@ -40,7 +40,7 @@ def build_workload(cfg: DetachedConfig):
             workload = make_workload(cfg.workload, **cfg.workload_kwargs())
     except (ValueError, TypeError, ImportError, AttributeError) as err:
         raise ConfigError(f"workload {cfg.workload!r}: {err}") from None
-    ppo = getattr(workload, "default_ppo", PPOConfig())
+    ppo = workload.default_config() if hasattr(workload, "default_config") else PPOConfig()
     try:
         ppo = dataclasses.replace(ppo, **cfg.ppo_kwargs())
     except TypeError as err:

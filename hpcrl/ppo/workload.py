@@ -60,6 +60,9 @@ class Workload(Protocol):
     def make_collector(self, rank_seed: int, device: torch.device) -> "Collector":
         """Maker-side rollout state (envs, prompt stream)."""
 
+    def default_config(self) -> PPOConfig:
+        """The workload's PPO hyper-parameters (optional; ``PPOConfig()`` otherwise)."""
+
     def make_learner(self, model: nn.Module, cfg: PPOConfig, grad_sync: Any) -> "Learner":
         """Trainer-side optimiser state; ``grad_sync`` averages gradients over the trainer group
         (an :class:`hpcrl.dist.GradSync` over ``model``'s trainable parameters)."""
