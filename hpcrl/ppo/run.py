@@ -7,6 +7,7 @@ import importlib
 import json
 import math
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -121,6 +122,7 @@ def _train_loop(ctx: DistContext, top: Topology, cfg: DetachedConfig, tr: Traine
     start_version = tr.version
     tr.grant((cfg.lag + 1) * cfg.batches_per_step)
     dropped_stale = 0.0
+    recent: deque[tuple[float, float]] = deque()  # (return sum, episodes) of the latest steps
     row: dict[str, float] = {}
     last = time.perf_counter()
     for _ in range(start_version, cfg.total_steps):
@@ -158,6 +160,7 @@ def _train_loop(ctx: DistContext, top: Topology, cfg: DetachedConfig, tr: Traine
         n_tr = top.trainers
         row = {"env_steps": int(env_steps), "updates": tr.version, "policy_version": tr.version,
                "episode_return": summed[1] / summed[2] if summed[2] else float("nan"),
+               "episode_return_recent": _recent_mean(recent, summed[1], summed[2]),
                "lag_mean": summed[3] / summed[4], "lag_max": lag_max, "lag_min": -neg_lag_min, "dropped_stale": summed[6],
                "weight_sync_ms": tr.publish_ms, "samples_per_s": summed[0] / max(now - last, 1e-9),
                "trainer_idle_frac": (summed[5] / n_tr) / max(now - last, 1e-9),
@@ -167,8 +170,8 @@ def _train_loop(ctx: DistContext, top: Topology, cfg: DetachedConfig, tr: Traine
         logger.log(row)
         if cfg.checkpoint_every and tr.version % cfg.checkpoint_every == 0:
             _save(ctx, top, cfg, tr, env_steps)
-        if cfg.target_return is not None and row["episode_return"] == row["episode_return"] \
-                and _trainer_max([float(row["episode_return"] >= cfg.target_return)], tr.group)[0] > 0:
+        # Every trainer sees the same reduced row, so they all stop at the same step.
+        if cfg.target_return is not None and row["episode_return_recent"] >= cfg.target_return:
             break
     consumed = env_steps - resumed_env_steps  # this job's makers produced only this job's samples
     _save(ctx, top, cfg, tr, env_steps)
@@ -192,6 +195,15 @@ def _train_loop(ctx: DistContext, top: Topology, cfg: DetachedConfig, tr: Traine
     for thread in tr.threads:  # makers close their streams after the STOP credit
         thread.join(timeout=cfg.timeout_s)
     return row
+
+
+def _recent_mean(recent: deque, return_sum: float, episodes: float, min_episodes: int = 20) -> float:
+    """Mean return over the latest steps that together finished >= ``min_episodes`` episodes."""
+    recent.append((return_sum, episodes))
+    while len(recent) > 1 and sum(n for _, n in recent) - recent[0][1] >= min_episodes:
+        recent.popleft()
+    total = sum(n for _, n in recent)
+    return sum(r for r, _ in recent) / total if total >= min_episodes else float("nan")
 
 
 def _drain(tr: Trainer, cfg: DetachedConfig) -> float:

@@ -4,12 +4,14 @@ detached ``--lag 0`` run with 1 maker : 1 trainer must reproduce.
 Seed discipline (the detached roles copy it exactly; with it and lag 0 they see the same numbers):
 
 * ``model = workload.build_model(seed, device)`` on every rank (trainer and maker models start equal);
-* ``collector = workload.make_collector(rank_seed=seed, device)`` (a maker with index ``i`` uses
-  ``seed + i``, hence maker 0 of a 1:1 run equals this collector);
+* ``collector = workload.make_collector(rank_seed=seed, device)``;
 * maker generator (action sampling) ``torch.Generator().manual_seed(seed + 1)``;
 * learner generator (minibatch shuffling) ``torch.Generator().manual_seed(seed + 2)``;
 * iteration ``k`` collects with the weights produced by update ``k - 1`` (policy version ``k``) and
   then runs update ``k`` on exactly that one batch.
+
+Maker 0 and trainer 0 of a detached run use exactly these seeds; other makers and trainers offset
+``seed`` by their index (``hpcrl.ppo.roles``) so their streams differ.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 * ``cartpole``: :class:`VectorEnvWorkload` on the discrete CartPole (8 envs x 32 steps, hidden 64);
   pair it with ``workload.default_config()`` (SB3-zoo hyper-parameters).
-* ``swingup`` (alias ``continuous``): the continuous cart-pole swing-up; ``pendulum``: Pendulum.
+* ``swingup`` (alias ``continuous``): the continuous cart-pole swing-up, 16 envs x 64 steps.
+* ``pendulum``: Pendulum, same sizes. A weak PPO task without reward normalisation (which this
+  workload does not do): no clear progress within 50k env steps.
 * ``lm``: token-level LM PPO, ``hpcrl.ppo.workloads.lm.LMWorkload``, imported only when asked for.
 
 ``kwargs`` override the constructor's arguments (e.g. ``num_envs=16``).
@@ -24,6 +26,10 @@ def _vector(env: str, name: str, **defaults: Any) -> Callable[..., Any]:
     return make
 
 
+# Longer rollouts than CartPole's: continuous control needs more samples per update.
+_CONTINUOUS = {"num_envs": 16, "rollout_len": 64}
+
+
 def _lm(**kwargs: Any) -> Any:
     from .lm import LMWorkload  # lazy: the LM workload is optional and heavier
 
@@ -32,9 +38,9 @@ def _lm(**kwargs: Any) -> Any:
 
 _REGISTRY: dict[str, Callable[..., Any]] = {
     "cartpole": _vector("cartpole", "cartpole"),
-    "swingup": _vector("cartpole_swingup", "swingup"),
-    "continuous": _vector("cartpole_swingup", "continuous"),
-    "pendulum": _vector("pendulum", "pendulum"),
+    "swingup": _vector("cartpole_swingup", "swingup", **_CONTINUOUS),
+    "continuous": _vector("cartpole_swingup", "continuous", **_CONTINUOUS),
+    "pendulum": _vector("pendulum", "pendulum", **_CONTINUOUS),
     "lm": _lm,
 }
 

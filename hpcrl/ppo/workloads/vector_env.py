@@ -175,16 +175,18 @@ class VectorEnvWorkload:
         return self.num_envs * self.rollout_len
 
     def default_config(self) -> PPOConfig:
-        """SB3-zoo CartPole hyper-parameters (research/envs.md §4) for ``cartpole``; the tuned
-        continuous set otherwise. Annealing spans 100k env steps of single-batch updates; scale
-        ``extra["anneal_updates"]`` if each update consumes several batches."""
-        anneal = {"anneal_updates": 100_000 // self.samples_per_batch}
+        """Discrete envs: SB3-zoo CartPole hyper-parameters (research/envs.md §4), with lr and clip
+        annealed to 0 over 100k env steps of single-batch updates (scale ``extra["anneal_updates"]``
+        if each update consumes several batches). Continuous envs: 5 epochs x 4 minibatches,
+        lr 1e-3, gamma 0.99, lambda 0.95, no annealing (measured on swing-up, 16 envs x 64 steps:
+        episode return of the initial policy 20-30, after 16k env steps 55-210 depending on the
+        seed)."""
+        # vf_coef 1 on our 0.5 * MSE equals SB3's vf_coef 0.5 on its plain MSE.
+        common = dict(clip_coef=0.2, value_clip_coef=None, ent_coef=0.0, vf_coef=1.0, max_grad_norm=0.5)
         if self.num_actions is not None:
-            # vf_coef 1 on our 0.5 * MSE equals SB3's vf_coef 0.5 on its plain MSE.
-            return PPOConfig(epochs=20, minibatches=1, lr=1e-3, gamma=0.98, gae_lambda=0.8, clip_coef=0.2,
-                             value_clip_coef=None, ent_coef=0.0, vf_coef=1.0, max_grad_norm=0.5, extra=anneal)
-        return PPOConfig(epochs=10, minibatches=4, lr=3e-4, gamma=0.99, gae_lambda=0.95, clip_coef=0.2,
-                         value_clip_coef=None, ent_coef=0.0, vf_coef=1.0, max_grad_norm=0.5, extra=anneal)
+            return PPOConfig(epochs=20, minibatches=1, lr=1e-3, gamma=0.98, gae_lambda=0.8, **common,
+                             extra={"anneal_updates": 100_000 // self.samples_per_batch})
+        return PPOConfig(epochs=5, minibatches=4, lr=1e-3, gamma=0.99, gae_lambda=0.95, **common)
 
     def build_model(self, seed: int, device: torch.device) -> ActorCritic:
         model = ActorCritic(
@@ -198,7 +200,7 @@ class VectorEnvWorkload:
         return model.to(device)
 
     def sync_tensors(self, model: nn.Module) -> list[Tensor]:
-        return [p.data for p in model.parameters()]
+        return [p.detach() for p in model.parameters()]
 
     def after_sync(self, model: nn.Module) -> None:
         pass
@@ -297,7 +299,8 @@ class VectorEnvLearner:
 
     def update(self, batches: list[dict[str, Tensor]], generator: torch.Generator) -> dict[str, float]:
         cfg, model = self.cfg, self.model
-        batch = {k: torch.cat([b[k] for b in batches], dim=1) for k in batches[0]}
+        device = self.params[0].device  # experience may arrive on another device (e.g. CPU over gloo)
+        batch = {k: torch.cat([b[k] for b in batches], dim=1).to(device) for k in batches[0]}
         with torch.no_grad():
             values = model.value(batch["obs"])
             next_values = model.value(batch["next_obs"])
@@ -348,14 +351,9 @@ class VectorEnvLearner:
                     sums[k] = sums[k] + v if k in sums else v.clone()
                 steps += 1
         self.updates += 1
-        stats = {k: float(v) / steps for k, v in sums.items()}
-        stats.update(
-            explained_variance=float(_explained_variance(values, returns)),
-            lr=cfg.lr * frac,
-            clip_coef=clip_coef,
-            samples=float(n),
-        )
-        return stats
+        sums["explained_variance"] = _explained_variance(values, returns) * steps
+        means = (torch.stack(list(sums.values())) / steps).tolist()  # one host sync
+        return {**dict(zip(sums, means)), "lr": cfg.lr * frac, "clip_coef": clip_coef, "samples": float(n)}
 
     def state_dict(self) -> dict[str, Any]:
         """Model, optimizer and update counter (the schedule's position): all a trainer resumes from."""
