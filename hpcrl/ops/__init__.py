@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 from typing import Sequence
 
-import torch
+import torch  # before hpcrl._C: the extension links against libtorch, which torch loads
 
 from . import reference
 from .reference import ReplayGather

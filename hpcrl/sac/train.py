@@ -81,6 +81,7 @@ def _device(cfg: SACConfig, ctx: DistContext) -> torch.device:
 
 def train(cfg: SACConfig) -> dict[str, float]:
     """Run (or resume) one rank of a FastSAC job; returns the final metrics row (all ranks)."""
+    stop = StopRequest.install()  # first: a USR2 during start-up must stop cleanly too, not kill the rank
     torch.set_num_threads(cfg.threads)
     ctx = init_distributed(timeout_s=cfg.timeout_s)
     layout = plan(cfg, ctx.world_size)
@@ -143,7 +144,6 @@ def train(cfg: SACConfig) -> dict[str, float]:
     logger = RunLogger(run_dir, rank == 0, layout.iterations * cfg.num_envs,
                        resume_env_steps=start_iter * cfg.num_envs if resume_from else 0)
 
-    stop = StopRequest.install()
     window: dict[str, list[torch.Tensor]] = {}
     window_start = time.time()
     window_iters = 0

@@ -1,0 +1,113 @@
+"""Submit a trainer job through submitit: Slurm when ``sbatch`` exists, the local executor otherwise."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import submitit
+from submitit.core.utils import FailedJobError
+
+from .cluster import check_fits, query_partitions
+from .request import JOB_ID, JobRequest, LaunchError
+from .sbatch import folder_path, render, slurm_parameters
+from .task import TrainerResult, TrainerTask
+
+
+@dataclass(frozen=True)
+class Submission:
+    request: JobRequest
+    cluster: Literal["slurm", "local"]
+    run_dir: str
+    """Absolute, with the job id filled in (still the template in a dry run)."""
+    sbatch: str | None
+    """The batch script: the one submitted (Slurm), the one that would be (dry run); None for local jobs."""
+    job: submitit.Job | None = None
+    """None in a dry run."""
+
+    @property
+    def job_id(self) -> str | None:
+        return self.job.job_id if self.job is not None else None
+
+    def results(self) -> list[TrainerResult]:
+        """Wait for the job; one result per task (rank 0's carries the final metrics row). Raises when the
+        job failed or ended without results (cancelled, or stopped without a requeue)."""
+        assert self.job is not None, "a dry run submitted nothing"
+        return self.job.results()
+
+    def summary(self) -> str:
+        """Job id, run directory and log paths (what the CLI prints)."""
+        assert self.job is not None, "a dry run submitted nothing; its batch script is .sbatch"
+        r = self.request
+        where = f"partition {r.partition or '(default)'}" if self.cluster == "slurm" else "this host"
+        shape = f"{r.nodes} node(s) x {r.ntasks_per_node} task(s), {r.gpus_per_node} GPU(s) per node, {where}"
+        out, err = self.job.paths.stdout, self.job.paths.stderr
+        return (f"submitted job {self.job_id} ({self.cluster}: {shape})\n"
+                f"  run dir: {self.run_dir}\n"
+                f"  logs:    {out}\n           {err}\n"
+                f"           (task 0; task t writes {self.job_id}_<t>_log.out/.err in {out.parent})")
+
+
+def submit(algo: str = "sac", trainer_args: Sequence[str] = (), *, nodes: int = 1, gpus_per_node: int = 0,
+           tasks_per_node: int | None = None, partition: str | None = None, time_min: int = 60,
+           cpus_per_task: int = 1, run_dir: str = JobRequest.run_dir, resume: bool = False,
+           folder: str = JobRequest.folder, signal_delay_s: int = JobRequest.signal_delay_s,
+           local: bool | None = None, dry_run: bool = False) -> Submission:
+    """Start ``python -m hpcrl.<algo> *trainer_args`` as ``nodes x tasks_per_node`` ranks (one per GPU).
+
+    ``local``: None picks Slurm when ``sbatch`` is on PATH, else submitit's local executor (this host,
+    ``tasks_per_node`` processes); True/False force one. ``run_dir`` and ``folder`` may hold ``%j`` (the
+    job id), ``run_dir`` also ``{algo}``. ``dry_run`` submits nothing and returns the Slurm batch script in
+    ``Submission.sbatch``. Raises :class:`LaunchError` for a request that cannot run, before submitting
+    it where possible. See :class:`JobRequest` for the fields.
+    """
+    request = JobRequest(algo=algo, trainer_args=tuple(trainer_args), nodes=nodes, gpus_per_node=gpus_per_node,
+                         tasks_per_node=tasks_per_node, partition=partition, time_min=time_min,
+                         cpus_per_task=cpus_per_task, run_dir=run_dir, resume=resume, folder=folder,
+                         signal_delay_s=signal_delay_s)
+    request.check()
+    slurm = _use_slurm(local)
+    if slurm:
+        check_fits(request, query_partitions())
+    elif request.nodes > 1:
+        raise LaunchError(f"nodes={request.nodes}: the local executor runs on this host only (nodes=1)")
+    run_dir_template = os.path.abspath(request.run_dir_template)
+    if dry_run:
+        return Submission(request, "slurm" if slurm else "local", run_dir_template, render(request))
+
+    executor = _executor(request, slurm)
+    task = TrainerTask(request.module, request.trainer_args, run_dir_template, request.resume)
+    # Submitting from inside a job: its SLURM_* and rank variables must not leak into the new job
+    # (sbatch reads some of them as options; the local executor's ranks would think they run under srun).
+    with submitit.helpers.clean_env():
+        try:
+            job = executor.submit(task)
+        except FailedJobError as err:
+            raise LaunchError(f"sbatch rejected the job: {err}") from None
+    sbatch = job.paths.submission_file.read_text() if slurm else None
+    return Submission(request, "slurm" if slurm else "local", run_dir_template.replace(JOB_ID, job.job_id),
+                      sbatch, job)
+
+
+def _use_slurm(local: bool | None) -> bool:
+    if local:
+        return False
+    has_slurm = shutil.which("sbatch") is not None
+    if local is False and not has_slurm:
+        raise LaunchError("local=False but sbatch is not on PATH: no Slurm here")
+    return has_slurm
+
+
+def _executor(request: JobRequest, slurm: bool) -> submitit.Executor:
+    folder = folder_path(request)
+    if slurm:
+        executor: submitit.Executor = submitit.SlurmExecutor(folder)
+        executor.update_parameters(**slurm_parameters(request))
+    else:
+        executor = submitit.LocalExecutor(folder)
+        executor.update_parameters(timeout_min=request.time_min, tasks_per_node=request.ntasks_per_node,
+                                   gpus_per_node=request.gpus_per_node, nodes=1,
+                                   signal_delay_s=request.signal_delay_s)
+    return executor

@@ -1,0 +1,126 @@
+"""The function submitit runs in every task: one trainer rank as ``python -m hpcrl.<algo>``.
+
+Entry-point contract (hpcrl.sac today; any ``hpcrl.<algo>`` that keeps it can be launched):
+``python -m hpcrl.<algo> ARGS --run-dir DIR [--resume]``, ranks from the launcher's variables,
+exit 0 when done, 75 after a requested stop wrote a checkpoint (SIGUSR2/SIGTERM), anything else
+a failure; rank 0 appends rows to ``DIR/metrics.jsonl``.
+
+Requeue (submitit's checkpoint mechanism): on USR2 submitit calls :meth:`TrainerTask.checkpoint`
+in task 0. It makes the trainer stop at its next agreed checkpoint, waits for it, and returns the
+same task with ``--resume``; submitit stores that and requeues the job, whose rerun continues
+from the checkpoint in the same run directory (``%j`` in it is the job id, which a requeue keeps).
+A job Slurm requeues by itself (preemption, node failure: ``SLURM_RESTART_COUNT`` > 0) resumes too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import submitit
+from submitit.helpers import Checkpointable, DelayedSubmission
+
+from .request import JOB_ID
+
+EXIT_STOPPED = 75  # EX_TEMPFAIL: the trainer stopped on request after writing a checkpoint
+# Exit codes after which resuming from the last checkpoint loses nothing: a requested stop, or the stop
+# signal arriving before the trainer installed its handler (it was still starting up).
+RESUMABLE = (EXIT_STOPPED, -signal.SIGUSR2)
+
+
+class TrainerError(RuntimeError):
+    """The trainer exited with a failure code; its output is in this task's log."""
+
+
+@dataclass(frozen=True)
+class TrainerResult:
+    rank: int
+    run_dir: str
+    final_metrics: dict | None
+    """The last metrics.jsonl row (rank 0 only; the rows are already reduced over all ranks)."""
+
+
+class _Trainer:
+    """The trainer subprocess. A thread waits for it, so that a signal handler can wait as well:
+    ``Popen.wait`` holds a lock while blocked, and a handler interrupting it would deadlock on it."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
+        self.process = subprocess.Popen(cmd, env=env)  # stdout/stderr: this task's submitit log
+        self.returncode: int | None = None
+        threading.Thread(target=self._reap, daemon=True).start()
+
+    def _reap(self) -> None:
+        self.returncode = self.process.wait()
+
+    def wait(self) -> int:
+        while self.returncode is None:
+            time.sleep(0.2)
+        return self.returncode
+
+    def stop(self) -> int:
+        """Ask for the agreed stop (Slurm signals the whole step, submitit's local executor only us)."""
+        if self.returncode is None:
+            self.process.send_signal(signal.SIGUSR2)
+        return self.wait()
+
+
+def rank_environment(job: submitit.JobEnvironment) -> dict[str, str]:
+    env = dict(os.environ)
+    if job.cluster == "slurm":
+        return env  # srun set SLURM_PROCID/NTASKS/LOCALID/STEP_ID/JOB_NODELIST: what hpcrl.dist reads
+    # submitit's local executor: N processes on this host, described to the trainer as torchrun would
+    env.update(RANK=str(job.global_rank), WORLD_SIZE=str(job.num_tasks), LOCAL_RANK=str(job.local_rank),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(20000 + int(job.job_id) % 10000))
+    return env
+
+
+@dataclass
+class TrainerTask(Checkpointable):
+    module: str
+    """``python -m`` target, e.g. ``hpcrl.sac``."""
+    trainer_args: tuple[str, ...]
+    run_dir: str
+    """Absolute; ``%j`` becomes the job id, which a requeued job keeps."""
+    resume: bool = False
+
+    _trainer = None  # the running _Trainer (not a field: never pickled into a resubmission)
+
+    def __call__(self) -> TrainerResult:
+        job = submitit.JobEnvironment()
+        run_dir = self.run_dir.replace(JOB_ID, job.job_id)
+        # a job requeued by Slurm itself (preemption, node failure) never passed through checkpoint()
+        resume = self.resume or int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0
+        cmd = [sys.executable, "-m", self.module, *self.trainer_args, "--run-dir", run_dir]
+        self._trainer = _Trainer(cmd + (["--resume"] if resume else []), rank_environment(job))
+        code = self._trainer.wait()
+        if code in RESUMABLE:
+            # Stopped for a requeue: leave no result, the rerun writes it. Task 0's requeue happens in
+            # submitit's USR2 handler (checkpoint below); without USR2 the job ends and result() raises.
+            raise SystemExit(EXIT_STOPPED)
+        if code != 0:
+            raise TrainerError(f"python -m {self.module} exited with {code} on rank {job.global_rank} "
+                               "(2: bad configuration); its output is in this task's log")
+        return TrainerResult(job.global_rank, run_dir, _last_row(run_dir) if job.global_rank == 0 else None)
+
+    def checkpoint(self) -> DelayedSubmission:
+        if self._trainer is not None:
+            code = self._trainer.stop()
+            # 0: it finished just before stopping; the resumed rerun repeats the work since the last
+            # checkpoint and ends with the same numbers
+            if code not in (0, *RESUMABLE):
+                raise TrainerError(f"python -m {self.module} exited with {code} while stopping for a requeue")
+        return DelayedSubmission(dataclasses.replace(self, resume=True))
+
+
+def _last_row(run_dir: str) -> dict | None:
+    path = Path(run_dir) / "metrics.jsonl"
+    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return json.loads(lines[-1]) if lines else None
