@@ -166,3 +166,28 @@ def test_dead_trainer_stops_makers_with_a_named_error(tmp_path):
     finally:
         for p in procs:
             p.kill()
+
+
+def test_sigusr2_stops_with_a_checkpoint_and_resume_finishes(tmp_path):
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "PYTHONPATH": str(TESTS)}
+    args = [sys.executable, "-m", "hpcrl.ppo", "--workload", "ppo_toy:ToyWorkload", "--makers", "2", "--trainers",
+            "1", "--run-dir", str(tmp_path), "--total-steps", "60", "--workload-args", "rollout_s", "0.05"]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _wait_rows(tmp_path, 3, [proc])
+        os.killpg(proc.pid, signal.SIGUSR2)  # what Slurm's --signal=USR2@<s> delivers to every task
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 75, err[-2000:]
+    assert "stop requested" in out
+    stopped = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]
+    assert stopped["policy_version"] < 60
+    resumed = subprocess.run(args + ["--resume"], env=env, capture_output=True, text=True, timeout=90)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    versions = [r["policy_version"] for r in rows if "samples_produced" not in r]
+    assert versions == list(range(1, 61))
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert len(config["hosts"]["trainers"]) == 1 and len(config["hosts"]["makers"]) == 2

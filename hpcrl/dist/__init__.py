@@ -17,12 +17,15 @@ from .env import LaunchInfo, detect_launch, slurm_port
 from .grad_sync import GradSync, Mode
 from .local import SpawnError, spawn
 from .nodelist import expand_nodelist, first_host
+from .stop import EXIT_STOPPED, StopRequest
 from .reduce import RankDivergenceError, all_reduce_sum_, broadcast_, check_parameters_in_sync, reduce_metrics
 
 __all__ = [
     "BarrierTimeoutError",
     "DistContext",
     "DistSetupError",
+    "EXIT_STOPPED",
+    "StopRequest",
     "GradSync",
     "LaunchInfo",
     "Mode",

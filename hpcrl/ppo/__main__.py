@@ -2,17 +2,18 @@
 
 Without a launcher it spawns ``makers + trainers`` local ranks (gloo). Under ``srun``/``torchrun``
 each task takes its role from its rank: trainers ``[0, T)``, makers after.
-Exit codes: 0 done, 2 bad configuration, 1 a rank failed (the message names it).
+Exit codes: 0 done, 2 bad configuration, 1 a rank failed (the message names it), 75 stopped by
+SIGUSR2/SIGTERM after the trainers wrote a checkpoint (resume with ``--resume``).
 """
 
 from __future__ import annotations
 
-import os
+import signal
 import sys
 
 import tyro
 
-from hpcrl.dist import DistSetupError, SpawnError, detect_launch, spawn
+from hpcrl.dist import EXIT_STOPPED, DistSetupError, SpawnError, StopRequest, detect_launch, spawn
 
 from .config import DetachedConfig
 from .roles import PeerLost
@@ -25,16 +26,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         build_workload(cfg)  # fail on a bad workload before starting any process
         if detect_launch().source == "single" and cfg.makers + cfg.trainers > 1:
-            spawn(train, cfg.makers + cfg.trainers, args=(cfg,), timeout_s=None, num_threads=cfg.threads)
+            for sig in StopRequest.SIGNALS:  # the ranks handle them; the parent only waits
+                signal.signal(sig, signal.SIG_IGN)
+            rows = spawn(train, cfg.makers + cfg.trainers, args=(cfg,), timeout_s=None, num_threads=cfg.threads)
         else:
-            train(cfg)
+            rows = [train(cfg)]
     except (ConfigError, DistSetupError) as err:
         print(f"hpcrl.ppo: error: {err}", file=sys.stderr)
         return 2
     except (SpawnError, PeerLost) as err:
         print(f"hpcrl.ppo: error: {err}", file=sys.stderr)
         return 1
-    return 0
+    return EXIT_STOPPED if any(row.get("preempted") for row in rows) else 0
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl import checkpoint
-from hpcrl.dist import DistContext, barrier, init_distributed, shutdown
+from hpcrl.dist import DistContext, StopRequest, init_distributed, shutdown
 from hpcrl.metrics import RunLogger
 
 from .config import DetachedConfig
@@ -63,6 +63,7 @@ def validate(cfg: DetachedConfig, world_size: int) -> Topology:
 
 
 def train(cfg: DetachedConfig) -> dict[str, float]:
+    stop = StopRequest.install()  # makers only record it: trainers decide, then send STOP credits
     torch.set_num_threads(cfg.threads)
     ctx = init_distributed(timeout_s=cfg.timeout_s)
     top = validate(cfg, ctx.world_size)
@@ -76,7 +77,7 @@ def train(cfg: DetachedConfig) -> dict[str, float]:
         if top.role(ctx.rank) == "maker":
             out = Maker(ctx, top, cfg, workload, ppo).run()
         else:
-            out = _train_loop(ctx, top, cfg, Trainer(ctx, top, cfg, workload, ppo, trainer_group))
+            out = _train_loop(ctx, top, cfg, Trainer(ctx, top, cfg, workload, ppo, trainer_group), stop)
     finally:
         beat.stop()
     shutdown()
@@ -97,7 +98,8 @@ def _trainer_max(values: list[float], group) -> list[float]:
     return t.tolist()
 
 
-def _train_loop(ctx: DistContext, top: Topology, cfg: DetachedConfig, tr: Trainer) -> dict[str, float]:
+def _train_loop(ctx: DistContext, top: Topology, cfg: DetachedConfig, tr: Trainer,
+                stop: StopRequest) -> dict[str, float]:
     run_dir = Path(cfg.run_dir)
     main = tr.index == 0
     env_steps = 0.0
@@ -112,8 +114,11 @@ def _train_loop(ctx: DistContext, top: Topology, cfg: DetachedConfig, tr: Traine
             tr.publish()  # makers start from the initial weights: bring them to the resumed version
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
+        ctx.store.wait([f"host/{r}" for r in range(top.world_size)])
+        hosts = [ctx.store.get(f"host/{r}").decode() for r in range(top.world_size)]
         (run_dir / "config.json").write_text(json.dumps(
-            {**dataclasses.asdict(cfg), "world_size": ctx.world_size, "launcher": ctx.source}, indent=2, default=str))
+            {**dataclasses.asdict(cfg), "world_size": ctx.world_size, "launcher": ctx.source,
+             "hosts": {"trainers": hosts[: top.trainers], "makers": hosts[top.trainers :]}}, indent=2, default=str))
         print(f"hpcrl.ppo: {top.makers} maker(s) : {top.trainers} trainer(s) via {ctx.source}; workload "
               f"{cfg.workload}; lag {cfg.lag} (cap {cfg.stale_cap}); {cfg.batches_per_step} batch(es) per trainer "
               f"per step; {cfg.total_steps} steps" + (f"; resuming at v{tr.version}" if tr.version else ""), flush=True)
@@ -172,6 +177,12 @@ def _train_loop(ctx: DistContext, top: Topology, cfg: DetachedConfig, tr: Traine
             _save(ctx, top, cfg, tr, env_steps)
         # Every trainer sees the same reduced row, so they all stop at the same step.
         if cfg.target_return is not None and row["episode_return_recent"] >= cfg.target_return:
+            break
+        if tr.version < cfg.total_steps and stop.agreed(tr.group):
+            row["preempted"] = 1.0
+            if main:
+                print(f"hpcrl.ppo: stop requested ({stop.reason}); checkpoint at v{tr.version}, "
+                      "resume with --resume", flush=True)
             break
     consumed = env_steps - resumed_env_steps  # this job's makers produced only this job's samples
     _save(ctx, top, cfg, tr, env_steps)

@@ -14,10 +14,10 @@ import sys
 
 import tyro
 
-from hpcrl.dist import DistSetupError, SpawnError, spawn
+from hpcrl.dist import EXIT_STOPPED, DistSetupError, SpawnError, StopRequest, spawn
 
 from .config import PRESETS, SACConfig, preset
-from .train import ConfigError, StopRequest, plan, train
+from .train import ConfigError, plan, train
 
 
 def parse(argv: list[str]) -> SACConfig:
@@ -34,9 +34,6 @@ def parse(argv: list[str]) -> SACConfig:
         raise SystemExit(str(err)) from None
     return tyro.cli(SACConfig, default=default, args=argv,
                     description=f"FastSAC, data parallel (preset {name!r}; presets: {', '.join(sorted(PRESETS))})")
-
-
-EXIT_STOPPED = 75  # sysexits EX_TEMPFAIL: stopped on request after a checkpoint; rerun with --resume
 
 
 def main(argv: list[str] | None = None) -> int:

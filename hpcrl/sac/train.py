@@ -10,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import signal
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +17,7 @@ from pathlib import Path
 import torch
 
 from hpcrl import checkpoint
-from hpcrl.dist import (DistContext, all_reduce_sum_, barrier, broadcast_, check_parameters_in_sync,
+from hpcrl.dist import (DistContext, StopRequest, all_reduce_sum_, barrier, broadcast_, check_parameters_in_sync,
                         init_distributed, reduce_metrics, shutdown)
 from hpcrl.envs import EpisodeStats, make_env
 from hpcrl.metrics import RunLogger
@@ -180,7 +178,7 @@ def train(cfg: SACConfig) -> dict[str, float]:
             row = _log_row(agent, stats, window, window_iters, time.time() - window_start, cfg, ctx)
             logger.log(row)
             window, window_iters, window_start = {}, 0, time.time()
-            if it + 1 < layout.iterations and stop.agreed(ctx):
+            if it + 1 < layout.iterations and stop.agreed():
                 _save(cfg, ctx, agent, normalizer, replay, env, stats, generator, obs, sync_barrier)
                 if rank == 0:
                     print(f"hpcrl.sac: stop requested ({stop.reason}); checkpoint at env step "
@@ -197,36 +195,6 @@ def train(cfg: SACConfig) -> dict[str, float]:
     logger.close()
     shutdown()  # rank 0 usually hosts the rendezvous store: it leaves only after every peer is done
     return row
-
-
-class StopRequest:
-    """SIGUSR2 (Slurm's ``--signal=USR2@<s>``; NCCL owns USR1) or SIGTERM asks the run to stop cleanly:
-    the ranks agree at the next metrics row, checkpoint there and return, so ``--resume`` (or a
-    requeued job) continues exactly where this one stopped."""
-
-    SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.reason = ""
-
-    @classmethod
-    def install(cls) -> "StopRequest":
-        req = cls()
-        if threading.current_thread() is threading.main_thread():
-            for sig in cls.SIGNALS:
-                signal.signal(sig, req._handle)
-        return req
-
-    def _handle(self, signum, _frame) -> None:
-        self.reason = signal.Signals(signum).name
-
-    def agreed(self, ctx: DistContext) -> bool:
-        """True on every rank if any rank was signalled (one tiny all-reduce per metrics row)."""
-        flag = torch.tensor([1.0 if self.reason else 0.0])
-        all_reduce_sum_([flag])
-        if flag.item() > 0 and not self.reason:
-            self.reason = "signal on another rank"
-        return flag.item() > 0
 
 
 def _log_row(agent: FastSAC, stats: EpisodeStats, window: dict[str, list[torch.Tensor]], iters: int,

@@ -1,0 +1,42 @@
+"""Preemption: a signal asks a job to stop; its ranks agree on it at a step boundary."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import torch
+
+from .reduce import all_reduce_sum_
+
+EXIT_STOPPED = 75  # sysexits EX_TEMPFAIL: stopped on request after a checkpoint; rerun with --resume
+
+
+class StopRequest:
+    """SIGUSR2 (Slurm's ``--signal=USR2@<s>``; NCCL owns USR1) or SIGTERM asks the run to stop cleanly:
+    the ranks agree at the next step boundary (:meth:`agreed`), checkpoint there and exit
+    ``EXIT_STOPPED``, so ``--resume`` (or a requeued job) continues where this one stopped."""
+
+    SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.reason = ""
+
+    @classmethod
+    def install(cls) -> "StopRequest":
+        req = cls()
+        if threading.current_thread() is threading.main_thread():
+            for sig in cls.SIGNALS:
+                signal.signal(sig, req._handle)
+        return req
+
+    def _handle(self, signum, _frame) -> None:
+        self.reason = signal.Signals(signum).name
+
+    def agreed(self, group=None) -> bool:
+        """True on every rank of ``group`` if any of them was signalled (one tiny all-reduce)."""
+        flag = torch.tensor([1.0 if self.reason else 0.0])
+        all_reduce_sum_([flag], group=group)
+        if flag.item() > 0 and not self.reason:
+            self.reason = "signal on another rank"
+        return flag.item() > 0
