@@ -3,6 +3,7 @@
 import dataclasses
 import io
 import math
+import subprocess
 import sys
 
 import pytest
@@ -14,7 +15,9 @@ from hpcrl.ppo.workloads import VectorEnvWorkload, make_workload, workload_names
 
 def test_registry():
     assert {"cartpole", "swingup", "continuous", "pendulum", "lm"} <= set(workload_names())
-    assert "hpcrl.ppo.workloads.lm" not in sys.modules  # resolved lazily, only when asked for
+    # resolved lazily, only when asked for (a fresh interpreter: other tests may have imported it)
+    probe = "import sys, hpcrl.ppo.workloads as w; w.make_workload('cartpole'); print('hpcrl.ppo.workloads.lm' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"
     w = make_workload("cartpole", num_envs=4)
     assert (w.name, w.env, w.num_envs, w.num_actions, w.obs_dim) == ("cartpole", "cartpole", 4, 2, 4)
     s = make_workload("swingup")
