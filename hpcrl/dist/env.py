@@ -114,7 +114,9 @@ def _slurm(env: Mapping[str, str]) -> LaunchInfo:
             "`srun python ...` (one rank per task), or use --nproc N for local ranks, or unset "
             "SLURM_PROCID to run a single process."
         )
-    master_addr = env.get("MASTER_ADDR") or first_host(env[nodelist_var])  # type: ignore[index]
+    # A heterogeneous step's node list is the union of its components; rank 0 lives in component 0.
+    het0 = env.get("SLURM_JOB_NODELIST_HET_GROUP_0") if env.get("SLURM_HET_SIZE") else None
+    master_addr = env.get("MASTER_ADDR") or first_host(het0 or env[nodelist_var])  # type: ignore[index]
     port = _int(env, "MASTER_PORT") if env.get("MASTER_PORT") else slurm_port(_int(env, "SLURM_JOB_ID"))
     return LaunchInfo(
         source="slurm",

@@ -93,6 +93,10 @@ class JobRequest:
             flag = arg.split("=", 1)[0]
             if flag in _OWNED_FLAGS:
                 raise LaunchError(f"trainer argument {flag} is set by the launcher; use {_OWNED_FLAGS[flag]} instead")
+        if self.algo == "ppo":  # ranks [0, T) train, [T, T+M) make experience: T + M must be the task count
+            from .roles import check_ppo_world
+
+            check_ppo_world(self.trainer_args, self.nodes * self.ntasks_per_node)
         self._check_run_dir()
 
     def _check_run_dir(self) -> None:

@@ -1,0 +1,54 @@
+"""Rank -> role map of a detached-PPO job, checked before submission.
+
+``python -m hpcrl.ppo`` gives ranks ``[0, T)`` the trainer role and ``[T, T+M)`` the maker role and
+exits 2 when the launcher started a world of another size; a launcher job of ``nodes x
+tasks_per_node`` tasks has to match ``--trainers T --makers M`` (defaults as in
+:class:`hpcrl.ppo.config.DetachedConfig`). Checking that here turns a job that would fail after
+queueing into an error at submission.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .request import LaunchError
+
+# hpcrl.ppo.config.DetachedConfig's defaults (importing hpcrl.ppo would import torch into the launcher;
+# tests/test_slurm_ppo.py checks that they agree)
+DEFAULT_GROUPS = {"trainers": 1, "makers": 1}
+
+
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The last value of ``flag`` in ``args`` (``--flag V`` or ``--flag=V``), as tyro/argparse read it."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def ppo_groups(trainer_args: Sequence[str]) -> tuple[int, int]:
+    """(trainers, makers) that ``python -m hpcrl.ppo *trainer_args`` will run."""
+    counts = []
+    for name in ("trainers", "makers"):
+        raw = flag_value(trainer_args, f"--{name}")
+        try:
+            counts.append(int(raw) if raw is not None else DEFAULT_GROUPS[name])
+        except ValueError:
+            raise LaunchError(f"--{name} {raw!r} is not an integer") from None
+    trainers, makers = counts
+    if trainers < 1 or makers < 1:
+        raise LaunchError(f"--trainers {trainers} --makers {makers}: detached PPO needs at least one of each")
+    return trainers, makers
+
+
+def check_ppo_world(trainer_args: Sequence[str], world_size: int) -> tuple[int, int]:
+    """(trainers, makers); LaunchError when they do not add up to the job's ``world_size`` tasks."""
+    trainers, makers = ppo_groups(trainer_args)
+    if trainers + makers != world_size:
+        raise LaunchError(f"--trainers {trainers} + --makers {makers} = {trainers + makers} ranks, but the job "
+                          f"starts {world_size} task(s) (nodes x tasks_per_node): ranks [0, {trainers}) train, "
+                          "the rest make experience; change the counts or the job size")
+    return trainers, makers
