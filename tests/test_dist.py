@@ -407,3 +407,14 @@ def test_mpi_launch_forms_a_gloo_group():
     outs = run_launched([cmd + [sys.executable, "-m", "dist_workers.launched"]], [env], timeout=60)
     outs.sort(key=lambda o: o["rank"])
     assert [(o["rank"], o["world"], o["source"], o["sum"]) for o in outs] == [(0, 2, "mpi", 3.0), (1, 2, "mpi", 3.0)]
+
+
+def test_heterogeneous_step_rendezvous_is_on_component_0():
+    env = {"SLURM_PROCID": "2", "SLURM_NTASKS": "3", "SLURM_STEP_NUM_TASKS": "3", "SLURM_LOCALID": "1",
+           "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "42", "SLURM_STEP_NODELIST": "node[1-2]",
+           "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_HET_SIZE": "2", "SLURM_JOB_NODELIST_HET_GROUP_0": "node2",
+           "SLURM_JOB_NODELIST_HET_GROUP_1": "node1"}
+    info = dist_env.detect_launch(env)
+    assert (info.source, info.rank, info.world_size, info.master_addr) == ("slurm", 2, 3, "node2")
+    plain = {k: v for k, v in env.items() if "HET" not in k}
+    assert dist_env.detect_launch(plain).master_addr == "node1"
