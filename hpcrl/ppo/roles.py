@@ -68,8 +68,9 @@ class _Shadow:
 
 class Maker:
     def __init__(self, ctx: DistContext, top: Topology, cfg: DetachedConfig, workload: Workload,
-                 ppo: PPOConfig) -> None:
+                 ppo: PPOConfig, weight_group) -> None:
         self.ctx, self.top, self.cfg, self.workload = ctx, top, cfg, workload
+        self.weight_group = weight_group
         self.index = top.maker_index(ctx.rank)
         self.device = torch.device("cpu")
         self.model = workload.build_model(cfg.seed, self.device)
@@ -125,7 +126,7 @@ class Maker:
         dtype = self.sync_tensors[0].dtype
         while True:
             try:
-                version, flat = transport.recv_weights(0, dtype, bucket)
+                version, flat = transport.recv_weights(0, dtype, bucket, self.weight_group)
             except Exception as err:
                 with self.shadow.lock:
                     self.shadow.error = err
@@ -235,8 +236,9 @@ class Received:
 
 class Trainer:
     def __init__(self, ctx: DistContext, top: Topology, cfg: DetachedConfig, workload: Workload,
-                 ppo: PPOConfig, trainer_group) -> None:
+                 ppo: PPOConfig, trainer_group, weight_group) -> None:
         self.ctx, self.top, self.cfg, self.workload = ctx, top, cfg, workload
+        self.weight_group = weight_group
         self.index = ctx.rank
         self.device = torch.device("cpu")
         self.model = workload.build_model(cfg.seed, self.device)
@@ -300,14 +302,15 @@ class Trainer:
             if item is None:
                 for m in self._live():
                     try:
-                        transport.send_goodbye(self.top.maker_rank(m))
+                        transport.send_goodbye(self.top.maker_rank(m), self.weight_group)
                     except Exception:
                         pass
                 return
             version, flat = item
             t0 = time.perf_counter()
             failed = transport.send_weights(flat, version, [self.top.maker_rank(m) for m in self._live()],
-                                            self.bucket, timedelta(seconds=self.cfg.heartbeat_timeout_s))
+                                            self.bucket, timedelta(seconds=self.cfg.heartbeat_timeout_s),
+                                            self.weight_group)
             self.publish_ms = (time.perf_counter() - t0) * 1000
             # A maker we could not reach gets no more weights; the main thread's heartbeat watcher
             # drops it (and re-issues its credits) once its heartbeat stalls too.
@@ -387,7 +390,7 @@ class Trainer:
 
     def publish(self) -> None:
         if self.index == 0:
-            self._publish_q.put((self.version, ops.flatten(self.sync_tensors).clone()))
+            self._publish_q.put((self.version, ops.flatten(self.sync_tensors)))  # a fresh tensor: a snapshot
 
     def stop_publisher(self) -> None:
         if self.index == 0:

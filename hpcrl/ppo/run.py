@@ -72,12 +72,14 @@ def train(cfg: DetachedConfig) -> dict[str, float]:
     # Every rank joins every new_group call, in the same order (a torch.distributed rule).
     # (a group even for one trainer: GradSync and the metric reductions must never span the makers)
     trainer_group = dist.new_group(list(range(top.trainers)), timeout=ctx.timeout)
+    # Publisher -> makers: its own connections, so weight buckets never delay credits or experience.
+    weight_group = dist.new_group([0] + [top.maker_rank(m) for m in range(top.makers)], timeout=ctx.timeout)
     beat = Heartbeat(ctx.store, ctx.rank)
     try:
         if top.role(ctx.rank) == "maker":
-            out = Maker(ctx, top, cfg, workload, ppo).run()
+            out = Maker(ctx, top, cfg, workload, ppo, weight_group).run()
         else:
-            out = _train_loop(ctx, top, cfg, Trainer(ctx, top, cfg, workload, ppo, trainer_group), stop)
+            out = _train_loop(ctx, top, cfg, Trainer(ctx, top, cfg, workload, ppo, trainer_group, weight_group), stop)
     finally:
         beat.stop()
     shutdown()

@@ -10,6 +10,8 @@ Three channels, one tag each, so messages of one channel never match another's r
             parameter vector in buckets of ``bucket_numel`` elements.
 
 Point-to-point (not one broadcast over all makers) so that a dead maker breaks only its own link.
+Weights travel in their own process group (own connections), so credits and experience never
+queue behind a model's worth of buckets.
 """
 
 from __future__ import annotations
@@ -97,15 +99,19 @@ class Header:
         return cls(*[int(x) for x in t.tolist()])
 
 
-def checksum(flat: torch.Tensor) -> float:
+def checksum(flat: torch.Tensor, chunk: int = 1 << 20) -> float:
     """Order-independent exact checksum of a float tensor: its bit patterns summed as integers
-    (float64 holds the sum exactly below 2^53; wraps are fine since both sides compute the same)."""
-    bits = flat.detach().contiguous().view(torch.int32 if flat.element_size() == 4 else torch.int16)
-    return float(int(bits.to(torch.int64).sum()) % (1 << 52))
+    (modulo 2^52, so float64 carries it exactly). Summed in chunks: one int64 copy of a whole model
+    would cost more than sending it."""
+    bits = flat.detach().contiguous().reshape(-1).view(torch.int32 if flat.element_size() == 4 else torch.int16)
+    total = 0
+    for start in range(0, bits.numel(), chunk):
+        total += int(bits[start : start + chunk].sum(dtype=torch.int64))
+    return float(total % (1 << 52))
 
 
 def send_weights(flat: torch.Tensor, version: int, dsts: list[int], bucket_numel: int,
-                 timeout: timedelta) -> list[int]:
+                 timeout: timedelta, group=None) -> list[int]:
     """Bucketed send of ``flat`` to every rank of ``dsts`` at once; returns the ranks it failed for
     (gone, or not receiving within ``timeout``) so one dead maker never stalls the others."""
     n_buckets = max(1, math.ceil(flat.numel() / bucket_numel))
@@ -115,7 +121,8 @@ def send_weights(flat: torch.Tensor, version: int, dsts: list[int], bucket_numel
     failed: list[int] = []
     for dst in dsts:
         try:
-            works[dst] = [dist.isend(header, dst, tag=TAG_WEIGHTS)] + [dist.isend(b, dst, tag=TAG_WEIGHTS) for b in buckets]
+            works[dst] = [dist.isend(header, dst, group=group, tag=TAG_WEIGHTS)] + [
+                dist.isend(b, dst, group=group, tag=TAG_WEIGHTS) for b in buckets]
         except Exception:
             failed.append(dst)
     for dst, ws in works.items():
@@ -127,21 +134,21 @@ def send_weights(flat: torch.Tensor, version: int, dsts: list[int], bucket_numel
     return failed
 
 
-def send_goodbye(dst: int) -> None:
-    dist.send(torch.tensor([GOODBYE, 0, 0, 0], dtype=torch.float64), dst, tag=TAG_WEIGHTS)
+def send_goodbye(dst: int, group=None) -> None:
+    dist.send(torch.tensor([GOODBYE, 0, 0, 0], dtype=torch.float64), dst, group=group, tag=TAG_WEIGHTS)
 
 
-def recv_weights(src: int, dtype: torch.dtype, bucket_numel: int) -> tuple[int, torch.Tensor | None]:
+def recv_weights(src: int, dtype: torch.dtype, bucket_numel: int, group=None) -> tuple[int, torch.Tensor | None]:
     """Blocking receive of one publish into a fresh (shadow) buffer; verifies the checksum.
     Returns ``(GOODBYE, None)`` when the publisher closes the stream."""
     header = torch.empty(4, dtype=torch.float64)
-    dist.recv(header, src, tag=TAG_WEIGHTS)
+    dist.recv(header, src, group=group, tag=TAG_WEIGHTS)
     version, n_buckets, expected, numel = int(header[0]), int(header[1]), float(header[2]), int(header[3])
     if version == GOODBYE:
         return GOODBYE, None
     flat = torch.empty(numel, dtype=dtype)
     for i in range(n_buckets):
-        dist.recv(flat[i * bucket_numel : (i + 1) * bucket_numel], src, tag=TAG_WEIGHTS)
+        dist.recv(flat[i * bucket_numel : (i + 1) * bucket_numel], src, group=group, tag=TAG_WEIGHTS)
     if checksum(flat) != expected:
         raise RuntimeError(f"weights v{version} from rank {src}: checksum mismatch (corrupted transfer)")
     return version, flat
