@@ -1,0 +1,7 @@
+"""hpcrl benchmark suite: ``python -m benchmarks [--quick] [--out DIR]`` (see benchmarks/__main__.py).
+
+Modules: collectives (nccl-tests style sweep + FastSAC flat-gradient path), cost_model (alpha-beta fit
+and projection to 1024 GPUs), report (report.md), compare (regression gate), schema (JSON checks).
+The older per-issue scripts (kernels.py, sac_throughput.py, ppo_throughput.py) are run as
+subprocesses and their JSON is wrapped in the common header.
+"""

@@ -1,0 +1,170 @@
+"""Benchmark suite (issue 6): the --quick entry point, the alpha-beta fit, the projection, the gate."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks import compare, cost_model, schema
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = list(out.iterdir())
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def test_quick_suite_report_and_schema(quick_run: Path) -> None:
+    names = {p.stem for p in quick_run.glob("*.json")}
+    assert {"collectives", "cost_model", "kernels"} <= names
+    for p in quick_run.glob("*.json"):
+        assert schema.validate_file(p) == [], p
+    coll = json.loads((quick_run / "collectives.json").read_text())
+    assert coll["header"]["world_size"] == 2 and coll["header"]["backend"] == "gloo"
+    rows = coll["results"]["rows"]
+    assert {r["op"] for r in rows} == {"all_reduce", "broadcast"}
+    for r in rows:  # nccl-tests definitions
+        assert r["time_s"] > 0
+        assert math.isclose(r["algbw_GBps"], r["bytes"] / r["time_s"] / 1e9, rel_tol=1e-9)
+        assert math.isclose(r["busbw_GBps"], r["algbw_GBps"] * (1.0 if r["op"] == "broadcast" else 2 * (2 - 1) / 2), rel_tol=1e-9)
+    assert coll["results"]["flat"]["critic"]["params"] > 900_000  # holosoma-sized critic + log alpha
+    cm = json.loads((quick_run / "cost_model.json").read_text())
+    assert {p["gpus"] for p in cm["results"]["projection"]} == {8, 64, 512, 1024}
+    assert (quick_run / "cost_model.png").stat().st_size > 10_000
+    report = (quick_run / "report.md").read_text()
+    for needle in ("## Collectives", "## Cost model", "DD-PPO", "busbw", "| 1024 |"):
+        assert needle in report, needle
+
+
+def test_schema_rejects_broken_documents() -> None:
+    good = schema.make("x", schema.header("cpu", 2, {"a": 1}), {"t": schema.figure(1.0, "s", False)}, {})
+    assert schema.validate(good) == []
+    for mutate in (lambda d: d["header"].pop("git_commit"), lambda d: d["header"].update(world_size=0),
+                   lambda d: d["figures"]["t"].update(value=float("nan")), lambda d: d.update(schema="v0"),
+                   lambda d: d["header"].update(world_size="2"), lambda d: d.pop("results")):
+        bad = copy.deepcopy(good)
+        mutate(bad)
+        assert schema.validate(bad), bad
+
+
+@pytest.mark.parametrize("op,algo,p", [("all_reduce", "ring", 2), ("all_reduce", "ring", 8),
+                                       ("all_reduce", "tree", 16), ("broadcast", "tree", 4)])
+def test_alpha_beta_fit_recovers_known_parameters(op: str, algo: str, p: int) -> None:
+    alpha, beta = 23e-6, 1.0 / 7.5e9
+    sizes = [2 ** k for k in range(3, 27)]
+    rng = np.random.default_rng(0)
+    times = [cost_model.model_time(op, algo, p, n, alpha, beta) * (1 + 0.02 * rng.standard_normal()) for n in sizes]
+    fit = cost_model.fit_alpha_beta(sizes, times, p, op, algo)
+    assert fit["alpha_s"] == pytest.approx(alpha, rel=0.05)
+    assert fit["beta_s_per_B"] == pytest.approx(beta, rel=0.05)
+    assert fit["median_rel_err"] < 0.03
+    # a wrong model (the other algorithm's formula) must not fit as well at p > 2
+    if p > 2:
+        other = cost_model.fit_alpha_beta(sizes, times, p, op, "tree" if algo == "ring" else "ring")
+        assert abs(other["alpha_s"] - alpha) / alpha > 0.1 or abs(other["beta_s_per_B"] - beta) / beta > 0.1
+
+
+def test_alpha_beta_formulas() -> None:
+    a, b, n = 1e-6, 1e-9, 1e6
+    assert cost_model.model_time("all_reduce", "ring", 8, n, a, b) == pytest.approx(14 * a + 2 * 7 / 8 * n * b)
+    assert cost_model.model_time("all_reduce", "tree", 8, n, a, b) == pytest.approx(6 * a + 2 * n * b)
+    assert cost_model.model_time("broadcast", "ring", 4, n, a, b) == pytest.approx(3 * a + n * b)
+    assert cost_model.model_time("all_reduce", "ring", 1, n, a, b) == 0.0
+
+
+LINKS = {"gpus_per_node": 8, "links": {"nvlink_h100": {"bw_Bps": 1e11, "alpha_s": 1e-6},
+                                        "ib_ndr": {"bw_Bps": 1e10, "alpha_s": 1e-5}}}
+
+
+def test_allreduce_time_hierarchical_by_hand() -> None:
+    n = 8e6
+    # one node: min(ring, tree) on NVLink
+    ring8 = 14 * 1e-6 + 2 * 7 / 8 * n / 1e11
+    tree8 = 6 * 1e-6 + 2 * n / 1e11
+    assert cost_model.allreduce_time(8, n, LINKS)["time_s"] == pytest.approx(min(ring8, tree8))
+    # 4 nodes x 8: intra ring + inter all-reduce of n/8 over 4 nodes (ring vs tree on IB)
+    shard = n / 8
+    inter = min(6 * 1e-5 + 2 * 3 / 4 * shard / 1e10, 4 * 1e-5 + 2 * shard / 1e10)
+    assert cost_model.allreduce_time(32, n, LINKS)["time_s"] == pytest.approx(ring8 + inter)
+    assert cost_model.allreduce_time(1, n, LINKS)["time_s"] == 0.0
+
+
+def test_projection() -> None:
+    crit, act, pf, t = 3.6e6, 0.8e6, 2, 1e-3
+    rows = cost_model.project(t, crit, act, pf, LINKS, gpus=[1, 8, 64, 512, 1024], batch=8192)
+    base = [r for r in rows if r["scenario"] == "baseline"]
+    assert base[0]["efficiency"] == 1.0 and base[0]["updates_per_s"] == pytest.approx(1000.0)
+    effs = [r["efficiency"] for r in base]
+    assert all(x >= y for x, y in zip(effs, effs[1:])) and effs[-1] < 1.0
+    r8 = base[1]
+    comm8 = (cost_model.allreduce_time(8, crit, LINKS)["time_s"] + cost_model.allreduce_time(8, act, LINKS)["time_s"] / pf)
+    assert r8["comm_s"] == pytest.approx(comm8)
+    assert r8["efficiency"] == pytest.approx(t / (t + comm8))
+    assert r8["samples_per_s"] == pytest.approx(8 * 8192 / (t + comm8))
+    by = {(r["gpus"], r["scenario"]): r for r in rows}
+    for p in (64, 1024):  # every optimisation helps, all together help most
+        for sc in ("fused", "bf16", "overlap"):
+            assert by[(p, sc)]["comm_s"] < by[(p, "baseline")]["comm_s"]
+        assert by[(p, "fused+bf16+overlap")]["comm_s"] <= min(by[(p, s)]["comm_s"] for s in ("fused", "bf16", "overlap"))
+    # communication dominates at once when compute is tiny, never when it is huge
+    assert cost_model.crossover(1e-7, crit, act, pf, LINKS) == 2
+    assert cost_model.crossover(10.0, crit, act, pf, LINKS, max_p=4096) is None
+
+
+def _run_dir(tmp: Path, name: str, figs: dict) -> Path:
+    d = tmp / name
+    d.mkdir()
+    doc = schema.make("collectives", schema.header("cpu", 2, {}), figs, {})
+    (d / "collectives.json").write_text(json.dumps(doc))
+    return d
+
+
+def test_compare_flags_planted_regression(tmp_path: Path, capsys) -> None:
+    figs = {"allreduce_time": schema.figure(2e-3, "s", False), "busbw": schema.figure(0.5, "GB/s", True),
+            "eff": schema.figure(0.9, "fraction", True)}
+    old = _run_dir(tmp_path, "old", figs)
+    same = _run_dir(tmp_path, "same", copy.deepcopy(figs))
+    assert compare.main([str(old), str(same)]) == 0
+    assert "REGRESSION" not in capsys.readouterr().out
+    slow = copy.deepcopy(figs)
+    slow["allreduce_time"]["value"] *= 1.2  # 20 % slower
+    assert compare.main([str(old), str(_run_dir(tmp_path, "slow", slow))]) == 1
+    out = capsys.readouterr().out
+    assert "collectives/allreduce_time" in out and "REGRESSION" in out and out.count("REGRESSION") == 1
+    lowbw = copy.deepcopy(figs)
+    lowbw["busbw"]["value"] *= 0.8  # 20 % less bandwidth
+    rows = compare.compare(compare.load_figures(old), compare.load_figures(_run_dir(tmp_path, "lowbw", lowbw)))
+    assert [r["figure"] for r in rows if r["regression"]] == ["collectives/busbw"]
+    better = copy.deepcopy(figs)
+    better["allreduce_time"]["value"] *= 0.8
+    better["busbw"]["value"] *= 1.05
+    assert compare.main([str(old), str(_run_dir(tmp_path, "better", better))]) == 0
+    assert compare.main([str(old), str(_run_dir(tmp_path, "slow2", slow)), "--threshold", "0.25"]) == 0
+
+
+def test_compare_on_real_quick_run(quick_run: Path, tmp_path: Path) -> None:
+    assert compare.main([str(quick_run), str(quick_run)]) == 0
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    doc = json.loads((quick_run / "collectives.json").read_text())
+    name = next(k for k, f in doc["figures"].items() if not f["higher_is_better"])
+    doc["figures"][name]["value"] *= 1.2
+    (planted / "collectives.json").write_text(json.dumps(doc))
+    rows = compare.compare(compare.load_figures(quick_run), compare.load_figures(planted))
+    assert [r["figure"] for r in rows if r["regression"]] == [f"collectives/{name}"]
