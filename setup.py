@@ -6,6 +6,7 @@ isolated build would compile against a different torch than the one that imports
 """
 
 import os
+import platform
 import shutil
 import sys
 from pathlib import Path
@@ -49,6 +50,10 @@ use_cuda = mode == "1" or (mode == "auto" and cuda_possible)
 
 cpp_sources = ["csrc/bindings.cpp", "csrc/cpu/multi_tensor_cpu.cpp", "csrc/cpu/replay_cpu.cpp"]
 cxx_flags = ["-O3", "-g0"]  # -g0 last: the 10 MB debug .so is of no use here
+if platform.machine() in ("x86_64", "AMD64"):
+    # F16C (every x86-64 CPU since 2012): c10::Half converts with one instruction instead of bit
+    # twiddling, which made the fp16 scaled unflatten 5x slower than torch's own ops.
+    cxx_flags.append("-mf16c")
 if use_cuda:
     # No GPU at build time means no arch to detect; Hopper (H100/H200) is the target we test on.
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
