@@ -6,7 +6,7 @@ Writes ``<out>/<date>-<host>-<commit>/``: one JSON per benchmark (common header,
 benchmarks/schema.py), ``report.md``, PNGs and one ``*.log`` per subprocess benchmark.
 
 Steps: collectives (W local ranks, gloo) -> cost_model (fit + projection) -> kernels (--quick in quick
-mode) -> [full mode only] sac_throughput, ppo_throughput -> report. ``--quick`` (< 2 min on 2 CPU cores)
+mode) -> [full mode only] sac_throughput, ppo_throughput, scaling (benchmarks/scaling.py) -> report. ``--quick`` (< 2 min on 2 CPU cores)
 runs the first three. The older scripts' own JSON is wrapped under ``results`` with the common header.
 """
 
@@ -118,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated subset of steps")
     ap.add_argument("--run-dir", default=None, help="write into this directory instead of <out>/<date>-<host>-<commit> "
                     "(slurm/bench.sbatch: the collectives JSON of the srun step is already there)")
+    ap.add_argument("--scaling-worlds", default="1,2",
+                    help="W of the FastSAC weak/strong sweeps (full mode; W > CPUs is marked oversubscribed)")
+    ap.add_argument("--scaling-topologies", default="1:1,2:1,4:1,4:2", help="detached-PPO makers:trainers")
     args = ap.parse_args(argv)
 
     outdir = Path(args.run_dir) if args.run_dir else run_dir_name(Path(args.out))
@@ -147,6 +150,16 @@ def main(argv: list[str] | None = None) -> int:
         cm.print_summary(ana)
         return "ok"
 
+    def scaling() -> str:
+        from benchmarks import scaling as sc
+
+        doc = sc.run(args.quick, sc.parse_worlds(args.scaling_worlds), args.scaling_topologies.split(","), outdir,
+                     device=args.device, progress=lambda m: print(m, flush=True))
+        doc["header"]["config"]["suite"] = cfg
+        write_json(outdir / "scaling.json", doc)
+        st = doc["results"]["status"]
+        return st if st == "ok" else f"failed: {st}"
+
     q = ["--quick"] if args.quick else []
     steps: list[tuple[str, Callable[[], str]]] = [
         ("collectives", collectives),
@@ -159,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   str(outdir / "sac_throughput_curve.png")], outdir, args.device, 3600, cfg)),
             ("ppo_throughput", lambda: run_script("ppo_throughput", ["--png", str(outdir / "ppo_throughput.png")],
                                                   outdir, args.device, 3600, cfg)),
+            ("scaling", scaling),
         ]
     if args.only:
         keep = set(args.only.split(","))

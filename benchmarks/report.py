@@ -126,11 +126,16 @@ def write_report(d: str | Path, progress: list[dict[str, Any]] | None = None) ->
         lines += ["| step | status | seconds |", "|---|---|---:|"]
         lines += [f"| {s['name']} | {s['status']} | {s['seconds']:.1f} |" for s in progress]
         lines.append("")
-    order = ["collectives", "cost_model"]
+    order = ["collectives", "cost_model", "scaling"]
     for name in order + [k for k in docs if k not in order]:
         if name not in docs:
             continue
         doc = docs[name]
+        if name == "scaling":
+            from benchmarks.scaling import report_lines
+
+            lines += report_lines(doc)
+            continue
         lines += _collectives(doc) if name == "collectives" else _cost(doc) if name == "cost_model" else _generic(doc)
     if problems:
         lines += ["## Schema problems", ""] + [f"- {e}" for e in problems]

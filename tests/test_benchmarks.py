@@ -168,3 +168,79 @@ def test_compare_on_real_quick_run(quick_run: Path, tmp_path: Path) -> None:
     (planted / "collectives.json").write_text(json.dumps(doc))
     rows = compare.compare(compare.load_figures(quick_run), compare.load_figures(planted))
     assert [r["figure"] for r in rows if r["regression"]] == [f"collectives/{name}"]
+
+
+# ---------------------------------------------------------------- scaling sweeps (pure parts, no subprocess)
+
+from benchmarks import scaling  # noqa: E402
+
+
+def test_scaling_topology_and_worlds_parsing() -> None:
+    assert [scaling.parse_topology(s) for s in ("1:1", "2:1", "4:1", " 4:2 ")] == [(1, 1), (2, 1), (4, 1), (4, 2)]
+    for bad in ("4", "4:2:1", "0:1", "1:0", "a:b"):
+        with pytest.raises(ValueError):
+            scaling.parse_topology(bad)
+    assert scaling.parse_worlds("4,1,2,2") == [1, 2, 4]
+    with pytest.raises(ValueError):
+        scaling.parse_worlds("0,1")
+
+
+def test_scaling_efficiency_definitions() -> None:
+    # weak: per-rank throughput vs W=1 (updates/s is per rank: every rank does one update's work)
+    assert scaling.weak_efficiency({1: 40.0, 2: 30.0, 4: 20.0}) == {1: 1.0, 2: 0.75, 4: 0.5}
+    # strong: speedup / W
+    se = scaling.strong_efficiency({1: 10.0, 2: 16.0, 4: 20.0})
+    assert se[1] == (1.0, 1.0)
+    assert se[2] == pytest.approx((1.6, 0.8)) and se[4] == pytest.approx((2.0, 0.5))
+    assert scaling.strong_efficiency({2: 10.0, 4: 20.0})[4] == pytest.approx((2.0, 1.0))  # base = smallest W
+    assert scaling.sac_args(2, "weak", 4, 128, 300) == {"num_envs": 8, "batch_size": 256, "total_env_steps": 2400}
+    assert scaling.sac_args(2, "strong", 4, 128, 300) == {"num_envs": 4, "batch_size": 128, "total_env_steps": 1200}
+    with pytest.raises(ValueError):
+        scaling.sac_args(3, "strong", 4, 128, 300)
+    assert scaling.oversubscribed(4, cpus=2) and not scaling.oversubscribed(2, cpus=2)
+
+
+def test_scaling_steady_rate() -> None:
+    rows = [{"time": 0.0, "updates": 0}, {"time": 10.0, "updates": 100}, {"time": 12.0, "updates": 140},
+            {"time": 14.0, "updates": 180}]
+    assert scaling.steady_rate(rows, "updates") == pytest.approx(20.0)  # warm-up row 0 skipped
+    assert scaling.steady_rate(rows, "updates", skip=0) == pytest.approx(180 / 14)
+    assert scaling.steady_rate(rows[:2], "updates") == pytest.approx(10.0)  # too few rows: use what there is
+    assert scaling.steady_rate(rows[:1], "updates") is None
+    assert scaling.steady_rate(rows, "missing") is None
+
+
+def _sac_pt(mode: str, w: int, ups: float) -> dict:
+    return {"mode": mode, "world": w, "status": "ok", "updates_per_s": ups, "env_steps_per_s": ups * 2 * w,
+            "env_steps_per_s_per_rank": ups * 2, "s_per_update": 1 / ups, "oversubscribed": w > 2,
+            "num_envs": 4 * w, "batch_size": 128 * w, "policy_frequency": 2, "critic_hidden": 128,
+            "actor_hidden": 128, "num_q": 2, "num_atoms": 101}
+
+
+def test_scaling_doc_validates_and_reports(tmp_path: Path) -> None:
+    pts = [_sac_pt("weak", 1, 40.0), _sac_pt("weak", 2, 30.0), _sac_pt("strong", 1, 40.0), _sac_pt("strong", 2, 50.0)]
+    ana = scaling.analyse(pts)
+    assert [p["efficiency"] for p in ana["weak"]] == [1.0, 0.75]
+    assert ana["strong"][1]["speedup"] == pytest.approx(1.25) and ana["strong"][1]["efficiency"] == pytest.approx(0.625)
+    ppo = [{"topology": "4:2", "makers": 4, "trainers": 2, "status": "ok", "samples_per_s": 900.0,
+            "trainer_idle_frac": 0.1, "lag_mean": 1.0, "lag_max": 1.0, "dropped_stale": 0.0, "oversubscribed": True}]
+    # measured vs modelled from a synthetic alpha-beta sweep: alpha 1 ms, 1 GB/s
+    rows = [{"op": "all_reduce", "bytes": n, "time_s": cost_model.model_time("all_reduce", "ring", 2, n, 1e-3, 1e-9)}
+            for n in (8, 1 << 10, 1 << 20, 1 << 24)]
+    (tmp_path / "collectives.json").write_text(json.dumps({"results": {"world": 2, "rows": rows}}))
+    model = scaling.model_weak(ana["weak"], tmp_path / "collectives.json")
+    crit, act = scaling.pendulum_param_bytes(pts[0])
+    want = 1 / 40 + cost_model.model_time("all_reduce", "ring", 2, crit, 1e-3, 1e-9) \
+        + cost_model.model_time("all_reduce", "ring", 2, act, 1e-3, 1e-9) / 2
+    assert model[0]["model_s"] == pytest.approx(1 / 40) and model[1]["model_s"] == pytest.approx(want, rel=1e-3)
+    doc = schema.make("scaling", schema.header("cpu", 2, {}), scaling.figures(ana, ppo),
+                      {"sac": pts, "ppo": ppo, "model_weak": model, "sizes": scaling.SAC_SIZES[False], "cpu_count": 2,
+                       "png": None})
+    assert schema.validate(doc) == []
+    assert doc["figures"]["sac_weak_w2_efficiency"]["value"] == 0.75 and "ppo_4x2_samples_per_s" in doc["figures"]
+    (tmp_path / "scaling.json").write_text(json.dumps(doc))
+    from benchmarks.report import write_report
+
+    rep = write_report(tmp_path).read_text()
+    for needle in ("## Scaling sweeps", "| weak | 2 |", "| 4:2* |", "measured vs modelled"):
+        assert needle in rep, needle
