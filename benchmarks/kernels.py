@@ -38,7 +38,8 @@ Two parts, every row timed in the same run as its baselines (repeats interleaved
                     more obs-sized fields) and the batch is returned as a dict, not a TensorDict
                     (~13 us, anchors §1): both choices make the baseline faster, not slower.
    The ring is filled through the public add()/extend() with random data (terminated p=0.02,
-   truncated p=0.01, as in anchors §1) and wrapped once (ptr = T + 37).
+   truncated p=0.01, as in anchors §1) and wrapped once (ptr = T + 37); the n = 3 shard is the n = 1
+   shard's state loaded with n_step=3 (same stored data).
 """
 
 from __future__ import annotations
