@@ -295,9 +295,14 @@ DP_MODES = ("flat", "view", "ddp", "cleanrl_style")
 
 def dp_worker(batch: int, cycles: int, warmup: int, repeats: int) -> dict[str, Any]:
     """One rank: time blocks of `cycles` policy cycles per mode, modes interleaved, same order on all ranks."""
+    import warnings
+
     import torch.distributed as dist
 
     from hpcrl.dist import init_distributed, shutdown
+
+    # torch 2.13 deprecates DDP's broadcast_buffers (used by GradSync.wrap); keep the tables readable.
+    warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
 
     ctx = init_distributed(timeout_s=300)
     rank, world = ctx.rank, ctx.world_size
