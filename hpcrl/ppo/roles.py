@@ -6,7 +6,6 @@ communication call.
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time

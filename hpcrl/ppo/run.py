@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-import math
 import time
 from collections import deque
 from pathlib import Path
