@@ -7,7 +7,7 @@ benchmarks/schema.py), ``report.md``, PNGs and one ``*.log`` per subprocess benc
 
 Steps: collectives (W local ranks, gloo) -> cost_model (fit + projection) -> kernels (--quick in quick
 mode) -> [full mode only] sac_throughput, ppo_throughput, scaling (benchmarks/scaling.py) -> report. ``--quick`` (< 2 min on 2 CPU cores)
-runs the first three. The older scripts' own JSON is wrapped under ``results`` with the common header.
+runs the first three; ``--only`` picks any steps (at quick sizes with ``--quick``). The older scripts' own JSON is wrapped under ``results`` with the common header.
 """
 
 from __future__ import annotations
@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scaling-worlds", default="1,2",
                     help="W of the FastSAC weak/strong sweeps (full mode; W > CPUs is marked oversubscribed)")
     ap.add_argument("--scaling-topologies", default="1:1,2:1,4:1,4:2", help="detached-PPO makers:trainers")
+    ap.add_argument("--scaling-launcher", default="local", choices=["local", "srun"],
+                    help="srun: every scaling point is an srun step across the allocation's nodes (slurm/bench.sbatch)")
     args = ap.parse_args(argv)
 
     outdir = Path(args.run_dir) if args.run_dir else run_dir_name(Path(args.out))
@@ -153,8 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     def scaling() -> str:
         from benchmarks import scaling as sc
 
+        launcher = sc.Launcher.from_slurm() if args.scaling_launcher == "srun" else sc.Launcher()
         doc = sc.run(args.quick, sc.parse_worlds(args.scaling_worlds), args.scaling_topologies.split(","), outdir,
-                     device=args.device, progress=lambda m: print(m, flush=True))
+                     device=args.device, progress=lambda m: print(m, flush=True), launcher=launcher)
         doc["header"]["config"]["suite"] = cfg
         write_json(outdir / "scaling.json", doc)
         st = doc["results"]["status"]
@@ -165,18 +168,19 @@ def main(argv: list[str] | None = None) -> int:
         ("collectives", collectives),
         ("cost_model", cost_model),
         ("kernels", lambda: run_script("kernels", [*q, "--device", args.device], outdir, args.device, 600, cfg)),
+        ("sac_throughput", lambda: run_script("sac_throughput", [*q, "--no-curve", "--png",
+                                              str(outdir / "sac_throughput_curve.png")], outdir, args.device, 3600, cfg)),
+        ("ppo_throughput", lambda: run_script("ppo_throughput", [*q, "--png", str(outdir / "ppo_throughput.png")],
+                                              outdir, args.device, 3600, cfg)),
+        ("scaling", scaling),
     ]
-    if not args.quick:
-        steps += [
-            ("sac_throughput", lambda: run_script("sac_throughput", ["--no-curve", "--png",
-                                                  str(outdir / "sac_throughput_curve.png")], outdir, args.device, 3600, cfg)),
-            ("ppo_throughput", lambda: run_script("ppo_throughput", ["--png", str(outdir / "ppo_throughput.png")],
-                                                  outdir, args.device, 3600, cfg)),
-            ("scaling", scaling),
-        ]
-    if args.only:
+    if args.only:  # any step, at quick sizes with --quick (e.g. bench.sbatch QUICK=1 SCALING=1)
         keep = set(args.only.split(","))
+        if unknown := keep - {n for n, _ in steps}:
+            ap.error(f"--only: unknown step(s) {sorted(unknown)}; steps are {[n for n, _ in steps]}")
         steps = [s for s in steps if s[0] in keep]
+    elif args.quick:
+        steps = steps[:3]
     prog = Progress([n for n, _ in steps] + ["report"])
     failed = 0
     for name, fn in steps:

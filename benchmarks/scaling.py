@@ -1,10 +1,14 @@
 """Scaling sweeps (issue 6, item 3): FastSAC weak / strong scaling over W ranks and detached-PPO topologies.
 
-    python -m benchmarks.scaling [--quick] [--worlds 1,2] [--topologies 1:1,2:1,4:1,4:2] [--json F] [--png F]
+    python -m benchmarks.scaling [--quick] [--worlds 1,2] [--topologies 1:1,2:1,4:1,4:2] [--launcher local|srun]
 
-Every point is a subprocess of the real CLI (gloo ranks on CPU, spawned by ``--nproc`` / the detached
-launcher), so the numbers include rendezvous-free steady state only: rates are taken from the cumulative
-counters of ``metrics.jsonl`` between the first row after warm-up and the last row.
+Every point is a run of the real CLI, so the numbers are the steady state a user gets: rates are taken from
+the cumulative counters of ``metrics.jsonl`` between the first row after warm-up and the last row.
+``--launcher local`` starts the ranks on this host (``--nproc`` / the detached launcher's local spawn; gloo
+on CPU, NCCL on GPUs). ``--launcher srun`` (inside an allocation: ``slurm/bench.sbatch``) runs every point
+as its own ``srun`` step over ceil(W / tasks-per-node) nodes of the allocation, so W spans nodes and the
+sweep measures the cluster's interconnect; points that need more tasks than the allocation has are
+skipped with a status that says so.
 
 FastSAC (``python -m hpcrl.sac --preset pendulum``; its ``--num-envs`` / ``--batch-size`` are GLOBAL):
   weak   -- per-rank envs E and per-rank batch B fixed (global = W*E, W*B); efficiency = per-rank
@@ -15,7 +19,7 @@ FastSAC (``python -m hpcrl.sac --preset pendulum``; its ``--num-envs`` / ``--bat
 Detached PPO (``python -m hpcrl.ppo --workload cartpole --lag 1``): makers:trainers topologies with
   samples/s, trainer idle fraction and lag mean / max, as logged by the trainer.
 
-Points whose process count exceeds the machine's CPU count are marked ``oversubscribed`` (on 2 cores
+Points whose process count per node exceeds the node's CPU count are marked ``oversubscribed`` (on 2 cores
 W = 4 or a 4:2 topology measures time-slicing, not scaling). Measured vs modelled: when the run directory
 holds collectives.json (the alpha-beta fit of this machine), the weak-scaling update time at W is modelled
 as t(1) + ring all-reduce of the pendulum critic + actor/policy_frequency, next to the measured t(W).
@@ -31,8 +35,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from benchmarks import schema
 
@@ -89,9 +95,55 @@ def strong_efficiency(rates: dict[int, float]) -> dict[int, tuple[float, float]]
 
 
 def oversubscribed(processes: int, cpus: int | None = None) -> bool:
+    """More processes on a node than it has CPUs (``processes`` per node; this host's CPUs by default)."""
     if cpus is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return processes > cpus
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """How the ranks of one sweep point start: ``local`` processes on this host, or an ``srun`` step
+    over ceil(W / tasks_per_node) nodes of the current allocation."""
+
+    kind: str = "local"
+    nodes: int = 1  # of the allocation (srun)
+    tasks_per_node: int = 1
+    gpus_per_node: int = 0
+
+    @classmethod
+    def from_slurm(cls, env: Mapping[str, str] = os.environ) -> "Launcher":
+        """The allocation this process runs in (sbatch / salloc variables)."""
+        if not env.get("SLURM_JOB_ID"):
+            raise ValueError("--launcher srun needs a Slurm allocation (run inside sbatch / salloc: "
+                             "slurm/bench.sbatch does); use --launcher local on a workstation")
+        nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+        # "4(x2)" style values: the first node's count (bench.sbatch asks for a uniform layout)
+        tpn = int((env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "1").split("(")[0])
+        gpus = env.get("SLURM_GPUS_PER_NODE", "0").split(":")[-1]  # "4" or "h100:4"
+        return cls("srun", nodes, tpn, int(gpus) if gpus.isdigit() else 0)
+
+    @property
+    def capacity(self) -> int:
+        return self.nodes * self.tasks_per_node if self.kind == "srun" else 1 << 30
+
+    def per_node(self, ntasks: int) -> int:
+        return min(ntasks, self.tasks_per_node) if self.kind == "srun" else ntasks
+
+    def prefix(self, ntasks: int) -> list[str]:
+        """Command prefix that starts ``ntasks`` ranks (empty for local: the CLI's own --nproc spawns)."""
+        if self.kind == "local":
+            return []
+        if ntasks > self.capacity:
+            raise ValueError(f"needs {ntasks} tasks, the allocation has {self.nodes} node(s) x "
+                             f"{self.tasks_per_node} = {self.capacity}")
+        per_node = self.per_node(ntasks)
+        nodes = -(-ntasks // per_node)
+        cmd = ["srun", f"--nodes={nodes}", f"--ntasks={ntasks}", f"--ntasks-per-node={per_node}",
+               "--distribution=block", "--kill-on-bad-exit=1"]
+        if self.gpus_per_node:
+            cmd.append(f"--gpus-per-node={self.gpus_per_node}")  # ranks use cuda:$SLURM_LOCALID
+        return cmd
 
 
 def sac_args(world: int, mode: str, envs: int, batch: int, vec_steps: int) -> dict[str, int]:
@@ -129,10 +181,11 @@ def _run(cmd: list[str], log: Path, timeout: float) -> tuple[str, float]:
 
 
 def run_sac_point(world: int, mode: str, sizes: dict[str, int], tmp: Path, logdir: Path,
-                  timeout: float) -> dict[str, Any]:
+                  timeout: float, launcher: Launcher = Launcher()) -> dict[str, Any]:
     a = sac_args(world, mode, sizes["envs"], sizes["batch"], sizes["vec_steps"])
     run_dir = tmp / f"sac_{mode}_w{world}"
-    cmd = [sys.executable, "-m", "hpcrl.sac", "--preset", "pendulum", "--nproc", str(world),
+    ranks = ["--nproc", str(world)] if launcher.kind == "local" else []
+    cmd = [*launcher.prefix(world), sys.executable, "-m", "hpcrl.sac", "--preset", "pendulum", *ranks,
            "--num-envs", str(a["num_envs"]), "--batch-size", str(a["batch_size"]),
            "--total-env-steps", str(a["total_env_steps"]), "--run-dir", str(run_dir),
            "--checkpoint-every", "0", "--eval-episodes", "0"]
@@ -150,13 +203,15 @@ def run_sac_point(world: int, mode: str, sizes: dict[str, int], tmp: Path, logdi
             "num_atoms": cfg.get("num_atoms"), "num_q": cfg.get("num_q"),
             "updates_per_s": ups, "env_steps_per_s": sps,
             "env_steps_per_s_per_rank": None if sps is None else sps / world,
-            "s_per_update": None if not ups else 1.0 / ups,
-            "oversubscribed": oversubscribed(world), "command": " ".join(cmd[1:])}
+            "s_per_update": None if not ups else 1.0 / ups, "launcher": cfg.get("launcher"),
+            "nodes": len(set(cfg.get("hosts") or [])) or None,
+            "oversubscribed": oversubscribed(launcher.per_node(world)), "command": _shown(cmd)}
 
 
-def run_ppo_point(makers: int, trainers: int, steps: int, tmp: Path, logdir: Path, timeout: float) -> dict[str, Any]:
+def run_ppo_point(makers: int, trainers: int, steps: int, tmp: Path, logdir: Path, timeout: float,
+                  launcher: Launcher = Launcher()) -> dict[str, Any]:
     run_dir = tmp / f"ppo_{makers}x{trainers}"
-    cmd = [sys.executable, "-m", "hpcrl.ppo", "--workload", "cartpole", "--makers", str(makers), "--trainers",
+    cmd = [*launcher.prefix(makers + trainers), sys.executable, "-m", "hpcrl.ppo", "--workload", "cartpole", "--makers", str(makers), "--trainers",
            str(trainers), "--lag", "1", "--total-steps", str(steps), "--run-dir", str(run_dir)]
     status, wall = _run(cmd, logdir / f"scaling_ppo_{makers}x{trainers}.log", timeout)
     rows = [r for r in _rows(run_dir) if "samples_per_s" in r]
@@ -164,14 +219,22 @@ def run_ppo_point(makers: int, trainers: int, steps: int, tmp: Path, logdir: Pat
     mean = lambda k: (sum(r[k] for r in steady) / len(steady)) if steady and all(k in r for r in steady) else None  # noqa: E731
     if status == "ok" and not rows:
         status = "failed (no metrics rows)"
+    cfg = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
+    hosts = (cfg.get("hosts") or {}).get("trainers", []) + (cfg.get("hosts") or {}).get("makers", [])
     return {"topology": f"{makers}:{trainers}", "makers": makers, "trainers": trainers, "status": status,
             "wall_s": wall, "steps": steps, "rows": len(rows),
             "samples_per_s": steady_rate(rows, "env_steps"), "samples_per_s_logged_mean": mean("samples_per_s"),
             "trainer_idle_frac": mean("trainer_idle_frac"), "lag_mean": mean("lag_mean"),
             "lag_max": max((r["lag_max"] for r in steady), default=None),
             "dropped_stale": rows[-1].get("dropped_stale") if rows else None,
-            "maker_idle_frac": None,  # not logged by the CLI; see benchmarks/ppo_throughput.py (instrumented)
-            "oversubscribed": oversubscribed(makers + trainers), "command": " ".join(cmd[1:])}
+            "maker_idle_frac": mean("maker_idle_frac"), "launcher": cfg.get("launcher"),
+            "nodes": len(set(hosts)) or None,
+            "oversubscribed": oversubscribed(launcher.per_node(makers + trainers)), "command": _shown(cmd)}
+
+
+def _shown(cmd: list[str]) -> str:
+    """The command as a user would type it (python for the interpreter's full path)."""
+    return " ".join("python" if c == sys.executable else c for c in cmd)
 
 
 # ---------------------------------------------------------------- analysis, model, plot
@@ -236,7 +299,7 @@ def model_weak(weak: list[dict[str, Any]], coll_path: Path) -> list[dict[str, An
     return out
 
 
-def plot(ana: dict[str, list], ppo: list[dict[str, Any]], png: Path) -> None:
+def plot(ana: dict[str, list], ppo: list[dict[str, Any]], png: Path, where: str = "local ranks, cpu") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -254,7 +317,7 @@ def plot(ana: dict[str, list], ppo: list[dict[str, Any]], png: Path) -> None:
                     ax[1].annotate("oversub.", (p["world"], p["efficiency"]), fontsize=8)
     ax[1].axhline(1.0, color="grey", lw=0.8, ls="--")
     ws_all = sorted({p["world"] for pts in ana.values() for p in pts})
-    ax[0].set(xscale="log", xlabel="W (ranks)", ylabel="updates / s", title="FastSAC pendulum (gloo, CPU)")
+    ax[0].set(xscale="log", xlabel="W (ranks)", ylabel="updates / s", title=f"FastSAC pendulum ({where})")
     ax[1].set(xscale="log", xlabel="W (ranks)", ylabel="scaling efficiency", title="weak: per-rank vs W=1; strong: speedup/W")
     for a in ax[:2]:
         a.set_xscale("log", base=2)
@@ -268,7 +331,8 @@ def plot(ana: dict[str, list], ppo: list[dict[str, Any]], png: Path) -> None:
                   color=["tab:red" if p["oversubscribed"] else "tab:blue" for p in ok])
         ax[2].set_xticks(list(xs), [p["topology"] + ("*" if p["oversubscribed"] else "") for p in ok])
         for x, p in zip(xs, ok):
-            ax[2].annotate(f"idle {p['trainer_idle_frac']:.2f}\nlag {p['lag_mean']:.2f}", (x, p["samples_per_s"]),
+            ax[2].annotate(f"idle T {_f(p['trainer_idle_frac'], '.2f')} M {_f(p.get('maker_idle_frac'), '.2f')}\n"
+                           f"lag {p['lag_mean']:.2f}", (x, p["samples_per_s"]),
                            ha="center", va="bottom", fontsize=8)
         ax[2].set_ylim(0, 1.2 * max(p["samples_per_s"] for p in ok))
     ax[2].set(xlabel="makers:trainers (* oversubscribed)", ylabel="samples / s", title="detached PPO cartpole, lag 1")
@@ -289,30 +353,38 @@ def figures(ana: dict[str, list], ppo: list[dict[str, Any]]) -> dict[str, dict]:
         if p["samples_per_s"]:
             t = p["topology"].replace(":", "x")
             figs[f"ppo_{t}_samples_per_s"] = schema.figure(p["samples_per_s"], "1/s", True)
-            if p["trainer_idle_frac"] is not None:
-                figs[f"ppo_{t}_trainer_idle"] = schema.figure(p["trainer_idle_frac"], "", False)
+            for side in ("trainer", "maker"):
+                if p.get(f"{side}_idle_frac") is not None:
+                    figs[f"ppo_{t}_{side}_idle"] = schema.figure(p[f"{side}_idle_frac"], "", False)
     return figs
 
 
 def run(quick: bool, worlds: list[int], topologies: list[str], outdir: Path, device: str = "cpu",
-        timeout: float = 600.0, progress: Any = print) -> dict[str, Any]:
+        timeout: float = 600.0, progress: Any = print, launcher: Launcher = Launcher()) -> dict[str, Any]:
     sizes = SAC_SIZES[quick]
-    tmp = Path(tempfile.mkdtemp(prefix="hpcrl_scaling_"))
+    # srun points may run on other nodes: their run directories must be on the (shared) output directory
+    tmp = (Path(tempfile.mkdtemp(prefix="hpcrl_scaling_")) if launcher.kind == "local"
+           else Path(tempfile.mkdtemp(prefix="scaling_runs_", dir=outdir)))
     points: list[dict[str, Any]] = []
     ppo: list[dict[str, Any]] = []
     try:
         for mode in ("weak", "strong"):
             for w in worlds:
                 try:
-                    pt = run_sac_point(w, mode, sizes, tmp, outdir, timeout)
+                    pt = run_sac_point(w, mode, sizes, tmp, outdir, timeout, launcher)
                 except ValueError as e:
                     pt = {"mode": mode, "world": w, "status": f"skipped: {e}", "updates_per_s": None,
-                          "oversubscribed": oversubscribed(w)}
+                          "oversubscribed": oversubscribed(launcher.per_node(w))}
                 points.append(pt)
                 progress(f"  sac {mode} W={w}: {pt['status']}, updates/s {pt.get('updates_per_s')}")
         for topo in topologies:
             m, t = parse_topology(topo)
-            pt = run_ppo_point(m, t, PPO_STEPS[quick], tmp, outdir, timeout)
+            try:
+                pt = run_ppo_point(m, t, PPO_STEPS[quick], tmp, outdir, timeout, launcher)
+            except ValueError as e:
+                pt = {"topology": f"{m}:{t}", "makers": m, "trainers": t, "status": f"skipped: {e}",
+                      "samples_per_s": None, "trainer_idle_frac": None, "maker_idle_frac": None, "lag_mean": None,
+                      "lag_max": None, "dropped_stale": None, "oversubscribed": oversubscribed(launcher.per_node(m + t))}
             ppo.append(pt)
             progress(f"  ppo {topo}: {pt['status']}, samples/s {pt['samples_per_s']}")
     finally:
@@ -324,12 +396,16 @@ def run(quick: bool, worlds: list[int], topologies: list[str], outdir: Path, dev
     except Exception as e:  # noqa: BLE001 - the model is a bonus, the measurement is the point
         progress(f"  measured-vs-modelled skipped: {type(e).__name__}: {e}")
     png = outdir / "scaling.png"
-    plot(ana, ppo, png)
+    where = ("local ranks" if launcher.kind == "local"
+             else f"srun steps, up to {launcher.nodes} node(s) x {launcher.tasks_per_node}")
+    plot(ana, ppo, png, f"{where}, {device}")
     failed = [p for p in points + ppo if not str(p["status"]).startswith(("ok", "skipped"))]
     results = {"sac": points, "sac_weak": ana.get("weak", []), "sac_strong": ana.get("strong", []), "ppo": ppo,
                "model_weak": model, "sizes": sizes, "cpu_count": os.cpu_count(), "png": png.name,
+               "launcher": dataclasses.asdict(launcher),
                "status": "ok" if not failed else f"{len(failed)} point(s) failed"}
-    hdr = schema.header(device, max(worlds), {"quick": quick, "worlds": worlds, "topologies": topologies, **sizes})
+    hdr = schema.header(device, max(worlds), {"quick": quick, "worlds": worlds, "topologies": topologies,
+                                              "launcher": launcher.kind, **sizes})
     return schema.make("scaling", hdr, figures(ana, ppo), results)
 
 
@@ -340,11 +416,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--topologies", default="1:1,2:1,4:1,4:2")
     ap.add_argument("--out", default=".", help="directory for scaling.json, scaling.png and logs")
     ap.add_argument("--timeout", type=float, default=600.0, help="per point")
+    ap.add_argument("--launcher", default="local", choices=["local", "srun"],
+                    help="srun: each point is an srun step across the allocation's nodes (inside sbatch/salloc)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    launcher = Launcher.from_slurm() if args.launcher == "srun" else Launcher()
     doc = run(args.quick, parse_worlds(args.worlds), [t for t in args.topologies.split(",") if t], out,
-              timeout=args.timeout)
+              timeout=args.timeout, launcher=launcher)
     from benchmarks._timing import write_json
 
     write_json(out / "scaling.json", doc)
@@ -358,15 +437,20 @@ def _f(x: Any, fmt: str) -> str:
 
 def report_lines(doc: dict[str, Any]) -> list[str]:
     r = doc["results"]
-    out = [f"## Scaling sweeps ({r['cpu_count']} CPUs; * = more processes than CPUs, time-sliced)", "",
-           f"FastSAC pendulum, gloo ranks. Weak: {r['sizes']['envs']} envs and batch {r['sizes']['batch']} per rank; "
-           f"strong: {r['sizes']['envs']} envs and batch {r['sizes']['batch']} in total. Steady-state rates from "
-           "metrics.jsonl counters.", "",
-           "| mode | W | global envs / batch | updates/s | env-steps/s | env-steps/s per rank | speedup | efficiency | status |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    la = r.get("launcher") or {"kind": "local"}
+    where = ("local ranks on one host" if la["kind"] == "local" else
+             f"one srun step per point over up to {la['nodes']} node(s) x {la['tasks_per_node']} task(s)")
+    out = [f"## Scaling sweeps ({r['cpu_count']} CPUs; * = more processes per node than CPUs, time-sliced)", "",
+           f"{where.capitalize()}. FastSAC pendulum. Weak: {r['sizes']['envs']} envs and batch {r['sizes']['batch']} "
+           f"per rank; strong: {r['sizes']['envs']} envs and batch {r['sizes']['batch']} in total. Steady-state rates "
+           "from metrics.jsonl counters.", "",
+           "| mode | W | nodes | global envs / batch | updates/s | env-steps/s | env-steps/s per rank | speedup | "
+           "efficiency | status |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for p in r["sac"]:
         star = "*" if p.get("oversubscribed") else ""
-        out.append(f"| {p['mode']} | {p['world']}{star} | {p.get('num_envs', '-')} / {p.get('batch_size', '-')} | "
+        out.append(f"| {p['mode']} | {p['world']}{star} | {_f(p.get('nodes'), 'd')} | "
+                   f"{p.get('num_envs', '-')} / {p.get('batch_size', '-')} | "
                    f"{_f(p.get('updates_per_s'), '.1f')} | {_f(p.get('env_steps_per_s'), '.1f')} | "
                    f"{_f(p.get('env_steps_per_s_per_rank'), '.1f')} | {_f(p.get('speedup'), '.2f')} | "
                    f"{_f(p.get('efficiency'), '.2f')} | {p['status']} |")
@@ -377,17 +461,18 @@ def report_lines(doc: dict[str, Any]) -> list[str]:
         for m in r["model_weak"]:
             out.append(f"| {m['world']}{'*' if m['oversubscribed'] else ''} | {m['measured_s'] * 1e3:.2f} ms | "
                        f"{m['model_s'] * 1e3:.2f} ms | {m['comm_model_s'] * 1e3:.3f} ms | {m['ratio']:.2f} |")
-    out += ["", "Detached PPO, cartpole, lag 1 (trainer-side metrics; maker idle is not logged by the CLI):", "",
-            "| makers:trainers | samples/s | trainer idle | lag mean | lag max | dropped stale | status |",
-            "|---|---:|---:|---:|---:|---:|---|"]
+    out += ["", "Detached PPO, cartpole, lag 1 (from the trainers' metrics rows; maker idle = share of the makers' "
+                "time behind each step's batches not spent collecting):", "",
+            "| makers:trainers | nodes | samples/s | trainer idle | maker idle | lag mean | lag max | dropped stale | status |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for p in r["ppo"]:
-        out.append(f"| {p['topology']}{'*' if p['oversubscribed'] else ''} | {_f(p['samples_per_s'], '.0f')} | "
-                   f"{_f(p['trainer_idle_frac'], '.2f')} | {_f(p['lag_mean'], '.2f')} | {_f(p['lag_max'], '.0f')} | "
+        out.append(f"| {p['topology']}{'*' if p['oversubscribed'] else ''} | {_f(p.get('nodes'), 'd')} | "
+                   f"{_f(p['samples_per_s'], '.0f')} | {_f(p['trainer_idle_frac'], '.2f')} | "
+                   f"{_f(p.get('maker_idle_frac'), '.2f')} | {_f(p['lag_mean'], '.2f')} | {_f(p['lag_max'], '.0f')} | "
                    f"{_f(p['dropped_stale'], '.0f')} | {p['status']} |")
     if r.get("png"):
         out += ["", f"![scaling]({r['png']})"]
     return out + [""]
-
 
 if __name__ == "__main__":
     sys.exit(main())

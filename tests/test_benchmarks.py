@@ -244,3 +244,24 @@ def test_scaling_doc_validates_and_reports(tmp_path: Path) -> None:
     rep = write_report(tmp_path).read_text()
     for needle in ("## Scaling sweeps", "| weak | 2 |", "| 4:2* |", "measured vs modelled"):
         assert needle in rep, needle
+
+
+def test_scaling_launcher_from_slurm_and_srun_prefix() -> None:
+    with pytest.raises(ValueError, match="needs a Slurm allocation"):
+        scaling.Launcher.from_slurm({})
+    la = scaling.Launcher.from_slurm({"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "4", "SLURM_NTASKS_PER_NODE": "8",
+                                      "SLURM_GPUS_PER_NODE": "h100:8"})
+    assert (la.kind, la.nodes, la.tasks_per_node, la.gpus_per_node, la.capacity) == ("srun", 4, 8, 8, 32)
+    # W <= G: one node; W > G: ceil(W / G) full nodes; ranks bind cuda:$SLURM_LOCALID
+    assert la.prefix(2) == ["srun", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2", "--distribution=block",
+                            "--kill-on-bad-exit=1", "--gpus-per-node=8"]
+    assert la.prefix(16)[1:4] == ["--nodes=2", "--ntasks=16", "--ntasks-per-node=8"]
+    assert la.per_node(16) == 8 and la.per_node(3) == 3
+    with pytest.raises(ValueError, match="needs 33 tasks, the allocation has 4 node"):
+        la.prefix(33)
+    # without --ntasks-per-node Slurm gives SLURM_TASKS_PER_NODE like "2(x3)"; CPU allocations add no GPU flag
+    cpu = scaling.Launcher.from_slurm({"SLURM_JOB_ID": "7", "SLURM_NNODES": "3", "SLURM_TASKS_PER_NODE": "2(x3)"})
+    assert (cpu.nodes, cpu.tasks_per_node, cpu.gpus_per_node) == (3, 2, 0)
+    assert "--gpus-per-node" not in " ".join(cpu.prefix(6))
+    local = scaling.Launcher()
+    assert local.prefix(64) == [] and local.per_node(4) == 4

@@ -91,7 +91,9 @@ def test_slurm_variables_master_from_nodelist_and_port_from_job_id():
     assert (info.source, info.rank, info.world_size, info.local_rank) == ("slurm", 3, 4, 1)
     if shutil.which("scontrol") is None:  # with real Slurm installed, scontrol may reject fake names
         assert info.master_addr == "node01"
-    assert info.master_port == hd.slurm_port(123456) == 20000 + 123456 % 10000
+    assert info.master_port == hd.slurm_port(123456, int(SLURM["SLURM_STEP_ID"])) == 20000 + 123456 % 10000
+    # a later step of the same job (e.g. the next point of a scaling sweep) gets its own port
+    assert hd.detect_launch({**SLURM, "SLURM_STEP_ID": "3"}).master_port == 20000 + (123456 + 3000) % 10000
 
 
 def test_slurm_master_overrides_and_step_task_count():

@@ -85,6 +85,22 @@ def test_topologies_complete_with_every_sample_accounted(tmp_path, makers, train
     assert all(r["produced"] > 0 for r in rows[trainers:]), "a maker produced nothing"
 
 
+@pytest.mark.parametrize("makers, rollout_s, train_s, idle_side", [(2, 0.02, 0.15, "maker"), (1, 0.15, 0.01, "trainer")])
+def test_idle_fractions_name_the_side_that_waits(tmp_path, makers, rollout_s, train_s, idle_side):
+    # Sleep-controlled costs: slow updates leave the makers waiting for credits, slow rollouts the trainer.
+    cfg = toy_config(tmp_path, makers, 1, lag=1, total_steps=10,
+                     workload_args={"rollout_s": str(rollout_s), "train_s": str(train_s)})
+    spawn(train, makers + 1, args=(cfg,), timeout_s=100)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][2:-1]
+    maker = sum(r["maker_idle_frac"] for r in rows) / len(rows)
+    trainer = sum(r["trainer_idle_frac"] for r in rows) / len(rows)
+    assert 0.0 <= maker <= 1.0 and 0.0 <= trainer <= 1.0
+    if idle_side == "maker":
+        assert maker > 0.6 and trainer < 0.4, (maker, trainer)
+    else:
+        assert maker < 0.4 and trainer > 0.6, (maker, trainer)
+
+
 def test_trainable_only_sync_keeps_the_frozen_base(tmp_path):
     cfg = toy_config(tmp_path, 2, 1, lag=1, workload_args={"trainable_only": True})
     rows = spawn(train, 3, args=(cfg,), timeout_s=100)

@@ -10,7 +10,7 @@ Typical trainer::
 Local ranks without a launcher: ``hpcrl.dist.spawn(main, nproc)``.
 """
 
-from .barrier import BarrierTimeoutError, barrier
+from .barrier import BarrierTimeoutError, barrier, hosts
 from .bootstrap import current, init_distributed, shutdown
 from .context import DistContext, DistSetupError, Source
 from .env import LaunchInfo, detect_launch, slurm_port
@@ -34,6 +34,7 @@ __all__ = [
     "SpawnError",
     "all_reduce_sum_",
     "barrier",
+    "hosts",
     "broadcast_",
     "check_parameters_in_sync",
     "current",

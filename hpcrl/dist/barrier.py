@@ -11,7 +11,7 @@ from datetime import timedelta
 
 from .context import DistContext
 
-__all__ = ["BarrierTimeoutError", "barrier", "register_host"]
+__all__ = ["BarrierTimeoutError", "barrier", "hosts", "register_host"]
 
 
 class BarrierTimeoutError(TimeoutError):
@@ -30,6 +30,13 @@ def register_host(ctx: DistContext) -> None:
     """Publish this rank's hostname so later barrier errors can say where a missing rank ran."""
     assert ctx.store is not None
     ctx.store.set(_host_key(ctx.rank), ctx.hostname)
+
+
+def hosts(ctx: DistContext) -> list[str]:
+    """Hostname of every rank, in rank order (after init: every rank registered before the init barrier)."""
+    if ctx.store is None:
+        return [ctx.hostname]
+    return [ctx.store.get(_host_key(r)).decode() for r in range(ctx.world_size)]
 
 
 def _describe(ctx: DistContext, ranks: list[int]) -> str:

@@ -49,9 +49,10 @@ def _check_ranks(source: str, rank: int, world: int, local_rank: int) -> None:
         )
 
 
-def slurm_port(job_id: int) -> int:
-    """Rendezvous port derived from the job id, so all tasks agree without talking (20000-29999)."""
-    return 20000 + job_id % 10000
+def slurm_port(job_id: int, step_id: int = 0) -> int:
+    """Rendezvous port derived from the job and step ids, so all tasks of a step agree without talking
+    and steps of one job (a scaling sweep, concurrent ``srun &``) do not collide (20000-29999)."""
+    return 20000 + (job_id + 1000 * step_id) % 10000
 
 
 def _torchrun(env: Mapping[str, str]) -> LaunchInfo:
@@ -117,7 +118,9 @@ def _slurm(env: Mapping[str, str]) -> LaunchInfo:
     # A heterogeneous step's node list is the union of its components; rank 0 lives in component 0.
     het0 = env.get("SLURM_JOB_NODELIST_HET_GROUP_0") if env.get("SLURM_HET_SIZE") else None
     master_addr = env.get("MASTER_ADDR") or first_host(het0 or env[nodelist_var])  # type: ignore[index]
-    port = _int(env, "MASTER_PORT") if env.get("MASTER_PORT") else slurm_port(_int(env, "SLURM_JOB_ID"))
+    step = env.get("SLURM_STEP_ID", "")
+    port = (_int(env, "MASTER_PORT") if env.get("MASTER_PORT")
+            else slurm_port(_int(env, "SLURM_JOB_ID"), int(step) if step.isdigit() else 0))
     return LaunchInfo(
         source="slurm",
         rank=rank,

@@ -193,6 +193,7 @@ class Maker:
     def run(self) -> dict[str, float]:
         schema: Schema | None = None
         seq = 0
+        prev_end: float | None = None  # when the previous rollout finished
         while True:
             t0 = time.monotonic()
             credit = self._next_credit()
@@ -200,8 +201,14 @@ class Maker:
                 break
             trainer, min_version, credit_id = credit
             self._wait_for_version(min_version)
-            self.waiting_s += time.monotonic() - t0
+            t_collect = time.monotonic()
+            self.waiting_s += t_collect - t0
             batch, stats = self.collector.collect(self.model, self.generator)
+            # Timing travels with the batch so the trainers can log the makers' idle fraction: wait = since
+            # the previous rollout ended (packing, send queue, credit, weights), busy = collecting this one.
+            wait = t_collect - (t0 if prev_end is None else prev_end)
+            prev_end = time.monotonic()
+            stats = {**stats, "maker_wait_s": wait, "maker_busy_s": prev_end - t_collect}
             if schema is None:
                 schema = Schema.of(batch, stats)
                 if self.index == 0:

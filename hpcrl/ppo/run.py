@@ -159,7 +159,8 @@ def _train_loop(ctx: DistContext, top: Topology, cfg: DetachedConfig, tr: Traine
         samples = stats_sum.get("env_steps", 0.0)
         names = sorted(learn)
         summed = _trainer_sum([samples, stats_sum.get("episode_return_sum", 0.0), stats_sum.get("episodes", 0.0),
-                               sum(lags), len(lags), wait_s, dropped_stale] + [learn[k] for k in names], tr.group)
+                               sum(lags), len(lags), wait_s, dropped_stale, stats_sum.get("maker_wait_s", 0.0),
+                               stats_sum.get("maker_busy_s", 0.0)] + [learn[k] for k in names], tr.group)
         lag_max, neg_lag_min = _trainer_max([max(lags), -min(lags)], tr.group)
         env_steps += summed[0]
         now = time.perf_counter()
@@ -170,7 +171,9 @@ def _train_loop(ctx: DistContext, top: Topology, cfg: DetachedConfig, tr: Traine
                "lag_mean": summed[3] / summed[4], "lag_max": lag_max, "lag_min": -neg_lag_min, "dropped_stale": summed[6],
                "weight_sync_ms": tr.publish_ms, "samples_per_s": summed[0] / max(now - last, 1e-9),
                "trainer_idle_frac": (summed[5] / n_tr) / max(now - last, 1e-9),
-               **{k: summed[7 + i] / n_tr for i, k in enumerate(names)}}
+               # of the makers' time behind this step's batches, the share not spent collecting
+               "maker_idle_frac": summed[7] / max(summed[7] + summed[8], 1e-9),
+               **{k: summed[9 + i] / n_tr for i, k in enumerate(names)}}
         row = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()}
         last = now
         logger.log(row)

@@ -18,7 +18,7 @@ import torch
 
 from hpcrl import checkpoint
 from hpcrl.dist import (DistContext, StopRequest, all_reduce_sum_, barrier, broadcast_, check_parameters_in_sync,
-                        init_distributed, reduce_metrics, shutdown)
+                        hosts, init_distributed, reduce_metrics, shutdown)
 from hpcrl.envs import EpisodeStats, make_env
 from hpcrl.metrics import RunLogger
 from hpcrl.replay import ReplayShard
@@ -132,7 +132,7 @@ def train(cfg: SACConfig) -> dict[str, float]:
         run_dir.mkdir(parents=True, exist_ok=True)
         resolved = {**dataclasses.asdict(cfg), "world_size": world, "envs_per_rank": layout.envs_per_rank,
                     "batch_per_rank": layout.batch_per_rank, "iterations": layout.iterations,
-                    "launcher": ctx.source}
+                    "launcher": ctx.source, "hosts": hosts(ctx)}
         (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
         print(f"hpcrl.sac: {world} rank(s) via {ctx.source}, device {device}; global num_envs={cfg.num_envs} "
               f"({layout.envs_per_rank}/rank), global batch={cfg.batch_size} ({layout.batch_per_rank}/rank), "
