@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 __all__ = ["DistContext", "DistSetupError", "Source"]
 
-Source = Literal["torchrun", "slurm", "mpi", "single"]
+Source = Literal["torchrun", "local", "slurm", "mpi", "single"]  # local: hpcrl.dist.spawn / --nproc
 
 
 class DistSetupError(RuntimeError):

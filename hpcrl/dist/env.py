@@ -72,7 +72,8 @@ def _torchrun(env: Mapping[str, str]) -> LaunchInfo:
     local_rank = _int(env, "LOCAL_RANK") if env.get("LOCAL_RANK") else 0
     _check_ranks("torchrun variables", rank, world, local_rank)
     return LaunchInfo(
-        source="torchrun",
+        # hpcrl.dist.spawn (``--nproc``) uses the same variables; it marks its children so runs say "local"
+        source="local" if env.get("HPCRL_SPAWNED") == "1" else "torchrun",
         rank=rank,
         world_size=world,
         local_rank=local_rank,
@@ -193,7 +194,7 @@ def detect_launch(env: Mapping[str, str] | None = None, source: Source | None = 
             source = "mpi"
         else:
             source = "single"
-    if source == "torchrun":
+    if source in ("torchrun", "local"):  # the same variables; _torchrun tells them apart
         return _torchrun(env)
     if source == "slurm":
         if "SLURM_PROCID" not in env:
@@ -203,4 +204,4 @@ def detect_launch(env: Mapping[str, str] | None = None, source: Source | None = 
         return _mpi(env)
     if source == "single":
         return _single()
-    raise ValueError(f"unknown source {source!r}; expected torchrun, slurm, mpi or single")
+    raise ValueError(f"unknown source {source!r}; expected torchrun, local, slurm, mpi or single")

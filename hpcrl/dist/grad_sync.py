@@ -31,6 +31,7 @@ Parameters of several dtypes (fp32 + bf16) get one buffer, hence one collective,
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal
@@ -135,12 +136,12 @@ class GradSync:
         self._covered |= owned
         self._buckets = _make_buckets([p for p in self.params if id(p) not in self._covered], view=False)
         device = next(module.parameters()).device
-        options: dict[str, Any] = dict(
-            # Buffers (e.g. normalizer statistics) are synced explicitly by the trainer; DDP's
-            # default would overwrite them with rank 0's copy at every forward.
-            broadcast_buffers=False,
-            device_ids=[device.index] if device.type == "cuda" else None,
-        )
+        # Buffers (e.g. normalizer statistics) are synced explicitly by the trainer; DDP's default
+        # would overwrite them with rank 0's copy at every forward. torch >= 2.13 names the option
+        # forward_sync_buffers (broadcast_buffers warns there); older torch only has broadcast_buffers.
+        no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in
+                   inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters else "broadcast_buffers")
+        options: dict[str, Any] = {no_sync: False, "device_ids": [device.index] if device.type == "cuda" else None}
         options.update(self._ddp_kwargs)
         return nn.parallel.DistributedDataParallel(module, process_group=self.group, **options)
 
