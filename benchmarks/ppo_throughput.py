@@ -401,7 +401,8 @@ def analyse_detached(results: list[dict[str, Any]], makers: int, trainers: int) 
         "trainer_idle": idle_t,
         "maker_idle": statistics.mean(maker_idle),
         "maker_idle_each": maker_idle,
-        # the same quantity as the trainers log it (maker_idle_frac: per-batch timing sent with the batches)
+        # what the trainers log (maker_idle_frac): per-batch timing sent with the batches, where idle also
+        # counts packing and the send queue; maker_idle above counts only credit and weight waits
         "maker_idle_logged": statistics.mean(r.get("maker_idle_frac", float("nan")) for _, r in steps),
         "lag_mean": statistics.mean(r["lag_mean"] for _, r in steps),
         "lag_max": max(r["lag_max"] for _, r in steps),

@@ -110,6 +110,7 @@ class Launcher:
     nodes: int = 1  # of the allocation (srun)
     tasks_per_node: int = 1
     gpus_per_node: int = 0
+    cpus_per_task: int = 0  # 0: Slurm's default
 
     @classmethod
     def from_slurm(cls, env: Mapping[str, str] = os.environ) -> "Launcher":
@@ -118,10 +119,14 @@ class Launcher:
             raise ValueError("--launcher srun needs a Slurm allocation (run inside sbatch / salloc: "
                              "slurm/bench.sbatch does); use --launcher local on a workstation")
         nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
-        # "4(x2)" style values: the first node's count (bench.sbatch asks for a uniform layout)
-        tpn = int((env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "1").split("(")[0])
+        if env.get("SLURM_NTASKS_PER_NODE"):
+            tpn = int(env["SLURM_NTASKS_PER_NODE"])
+        else:  # e.g. "2(x3),1": the smallest node's count, so that every step fits (bench.sbatch is uniform)
+            counts = [int(part.split("(")[0]) for part in env.get("SLURM_TASKS_PER_NODE", "1").split(",")]
+            tpn = min(counts)
         gpus = env.get("SLURM_GPUS_PER_NODE", "0").split(":")[-1]  # "4" or "h100:4"
-        return cls("srun", nodes, tpn, int(gpus) if gpus.isdigit() else 0)
+        cpus = env.get("SLURM_CPUS_PER_TASK", "")
+        return cls("srun", nodes, tpn, int(gpus) if gpus.isdigit() else 0, int(cpus) if cpus.isdigit() else 0)
 
     @property
     def capacity(self) -> int:
@@ -143,6 +148,8 @@ class Launcher:
                "--distribution=block", "--kill-on-bad-exit=1"]
         if self.gpus_per_node:
             cmd.append(f"--gpus-per-node={self.gpus_per_node}")  # ranks use cuda:$SLURM_LOCALID
+        if self.cpus_per_task:  # srun of Slurm < 23.11 does not inherit the allocation's --cpus-per-task
+            cmd.append(f"--cpus-per-task={self.cpus_per_task}")
         return cmd
 
 

@@ -260,8 +260,11 @@ def test_scaling_launcher_from_slurm_and_srun_prefix() -> None:
     with pytest.raises(ValueError, match="needs 33 tasks, the allocation has 4 node"):
         la.prefix(33)
     # without --ntasks-per-node Slurm gives SLURM_TASKS_PER_NODE like "2(x3)"; CPU allocations add no GPU flag
-    cpu = scaling.Launcher.from_slurm({"SLURM_JOB_ID": "7", "SLURM_NNODES": "3", "SLURM_TASKS_PER_NODE": "2(x3)"})
-    assert (cpu.nodes, cpu.tasks_per_node, cpu.gpus_per_node) == (3, 2, 0)
-    assert "--gpus-per-node" not in " ".join(cpu.prefix(6))
+    cpu = scaling.Launcher.from_slurm({"SLURM_JOB_ID": "7", "SLURM_NNODES": "3", "SLURM_TASKS_PER_NODE": "2(x3)",
+                                       "SLURM_CPUS_PER_TASK": "4"})
+    assert (cpu.nodes, cpu.tasks_per_node, cpu.gpus_per_node, cpu.cpus_per_task) == (3, 2, 0, 4)
+    assert "--gpus-per-node" not in " ".join(cpu.prefix(6)) and cpu.prefix(6)[-1] == "--cpus-per-task=4"
+    uneven = scaling.Launcher.from_slurm({"SLURM_JOB_ID": "7", "SLURM_NNODES": "3", "SLURM_TASKS_PER_NODE": "3(x2),1"})
+    assert (uneven.tasks_per_node, uneven.capacity) == (1, 3)  # every step must fit on every node
     local = scaling.Launcher()
     assert local.prefix(64) == [] and local.per_node(4) == 4

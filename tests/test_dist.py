@@ -79,6 +79,9 @@ def test_torchrun_variables():
     assert (info.source, info.rank, info.world_size, info.local_rank) == ("torchrun", 1, 2, 1)
     assert (info.master_addr, info.master_port) == ("10.0.0.1", 29500)
     assert not info.store_hosted_elsewhere
+    # hpcrl's own local launchers use the same variables and say so; a forced source is honoured
+    assert hd.detect_launch({**TORCHRUN, "HPCRL_LAUNCHER": "local"}).source == "local"
+    assert hd.detect_launch(TORCHRUN, source="local").source == "local"
 
 
 def test_torchrun_beats_slurm():
@@ -93,7 +96,8 @@ def test_slurm_variables_master_from_nodelist_and_port_from_job_id():
         assert info.master_addr == "node01"
     assert info.master_port == hd.slurm_port(123456, int(SLURM["SLURM_STEP_ID"])) == 20000 + 123456 % 10000
     # a later step of the same job (e.g. the next point of a scaling sweep) gets its own port
-    assert hd.detect_launch({**SLURM, "SLURM_STEP_ID": "3"}).master_port == 20000 + (123456 + 3000) % 10000
+    assert hd.detect_launch({**SLURM, "SLURM_STEP_ID": "3"}).master_port == 20000 + (123456 + 3 * 7919) % 10000
+    assert len({hd.slurm_port(123456, s) for s in range(10000)}) == 10000  # no two steps of a job collide
 
 
 def test_slurm_master_overrides_and_step_task_count():

@@ -191,7 +191,7 @@ def test_local_executor_runs_the_ranks_on_this_host(tmp_path, monkeypatch):
     results = sub.results()
     run_dir = Path(sub.run_dir)
     config = json.loads((run_dir / "config.json").read_text())
-    assert (config["world_size"], config["launcher"], config["resume"]) == (2, "torchrun", False)
+    assert (config["world_size"], config["launcher"], config["resume"]) == (2, "local", False)
     rows = metrics(run_dir)
     assert [r["env_steps"] for r in rows] == list(range(20, 161, 20))
     assert [r.rank for r in results] == [0, 1]

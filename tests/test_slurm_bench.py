@@ -14,7 +14,7 @@ import pytest
 from benchmarks import schema
 from test_slurm import FINAL_STATES, REPO, cluster, job_env, job_fields, needs_slurm, wait_for  # noqa: F401
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = pytest.mark.timeout(720)
 
 
 @needs_slurm
@@ -25,7 +25,7 @@ def test_bench_sbatch_sweeps_across_two_nodes_into_one_report(cluster, tmp_path:
     cmd = ["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "--time=15",
            f"--output={tmp_path}/%j.out", "--export=ALL", str(REPO / "slurm" / "bench.sbatch")]
     job_id = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, check=True).stdout.strip()
-    fields = wait_for(lambda: (f := job_fields(job_id))["JobState"] in FINAL_STATES and f, 360,
+    fields = wait_for(lambda: (f := job_fields(job_id))["JobState"] in FINAL_STATES and f, 600,
                       f"bench job {job_id}", poll_s=1.0)
     log = (tmp_path / f"{job_id}.out").read_text()
     assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), log

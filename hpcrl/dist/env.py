@@ -51,11 +51,12 @@ def _check_ranks(source: str, rank: int, world: int, local_rank: int) -> None:
 
 def slurm_port(job_id: int, step_id: int = 0) -> int:
     """Rendezvous port derived from the job and step ids, so all tasks of a step agree without talking
-    and steps of one job (a scaling sweep, concurrent ``srun &``) do not collide (20000-29999)."""
-    return 20000 + (job_id + 1000 * step_id) % 10000
+    and the steps of one job (a scaling sweep, concurrent ``srun &``) never share a port: 7919 is
+    coprime to 10000, so steps 0..9999 of a job map to distinct ports in 20000-29999."""
+    return 20000 + (job_id + 7919 * step_id) % 10000
 
 
-def _torchrun(env: Mapping[str, str]) -> LaunchInfo:
+def _torchrun(env: Mapping[str, str], source: Source = "torchrun") -> LaunchInfo:
     world = _int(env, "WORLD_SIZE") if "WORLD_SIZE" in env else None
     # A single-process run needs no rendezvous, so only a multi-rank run needs the master variables.
     required = ["RANK", "WORLD_SIZE"] + (["LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"] if world != 1 else [])
@@ -72,8 +73,7 @@ def _torchrun(env: Mapping[str, str]) -> LaunchInfo:
     local_rank = _int(env, "LOCAL_RANK") if env.get("LOCAL_RANK") else 0
     _check_ranks("torchrun variables", rank, world, local_rank)
     return LaunchInfo(
-        # hpcrl.dist.spawn (``--nproc``) uses the same variables; it marks its children so runs say "local"
-        source="local" if env.get("HPCRL_SPAWNED") == "1" else "torchrun",
+        source=source,
         rank=rank,
         world_size=world,
         local_rank=local_rank,
@@ -173,7 +173,8 @@ def detect_launch(env: Mapping[str, str] | None = None, source: Source | None = 
     """Read rank, world size, local rank and the rendezvous address from the launcher's variables.
 
     ``source`` forces one path ("single" ignores every launcher variable). Otherwise: ``RANK`` or
-    ``WORLD_SIZE`` set -> torchrun; ``SLURM_PROCID`` set -> Slurm task; MPI launcher variables and
+    ``WORLD_SIZE`` set -> torchrun (``local`` with ``HPCRL_LAUNCHER=local``: hpcrl's own local
+    launchers); ``SLURM_PROCID`` set -> Slurm task; MPI launcher variables and
     mpi4py -> MPI; else a single process. An MPI launcher running inside a Slurm allocation
     (``mpirun`` in the batch script: no ``SLURM_STEP_ID``, or a task count that disagrees with
     Slurm's) wins over the Slurm variables it inherited. A partial environment raises
@@ -187,15 +188,16 @@ def detect_launch(env: Mapping[str, str] | None = None, source: Source | None = 
             not env.get("SLURM_STEP_ID") or (mpi_size is not None and str(mpi_size) != slurm_world)
         )
         if "RANK" in env or "WORLD_SIZE" in env:
-            source = "torchrun"
+            # hpcrl.dist.spawn (--nproc) and submitit's local executor set the same variables as torchrun
+            source = "local" if env.get("HPCRL_LAUNCHER") == "local" else "torchrun"
         elif "SLURM_PROCID" in env and not mpi_in_slurm:
             source = "slurm"
         elif any(v in env for v in _MPI_MARKER_VARS):
             source = "mpi"
         else:
             source = "single"
-    if source in ("torchrun", "local"):  # the same variables; _torchrun tells them apart
-        return _torchrun(env)
+    if source in ("torchrun", "local"):
+        return _torchrun(env, source)
     if source == "slurm":
         if "SLURM_PROCID" not in env:
             raise DistSetupError("source='slurm' but SLURM_PROCID is not set: start the task with srun")

@@ -136,12 +136,14 @@ class GradSync:
         self._covered |= owned
         self._buckets = _make_buckets([p for p in self.params if id(p) not in self._covered], view=False)
         device = next(module.parameters()).device
-        # Buffers (e.g. normalizer statistics) are synced explicitly by the trainer; DDP's default
-        # would overwrite them with rank 0's copy at every forward. torch >= 2.13 names the option
-        # forward_sync_buffers (broadcast_buffers warns there); older torch only has broadcast_buffers.
-        no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in
-                   inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters else "broadcast_buffers")
-        options: dict[str, Any] = {no_sync: False, "device_ids": [device.index] if device.type == "cuda" else None}
+        options: dict[str, Any] = {"device_ids": [device.index] if device.type == "cuda" else None}
+        if not {"broadcast_buffers", "forward_sync_buffers"} & set(self._ddp_kwargs):
+            # Buffers (e.g. normalizer statistics) are synced explicitly by the trainer; DDP's default
+            # would overwrite them with rank 0's copy at every forward. torch >= 2.13 calls this
+            # forward_sync_buffers (broadcast_buffers warns there); older torch has broadcast_buffers.
+            # Both still sync at construction, when all ranks hold the same (broadcast) buffers anyway.
+            sig = inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+            options["forward_sync_buffers" if "forward_sync_buffers" in sig else "broadcast_buffers"] = False
         options.update(self._ddp_kwargs)
         return nn.parallel.DistributedDataParallel(module, process_group=self.group, **options)
 

@@ -119,7 +119,7 @@ def spawn(
                     "LOCAL_RANK": str(rank),
                     "WORLD_SIZE": str(nproc),
                     "LOCAL_WORLD_SIZE": str(nproc),
-                    "HPCRL_SPAWNED": "1",  # the run's "launcher" is reported as local, not torchrun
+                    "HPCRL_LAUNCHER": "local",  # torchrun-style variables, but the run reports "local"
                     **(env or {}),
                 }
                 p = ctx.Process(target=_child, args=(fn, tuple(args), child_env, num_threads, tmp), name=f"rank{rank}")

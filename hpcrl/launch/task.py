@@ -77,8 +77,9 @@ def rank_environment(job: submitit.JobEnvironment) -> dict[str, str]:
     if job.cluster == "slurm":
         return env  # srun set SLURM_PROCID/NTASKS/LOCALID/STEP_ID/JOB_NODELIST: what hpcrl.dist reads
     # submitit's local executor: N processes on this host, described to the trainer as torchrun would
+    # (HPCRL_LAUNCHER=local: the run's config.json says "local", not "torchrun")
     env.update(RANK=str(job.global_rank), WORLD_SIZE=str(job.num_tasks), LOCAL_RANK=str(job.local_rank),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(20000 + int(job.job_id) % 10000))
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(20000 + int(job.job_id) % 10000), HPCRL_LAUNCHER="local")
     return env
 
 

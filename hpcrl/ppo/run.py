@@ -137,11 +137,13 @@ def _train_loop(ctx: DistContext, top: Topology, cfg: DetachedConfig, tr: Traine
         while len(batches) < cfg.batches_per_step:
             item = tr.next_batch()
             lag = tr.version - item.header.version
+            data, stats = tr._schema().unpack(item.payload)
             if lag > cfg.stale_cap:
                 dropped_stale += item.header.samples
                 tr.grant(1)
+                for k in ("maker_wait_s", "maker_busy_s"):  # the makers' time was spent all the same
+                    stats_sum[k] = stats_sum.get(k, 0.0) + stats.get(k, 0.0)
                 continue
-            data, stats = tr._schema().unpack(item.payload)
             batches.append(data)
             lags.append(lag)
             for k, v in stats.items():
