@@ -36,7 +36,7 @@ def test_bench_sbatch_sweeps_across_two_nodes_into_one_report(cluster, tmp_path:
     assert json.loads((run_dir / "collectives.json").read_text())["results"]["world"] == 2
 
     res = json.loads((run_dir / "scaling.json").read_text())["results"]
-    assert res["launcher"] == {"kind": "srun", "nodes": 2, "tasks_per_node": 1, "gpus_per_node": 0}
+    assert res["launcher"] == {"kind": "srun", "nodes": 2, "tasks_per_node": 1, "gpus_per_node": 0, "cpus_per_task": 0}
     sac = {(p["mode"], p["world"]): p for p in res["sac"]}
     assert set(sac) == {("weak", 1), ("weak", 2), ("strong", 1), ("strong", 2)}
     for (mode, w), p in sac.items():
