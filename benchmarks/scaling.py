@@ -82,6 +82,17 @@ def steady_rate(rows: Sequence[dict[str, Any]], key: str, skip: int = 1) -> floa
     return (b[key] - a[key]) / dt if dt > 0 else None
 
 
+def ppo_bottleneck(trainer_idle: float | None, maker_idle: float | None, margin: float = 0.1) -> str:
+    """Which side of a detached-PPO topology waits for the other, and what to change."""
+    if trainer_idle is None or maker_idle is None:
+        return "-"
+    if maker_idle > trainer_idle + margin:
+        return "trainer-bound: makers wait (fewer makers, longer rollouts, or more trainers)"
+    if trainer_idle > maker_idle + margin:
+        return "maker-bound: trainers wait (more makers)"
+    return "balanced"
+
+
 def weak_efficiency(per_rank: dict[int, float]) -> dict[int, float]:
     """Per-rank throughput at W over per-rank throughput at W=1 (the smallest W present)."""
     base = per_rank[min(per_rank)]
@@ -470,13 +481,15 @@ def report_lines(doc: dict[str, Any]) -> list[str]:
                        f"{m['model_s'] * 1e3:.2f} ms | {m['comm_model_s'] * 1e3:.3f} ms | {m['ratio']:.2f} |")
     out += ["", "Detached PPO, cartpole, lag 1 (from the trainers' metrics rows; maker idle = share of the makers' "
                 "time behind each step's batches not spent collecting):", "",
-            "| makers:trainers | nodes | samples/s | trainer idle | maker idle | lag mean | lag max | dropped stale | status |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+            "| makers:trainers | nodes | samples/s | trainer idle | maker idle | lag mean | lag max | dropped stale | "
+            "reading | status |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for p in r["ppo"]:
         out.append(f"| {p['topology']}{'*' if p['oversubscribed'] else ''} | {_f(p.get('nodes'), 'd')} | "
                    f"{_f(p['samples_per_s'], '.0f')} | {_f(p['trainer_idle_frac'], '.2f')} | "
                    f"{_f(p.get('maker_idle_frac'), '.2f')} | {_f(p['lag_mean'], '.2f')} | {_f(p['lag_max'], '.0f')} | "
-                   f"{_f(p['dropped_stale'], '.0f')} | {p['status']} |")
+                   f"{_f(p['dropped_stale'], '.0f')} | {ppo_bottleneck(p['trainer_idle_frac'], p.get('maker_idle_frac'))} | "
+                   f"{p['status']} |")
     if r.get("png"):
         out += ["", f"![scaling]({r['png']})"]
     return out + [""]

@@ -246,6 +246,12 @@ def test_scaling_doc_validates_and_reports(tmp_path: Path) -> None:
         assert needle in rep, needle
 
 
+def test_ppo_bottleneck_reading() -> None:
+    assert scaling.ppo_bottleneck(0.01, 0.55).startswith("trainer-bound")
+    assert scaling.ppo_bottleneck(0.6, 0.05).startswith("maker-bound")
+    assert scaling.ppo_bottleneck(0.1, 0.15) == "balanced" and scaling.ppo_bottleneck(None, 0.3) == "-"
+
+
 def test_scaling_launcher_from_slurm_and_srun_prefix() -> None:
     with pytest.raises(ValueError, match="needs a Slurm allocation"):
         scaling.Launcher.from_slurm({})
