@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from submitit.core.utils import UncompletedJobError
+from submitit.core.utils import FailedJobError, UncompletedJobError
 
 from hpcrl.launch import JobRequest, LaunchError, TrainerTask, render, submit
 from hpcrl.launch.__main__ import main as launch_main
@@ -173,7 +173,10 @@ def test_cancelled_submitit_job_raises_instead_of_hanging(cluster, tmp_path):
                  run_dir=str(tmp_path / "run-%j"), folder=str(tmp_path / "logs" / "%j"))
     wait_for(lambda: job_fields(sub.job_id)["JobState"] == "RUNNING", 60, "the job to start", poll_s=0.5)
     sub.job.cancel()
-    with pytest.raises(UncompletedJobError, match="has not produced any output"):
+    # Slurm TERMs every process of the step: either the task dies with its trainer (no result), or the
+    # task outlives a trainer still starting up (no SIGTERM handler yet) and reports how it died.
+    with pytest.raises((UncompletedJobError, FailedJobError),
+                       match="has not produced any output|was killed by SIGTERM .job cancelled"):
         sub.results()
     assert job_fields(sub.job_id)["JobState"] == "CANCELLED"
 
@@ -266,3 +269,12 @@ def test_cli_dry_run_prints_the_batch_script_and_bad_input_exits_2(tmp_path, cap
     assert capsys.readouterr().out == render(request) + "\n"
     assert launch_main(["sac", "--gpus-per-node", "2", "--tasks-per-node", "1", "--dry-run"]) == 2
     assert "hpcrl.launch: error: tasks_per_node=1 but gpus_per_node=2" in capsys.readouterr().err
+
+
+def test_trainer_exit_status_in_words():
+    from hpcrl.launch.task import describe_exit
+
+    assert describe_exit(-15) == "was killed by SIGTERM (job cancelled or past its time limit)"
+    assert describe_exit(-9) == "was killed by SIGKILL" and describe_exit(-200) == "was killed by signal 200"
+    assert describe_exit(2) == "exited with 2 (bad configuration)" and describe_exit(1) == "exited with 1 (a rank failed)"
+    assert describe_exit(3) == "exited with 3"

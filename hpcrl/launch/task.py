@@ -107,8 +107,8 @@ class TrainerTask(Checkpointable):
             # submitit's USR2 handler (checkpoint below); without USR2 the job ends and result() raises.
             raise SystemExit(EXIT_STOPPED)
         if code != 0:
-            raise TrainerError(f"python -m {self.module} exited with {code} on rank {job.global_rank} "
-                               "(2: bad configuration); its output is in this task's log")
+            raise TrainerError(f"python -m {self.module} {describe_exit(code)} on rank {job.global_rank}; "
+                               "its output is in this task's log")
         return TrainerResult(job.global_rank, run_dir, _last_row(run_dir) if job.global_rank == 0 else None)
 
     def checkpoint(self) -> DelayedSubmission:
@@ -117,8 +117,19 @@ class TrainerTask(Checkpointable):
             # 0: it finished just before stopping; the resumed rerun repeats the work since the last
             # checkpoint and ends with the same numbers
             if code not in (0, *RESUMABLE):
-                raise TrainerError(f"python -m {self.module} exited with {code} while stopping for a requeue")
+                raise TrainerError(f"python -m {self.module} {describe_exit(code)} while stopping for a requeue")
         return DelayedSubmission(dataclasses.replace(self, resume=True))
+
+
+def describe_exit(code: int) -> str:
+    """A trainer's exit status in words (the CLIs' codes: 1 a rank failed, 2 bad configuration)."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}" + (" (job cancelled or past its time limit)" if -code == signal.SIGTERM else "")
+    return f"exited with {code}" + {1: " (a rank failed)", 2: " (bad configuration)"}.get(code, "")
 
 
 def _last_row(run_dir: str) -> dict | None:
