@@ -186,6 +186,11 @@ def _rows(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
 
 
+def _config(run_dir: Path) -> dict[str, Any]:
+    p = run_dir / "config.json"
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
 def _run(cmd: list[str], log: Path, timeout: float) -> tuple[str, float]:
     t0 = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -210,7 +215,7 @@ def run_sac_point(world: int, mode: str, sizes: dict[str, int], tmp: Path, logdi
     status, wall = _run(cmd, logdir / f"scaling_sac_{mode}_w{world}.log", timeout)
     rows = _rows(run_dir)
     ups, sps = steady_rate(rows, "updates"), steady_rate(rows, "env_steps")
-    cfg = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
+    cfg = _config(run_dir)
     if status == "ok" and (ups is None or sps is None):
         status = "failed (no metrics rows)"
     return {"mode": mode, "world": world, "status": status, "wall_s": wall, "rows": len(rows),
@@ -237,7 +242,7 @@ def run_ppo_point(makers: int, trainers: int, steps: int, tmp: Path, logdir: Pat
     mean = lambda k: (sum(r[k] for r in steady) / len(steady)) if steady and all(k in r for r in steady) else None  # noqa: E731
     if status == "ok" and not rows:
         status = "failed (no metrics rows)"
-    cfg = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
+    cfg = _config(run_dir)
     hosts = (cfg.get("hosts") or {}).get("trainers", []) + (cfg.get("hosts") or {}).get("makers", [])
     return {"topology": f"{makers}:{trainers}", "makers": makers, "trainers": trainers, "status": status,
             "wall_s": wall, "steps": steps, "rows": len(rows),
