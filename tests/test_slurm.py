@@ -2,8 +2,9 @@
 
 sbatch script (2 CPU ranks), preemption (USR2 -> checkpoint -> requeue -> exact resume) through both
 the sbatch script and the submitit launcher, a cancelled submitit job, submitit's local executor,
-golden batch scripts and bad input. Slurm tests skip only when sbatch is absent outside CI; with CI set they run (and the
-session fixture installs and starts the cluster if needed).
+golden batch scripts and bad input; without a cluster, the batch scripts' use of hpcrl.conventions (the
+stop exit code that triggers a requeue, the exported port). Slurm tests skip only when sbatch is absent
+outside CI; with CI set they run (and the session fixture installs and starts the cluster if needed).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 from submitit.core.utils import FailedJobError, UncompletedJobError
 
+from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_STOPPED, rendezvous_port
 from hpcrl.launch import JobRequest, LaunchError, TrainerTask, render, submit
 from hpcrl.launch.__main__ import main as launch_main
 from hpcrl.launch.cluster import Node, parse_sinfo
@@ -278,3 +280,63 @@ def test_trainer_exit_status_in_words():
     assert describe_exit(-9) == "was killed by SIGKILL" and describe_exit(-200) == "was killed by signal 200"
     assert describe_exit(2) == "exited with 2 (bad configuration)" and describe_exit(1) == "exited with 1 (a rank failed)"
     assert describe_exit(3) == "exited with 3"
+
+
+# The batch scripts' own logic, without a cluster: bash runs them with the variables Slurm would set and
+# stand-ins for srun (records its environment, exits $FAKE_RC) and scontrol (records requeues).
+SCRIPT_ENV = {
+    "fastsac.sbatch": dict(SLURM_JOB_ID="4321", SLURM_JOB_NODELIST="node1", SLURM_NTASKS="2",
+                           SLURM_NTASKS_PER_NODE="2"),
+    "detached_ppo_single.sbatch": dict(SLURM_JOB_ID="4321", SLURM_JOB_NODELIST="node[1-2]", SLURM_NTASKS="2"),
+    "detached_ppo.sbatch": dict(SLURM_JOB_ID="4321", SLURM_HET_SIZE="2", SLURM_NTASKS_HET_GROUP_0="1",
+                                SLURM_NTASKS_HET_GROUP_1="2", SLURM_JOB_NODELIST_HET_GROUP_0="node2",
+                                SLURM_JOB_NODELIST_HET_GROUP_1="node1"),
+}
+FAKE_SRUN = '#!/bin/bash\nenv > "$FAKE_DIR/srun.env"\nexit "${FAKE_RC:-0}"\n'
+FAKE_SCONTROL = ('#!/bin/bash\nif [ "$1 $2" = "show hostnames" ]; then echo "${3%%,*}"; '
+                 'else echo "$*" >> "$FAKE_DIR/scontrol"; fi\n')
+
+
+def run_script(tmp: Path, script: str, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    base = {k: v for k, v in job_env().items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env = {**base, **SCRIPT_ENV[script], "PATH": f"{bin_dir}:{base['PATH']}", "FAKE_DIR": str(tmp),
+           "RUN_DIR": str(tmp / "run"), **env}
+    proc = subprocess.run(["bash", str(REPO / "slurm" / script)], env=env, capture_output=True, text=True,
+                          timeout=60, cwd=tmp)
+    return proc, tmp
+
+
+def srun_env(tmp: Path) -> dict[str, str]:
+    lines = (tmp / "srun.env").read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if "=" in line)
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPT_ENV))
+def test_scripts_requeue_on_the_stop_exit_code_from_conventions(tmp_path, script):
+    proc, tmp = run_script(tmp_path / "stopped", script, FAKE_RC=str(EXIT_STOPPED))
+    assert proc.returncode == EXIT_STOPPED, proc.stderr
+    assert (tmp / "scontrol").read_text() == "requeue 4321\n" and "requeueing job 4321" in proc.stdout
+    port = srun_env(tmp).get("MASTER_PORT")
+    if script == "detached_ppo.sbatch":
+        # exported for both components: the port their one srun step (step 0) would derive, on trainer 0's node
+        assert port == str(rendezvous_port(4321, 0)) and srun_env(tmp)["MASTER_ADDR"] == "node2"
+        assert f"rendezvous node2:{port};" in proc.stdout
+    else:
+        assert port is None  # each rank derives it from its own step id
+    for rc in (0, 1):
+        proc, tmp = run_script(tmp_path / f"rc{rc}", script, FAKE_RC=str(rc))
+        assert proc.returncode == rc and not (tmp / "scontrol").exists(), proc.stderr
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPT_ENV))
+def test_scripts_exit_2_when_python_cannot_read_conventions(tmp_path, script):
+    proc, tmp = run_script(tmp_path, script, PYTHON=str(tmp_path / "no-such-python"))
+    assert proc.returncode == EXIT_BAD_CONFIG and not (tmp / "srun.env").exists()
+    assert f"{script}: cannot read EXIT_STOPPED from hpcrl.conventions with PYTHON={tmp_path}/no-such-python" \
+        in proc.stderr, proc.stderr
+

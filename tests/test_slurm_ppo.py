@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl.conventions import DEFAULT_MAKERS, DEFAULT_TRAINERS
 from hpcrl.launch import LaunchError, submit
-from hpcrl.launch.roles import DEFAULT_GROUPS, ppo_groups
-from hpcrl.ppo.config import DetachedConfig
+from hpcrl.launch.roles import ppo_groups
 
 REPO = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
@@ -188,7 +188,7 @@ def test_scripts_reject_bad_input_before_starting_ranks(cluster, tmp_path):
 
 
 def test_launcher_checks_ppo_role_counts_against_the_task_count(tmp_path):
-    assert DEFAULT_GROUPS == {"trainers": DetachedConfig.trainers, "makers": DetachedConfig.makers}
+    assert ppo_groups(["--workload", "lm"]) == (DEFAULT_TRAINERS, DEFAULT_MAKERS)  # the trainer's own defaults
     assert ppo_groups(["--workload", "lm", "--trainers=2", "--makers", "3"]) == (2, 3)
     common = dict(local=True, dry_run=True, run_dir=str(tmp_path / "run-%j"), folder=str(tmp_path / "logs"))
     with pytest.raises(LaunchError, match=r"--trainers 1 \+ --makers 2 = 3 ranks, but the job starts 2 task\(s\)"):
@@ -196,4 +196,4 @@ def test_launcher_checks_ppo_role_counts_against_the_task_count(tmp_path):
     with pytest.raises(LaunchError, match=r"--makers 'two' is not an integer"):
         submit("ppo", ["--makers", "two"], tasks_per_node=2, **common)
     assert submit("ppo", ["--makers", "2"], tasks_per_node=3, **common).cluster == "local"
-    assert submit("ppo", [], tasks_per_node=2, **common).cluster == "local"  # 1 : 1 by default
+    assert submit("ppo", [], tasks_per_node=DEFAULT_TRAINERS + DEFAULT_MAKERS, **common).cluster == "local"

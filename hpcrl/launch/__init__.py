@@ -6,7 +6,8 @@ script alternative without submitit is ``slurm/fastsac.sbatch``.
 """
 
 from .cluster import Partition, check_fits, query_partitions
-from .request import JobRequest, LaunchError, trainer_algos
+from .errors import LaunchError
+from .request import JobRequest, trainer_algos
 from .sbatch import render
 from .submit import Submission, submit
 from .task import TrainerError, TrainerResult, TrainerTask

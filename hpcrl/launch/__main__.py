@@ -11,7 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .request import JobRequest, LaunchError, trainer_algos
+from hpcrl.conventions import EXIT_BAD_CONFIG
+
+from .errors import LaunchError
+from .request import JobRequest, trainer_algos
 from .submit import submit
 
 
@@ -52,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                      dry_run=args.dry_run)
     except LaunchError as err:
         print(f"hpcrl.launch: error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_CONFIG
     print(sub.sbatch if args.dry_run else sub.summary())
     return 0
 

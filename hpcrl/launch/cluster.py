@@ -10,7 +10,8 @@ import re
 import subprocess
 from dataclasses import dataclass
 
-from .request import JobRequest, LaunchError
+from .errors import LaunchError
+from .request import JobRequest
 
 # "gpu:4", "gpu:a100:4", "gpu:a100:4(S:0-1)", "gpu:2,shard:8"; "(null)" without GRES
 _GPU_GRES = re.compile(r"(?:^|,)gpu(?::[^:,(]+)?:(\d+)")

@@ -10,14 +10,13 @@ from pathlib import Path
 
 import hpcrl
 
+from .errors import LaunchError  # re-exported: hpcrl.launch.request.LaunchError keeps working
+from .roles import check_ppo_world
+
 JOB_ID = "%j"  # placeholder in run_dir / folder, filled with the job id (Slurm's own notation)
 
 # Flags the launcher sets on the trainer itself; passing them as trainer arguments would be ambiguous.
 _OWNED_FLAGS = {"--run-dir": "run_dir", "--resume": "resume", "--nproc": "nodes / tasks_per_node"}
-
-
-class LaunchError(ValueError):
-    """A request that cannot run; the message says what to change."""
 
 
 def trainer_algos() -> list[str]:
@@ -94,8 +93,6 @@ class JobRequest:
             if flag in _OWNED_FLAGS:
                 raise LaunchError(f"trainer argument {flag} is set by the launcher; use {_OWNED_FLAGS[flag]} instead")
         if self.algo == "ppo":  # ranks [0, T) train, [T, T+M) make experience: T + M must be the task count
-            from .roles import check_ppo_world
-
             check_ppo_world(self.trainer_args, self.nodes * self.ntasks_per_node)
         self._check_run_dir()
 

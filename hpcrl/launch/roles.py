@@ -1,21 +1,21 @@
 """Rank -> role map of a detached-PPO job, checked before submission.
 
-``python -m hpcrl.ppo`` gives ranks ``[0, T)`` the trainer role and ``[T, T+M)`` the maker role and
-exits 2 when the launcher started a world of another size; a launcher job of ``nodes x
-tasks_per_node`` tasks has to match ``--trainers T --makers M`` (defaults as in
-:class:`hpcrl.ppo.config.DetachedConfig`). Checking that here turns a job that would fail after
-queueing into an error at submission.
+``python -m hpcrl.ppo`` gives ranks ``[0, T)`` the trainer role and ``[T, T+M)`` the maker role
+(:func:`hpcrl.conventions.ppo_role`) and exits 2 when the launcher started a world of another size;
+a launcher job of ``nodes x tasks_per_node`` tasks has to match ``--trainers T --makers M`` (defaults
+:data:`hpcrl.conventions.DEFAULT_TRAINERS` / :data:`~hpcrl.conventions.DEFAULT_MAKERS`, the trainer's
+own). Checking that here turns a job that would fail after queueing into an error at submission.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from .request import LaunchError
+from hpcrl.conventions import DEFAULT_MAKERS, DEFAULT_TRAINERS
 
-# hpcrl.ppo.config.DetachedConfig's defaults (importing hpcrl.ppo would import torch into the launcher;
-# tests/test_slurm_ppo.py checks that they agree)
-DEFAULT_GROUPS = {"trainers": 1, "makers": 1}
+from .errors import LaunchError
+
+_DEFAULTS = {"trainers": DEFAULT_TRAINERS, "makers": DEFAULT_MAKERS}
 
 
 def flag_value(args: Sequence[str], flag: str) -> str | None:
@@ -32,10 +32,10 @@ def flag_value(args: Sequence[str], flag: str) -> str | None:
 def ppo_groups(trainer_args: Sequence[str]) -> tuple[int, int]:
     """(trainers, makers) that ``python -m hpcrl.ppo *trainer_args`` will run."""
     counts = []
-    for name in ("trainers", "makers"):
+    for name, default in _DEFAULTS.items():
         raw = flag_value(trainer_args, f"--{name}")
         try:
-            counts.append(int(raw) if raw is not None else DEFAULT_GROUPS[name])
+            counts.append(int(raw) if raw is not None else default)
         except ValueError:
             raise LaunchError(f"--{name} {raw!r} is not an integer") from None
     trainers, makers = counts

@@ -11,7 +11,8 @@ import submitit
 from submitit.core.utils import FailedJobError
 
 from .cluster import check_fits, query_partitions
-from .request import JOB_ID, JobRequest, LaunchError
+from .errors import LaunchError
+from .request import JOB_ID, JobRequest
 from .sbatch import folder_path, render, slurm_parameters
 from .task import TrainerResult, TrainerTask
 

@@ -2,8 +2,9 @@
 
 Entry-point contract (hpcrl.sac today; any ``hpcrl.<algo>`` that keeps it can be launched):
 ``python -m hpcrl.<algo> ARGS --run-dir DIR [--resume]``, ranks from the launcher's variables,
-exit 0 when done, 75 after a requested stop wrote a checkpoint (SIGUSR2/SIGTERM), anything else
-a failure; rank 0 appends rows to ``DIR/metrics.jsonl``.
+exit 0 when done, :data:`hpcrl.conventions.EXIT_STOPPED` (75) after a requested stop wrote a
+checkpoint (SIGUSR2/SIGTERM), anything else a failure (``EXIT_FAILED``, ``EXIT_BAD_CONFIG``, a
+signal); rank 0 appends rows to ``DIR/metrics.jsonl``.
 
 Requeue (submitit's checkpoint mechanism): on USR2 submitit calls :meth:`TrainerTask.checkpoint`
 in task 0. It makes the trainer stop at its next agreed checkpoint, waits for it, and returns the
@@ -28,9 +29,10 @@ from pathlib import Path
 import submitit
 from submitit.helpers import Checkpointable, DelayedSubmission
 
+from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_STOPPED, rendezvous_port
+
 from .request import JOB_ID
 
-EXIT_STOPPED = 75  # EX_TEMPFAIL: the trainer stopped on request after writing a checkpoint
 # Exit codes after which resuming from the last checkpoint loses nothing: a requested stop, or the stop
 # signal arriving before the trainer installed its handler (it was still starting up).
 RESUMABLE = (EXIT_STOPPED, -signal.SIGUSR2)
@@ -75,11 +77,12 @@ class _Trainer:
 def rank_environment(job: submitit.JobEnvironment) -> dict[str, str]:
     env = dict(os.environ)
     if job.cluster == "slurm":
-        return env  # srun set SLURM_PROCID/NTASKS/LOCALID/STEP_ID/JOB_NODELIST: what hpcrl.dist reads
+        return env  # srun set SLURM_PROCID/NTASKS/LOCALID/STEP_ID/JOB_NODELIST: what hpcrl.comm reads
     # submitit's local executor: N processes on this host, described to the trainer as torchrun would
-    # (HPCRL_LAUNCHER=local: the run's config.json says "local", not "torchrun")
+    # (HPCRL_LAUNCHER=local: the run's config.json says "local", not "torchrun"); the job id is the pid
+    # of submitit's controller process, the port the one the rule gives step 0 of a job of that id
     env.update(RANK=str(job.global_rank), WORLD_SIZE=str(job.num_tasks), LOCAL_RANK=str(job.local_rank),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(20000 + int(job.job_id) % 10000), HPCRL_LAUNCHER="local")
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(rendezvous_port(int(job.job_id))), HPCRL_LAUNCHER="local")
     return env
 
 
@@ -122,14 +125,15 @@ class TrainerTask(Checkpointable):
 
 
 def describe_exit(code: int) -> str:
-    """A trainer's exit status in words (the CLIs' codes: 1 a rank failed, 2 bad configuration)."""
+    """A trainer's exit status in words (the CLIs' codes from :mod:`hpcrl.conventions`)."""
     if code < 0:
         try:
             name = signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
         return f"was killed by {name}" + (" (job cancelled or past its time limit)" if -code == signal.SIGTERM else "")
-    return f"exited with {code}" + {1: " (a rank failed)", 2: " (bad configuration)"}.get(code, "")
+    meaning = {EXIT_FAILED: " (a rank failed)", EXIT_BAD_CONFIG: " (bad configuration)"}
+    return f"exited with {code}" + meaning.get(code, "")
 
 
 def _last_row(run_dir: str) -> dict | None:
