@@ -202,13 +202,16 @@ class Critic(nn.Module):
 
 # -- data parallel: holosoma's gradient all-reduce ---------------------------------------------------
 
+GROUP = None  # the process group to average over (None: the world, as holosoma does); set by the benchmark
+
+
 def allreduce_grads(params) -> None:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(GROUP) == 1:
         return
     params = [p for p in params if p.grad is not None]
     flat = torch.cat([p.grad.view(-1) for p in params])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    flat /= dist.get_world_size()
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=GROUP)
+    flat /= dist.get_world_size(GROUP)
     offset = 0
     for p in params:
         p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))

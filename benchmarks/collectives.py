@@ -56,10 +56,13 @@ def fastsac_param_groups(device: str = "cpu", critic_hidden: int | None = None,
             "_modules": [actor, critic]}  # type: ignore[dict-item]
 
 
+_GROUP = None  # set by run_rank: every collective here runs on the world's device plane
+
+
 def _timed(fn, inner: int, repeats: int, device: torch.device) -> list[float]:
     out = []
     for _ in range(repeats):
-        dist.barrier()
+        dist.barrier(group=_GROUP)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -81,26 +84,29 @@ def _inner_for(fn, device: torch.device, target_s: float, cap: int) -> int:
         torch.cuda.synchronize()
     n = torch.tensor([max(1, min(cap, int(target_s / max(time.perf_counter() - t0, 1e-7))))],
                      dtype=torch.int64, device=device)
-    dist.broadcast(n, 0)
+    dist.broadcast(n, 0, group=_GROUP)
     return int(n.item())
 
 
 def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     """Body of one rank (spawned or launched); returns this rank's raw per-repeat times."""
     from hpcrl import ops
-    from hpcrl.dist import init_distributed
+    from hpcrl.comm import init_distributed
 
     backend = cfg.get("backend") or ("nccl" if torch.cuda.is_available() else "gloo")
-    init_distributed(backend=backend, timeout_s=300)
-    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if backend == "nccl"
-              else torch.device("cpu"))
+    # The raw collectives of the world's default group: what a user calling torch.distributed measures.
+    global _GROUP
+    ctx = init_distributed(backend=backend, timeout_s=300, device="cuda" if backend == "nccl" else "cpu")
+    device = ctx.device
+    _GROUP = ctx.device_plane.group  # the world's device plane: the default group outside strict-planes mode
     world, rank = dist.get_world_size(), dist.get_rank()
     rep, target, cap = cfg["repeats"], cfg["target_s"], cfg["max_inner"]
     sweep: dict[str, dict[int, list[float]]] = {op: {} for op in cfg["ops"]}
     for op in cfg["ops"]:
         for size in cfg["sizes"]:
             x = torch.ones(max(1, size // 4), dtype=torch.float32, device=device)
-            fn = (lambda x=x: dist.all_reduce(x)) if op == "all_reduce" else (lambda x=x: dist.broadcast(x, 0))
+            fn = ((lambda x=x: dist.all_reduce(x, group=_GROUP)) if op == "all_reduce"
+                  else (lambda x=x: dist.broadcast(x, 0, group=_GROUP)))
             for _ in range(cfg["warmup"]):
                 fn()
             sweep[op][size] = _timed(fn, _inner_for(fn, device, target, cap), rep, device)
@@ -117,11 +123,11 @@ def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
 
             def flat_path(grads=grads, buf=buf, scale=scale):
                 ops.flatten(grads, out=buf)
-                dist.all_reduce(buf)
+                dist.all_reduce(buf, group=_GROUP)
                 ops.unflatten_(buf, grads, scale)
 
-            cases = {"flat_path": flat_path, "allreduce_only": lambda buf=buf: dist.all_reduce(buf),
-                     "per_tensor": lambda grads=grads: [dist.all_reduce(g) for g in grads]}
+            cases = {"flat_path": flat_path, "allreduce_only": lambda buf=buf: dist.all_reduce(buf, group=_GROUP),
+                     "per_tensor": lambda grads=grads: [dist.all_reduce(g, group=_GROUP) for g in grads]}
             res = {"params": numel, "tensors": len(grads), "bytes": numel * 4}
             for cname, fn in cases.items():
                 for _ in range(cfg["warmup"]):
@@ -135,7 +141,7 @@ def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _spawned(cfg: dict[str, Any]) -> dict[str, Any]:
-    from hpcrl.dist import shutdown
+    from hpcrl.comm import shutdown
 
     try:
         return run_rank(cfg)
@@ -243,7 +249,7 @@ def print_table(summary: dict[str, Any]) -> None:
 def run_local(quick: bool, world: int = 2, compute_batch: int | None = None,
               compute_device: str = "cpu", backend: str = "gloo") -> dict[str, Any]:
     """Spawned local ranks (gloo on CPU tensors by default; nccl needs one GPU per rank)."""
-    from hpcrl.dist import spawn
+    from hpcrl.comm import spawn
 
     cfg = config_for(quick)
     cfg["world"] = world
@@ -266,15 +272,15 @@ def run_launched(quick: bool, compute_batch: int) -> dict[str, Any] | None:
     cfg = config_for(quick)
     mine = run_rank(cfg)
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+    dist.all_gather_object(gathered, mine, group=_GROUP)
     doc = None
     if dist.get_rank() == 0:
         summary = summarize(gathered, cfg["sizes"])
         compute = measure_update_compute(mine["device"], batch=compute_batch)
         cfg["world"] = summary["world"]
         doc = build_doc(summary, cfg, compute)
-    dist.barrier()
-    from hpcrl.dist import shutdown
+    dist.barrier(group=_GROUP)
+    from hpcrl.comm import shutdown
     shutdown()
     return doc
 

@@ -18,7 +18,7 @@ a. Learner: updates/s of (hpcrl ReplayShard.sample + UpdateNoise.draw + FastSAC.
 b. Full loop: env-steps/s of env step + replay add + num_updates updates (pendulum preset: 8 envs,
    4 updates per env step, batch 256, obs normalisation on) on hpcrl.envs.Pendulum; the hpcrl loop is
    train.py's inner loop without logging/checkpoints, the baseline loop the same in CleanRL style.
-c. Data parallel: per-update time at W=1 and W=2 ranks (gloo, hpcrl.dist.spawn, 1 thread per rank),
+c. Data parallel: per-update time at W=1 and W=2 ranks (gloo, hpcrl.comm.spawn, 1 thread per rank),
    fixed per-rank batch 256, pendulum preset sizes, for GradSync flat / view / ddp and for the
    baseline's holosoma-style all-reduce. Blocks of updates, modes interleaved, a barrier before each
    block; the per-block time is the slowest rank's. DP overhead = t(W=2) / t(W=1) - 1 per mode, from
@@ -99,10 +99,10 @@ def filled_replays(obs_dim: int, act_dim: int, seed: int, gamma: float) -> tuple
     return shard, rb
 
 
-def make_pair(cfg: SACConfig, obs_dim: int, act_dim: int, seed: int = 0):
+def make_pair(cfg: SACConfig, obs_dim: int, act_dim: int, seed: int = 0, plane: Plane | None = None):
     low, high = -torch.ones(act_dim), torch.ones(act_dim)
     torch.manual_seed(seed)
-    agent = FastSAC(cfg, obs_dim, act_dim, low, high, CPU)
+    agent = FastSAC(cfg, obs_dim, act_dim, low, high, CPU, plane=plane or Plane.local("device"))
     torch.manual_seed(seed)
     base = CleanRLStyleSAC(cfg, obs_dim, act_dim, low, high)
     base.load_from_hpcrl(agent)  # same starting point (speed does not depend on it; the check does)
@@ -193,7 +193,8 @@ class HpcrlLoop:
         self.cfg = cfg
         self.env = Pendulum(cfg.num_envs, CPU, seed=seed)
         torch.manual_seed(seed)
-        self.agent = FastSAC(cfg, self.env.obs_dim, self.env.action_dim, self.env.action_low, self.env.action_high, CPU)
+        self.agent = FastSAC(cfg, self.env.obs_dim, self.env.action_dim, self.env.action_low, self.env.action_high, CPU,
+                             plane=Plane.local("device"))
         self.norm = ObsNormalizer(self.env.obs_dim, enabled=cfg.obs_normalization)
         self.replay = ReplayShard(cfg.num_envs, cfg.buffer_size, self.env.obs_dim, self.env.action_dim, cfg.n_step,
                                   cfg.gamma, CPU)
@@ -299,20 +300,23 @@ def dp_worker(batch: int, cycles: int, warmup: int, repeats: int) -> dict[str, A
 
     import torch.distributed as dist
 
-    from hpcrl.dist import init_distributed, shutdown
+    from hpcrl.comm import init_distributed, shutdown
 
     # torch 2.13 deprecates DDP's broadcast_buffers (used by GradSync.wrap); keep the tables readable.
     warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
 
     ctx = init_distributed(timeout_s=300)
     rank, world = ctx.rank, ctx.world_size
+    import cleanrl_style_sac
+
+    cleanrl_style_sac.GROUP = ctx.device_plane.group  # the default group, except under HPCRL_STRICT_PLANES=1
     fns: dict[str, Callable[[], None]] = {}
     gen = torch.Generator().manual_seed(100 + rank)
     cfg, obs_dim, act_dim = learner_config("pendulum", batch * world)
     shard, rb = filled_replays(obs_dim, act_dim, seed=10 + rank, gamma=cfg.gamma)
     for mode in DP_MODES:
         c = preset("pendulum", batch_size=batch * world, grad_sync=mode if mode != "cleanrl_style" else "flat")
-        agent, base = make_pair(c, obs_dim, act_dim)  # same init on every rank (same seed)
+        agent, base = make_pair(c, obs_dim, act_dim, plane=ctx.device_plane)  # same init on every rank (same seed)
         fns[mode] = baseline_cycle(base, rb, batch) if mode == "cleanrl_style" else hpcrl_cycle(agent, shard, gen, batch)
     pf = cfg.policy_frequency
     for fn in fns.values():
@@ -323,7 +327,7 @@ def dp_worker(batch: int, cycles: int, warmup: int, repeats: int) -> dict[str, A
     for _ in range(repeats):
         for mode, fn in fns.items():
             if world > 1:
-                dist.barrier()
+                dist.barrier(group=ctx.host_plane.group)
             c0, t0 = time.process_time(), time.perf_counter()
             for _ in range(cycles):
                 fn()
@@ -336,19 +340,20 @@ def dp_worker(batch: int, cycles: int, warmup: int, repeats: int) -> dict[str, A
         for name, numel in (("critic_alpha", sum(p.numel() for p in agent.critic.parameters()) + 1),
                             ("actor", sum(p.numel() for p in agent.actor.parameters()))):
             buf = torch.zeros(numel)
+            group = ctx.device_plane.group
             for _ in range(20):
-                dist.all_reduce(buf)
-            dist.barrier()
+                dist.all_reduce(buf, group=group)
+            dist.barrier(group=ctx.host_plane.group)
             t0 = time.perf_counter()
             for _ in range(200):
-                dist.all_reduce(buf)
+                dist.all_reduce(buf, group=group)
             coll[name] = (time.perf_counter() - t0) / 200
     shutdown()
     return {"rank": rank, "world": world, "wall": wall, "cpu": cpu, "allreduce_s": coll}
 
 
 def bench_dp(batch: int, cycles: int, warmup: int, repeats: int) -> dict[str, Any]:
-    from hpcrl.dist import spawn
+    from hpcrl.comm import spawn
 
     out: dict[str, Any] = {"per_rank_batch": batch, "sizes": "pendulum preset (hidden 128, 101 atoms, 2 heads)",
                            "cycles_per_block": cycles, "repeats": repeats,

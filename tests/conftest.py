@@ -3,6 +3,11 @@ import os
 import pytest
 import torch
 
+# Multi-rank tests run with the default process group poisoned for CPU tensors (hpcrl.comm.planes):
+# a collective that forgot to name its plane fails here as it would under NCCL. Spawned ranks and
+# subprocesses inherit it; tests of the production layout (device plane = default group) set it to 0.
+os.environ.setdefault("HPCRL_STRICT_PLANES", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     # `cuda` tests are GPU parity checks (benchmarks/gpu_check.sh runs them on a lent GPU).

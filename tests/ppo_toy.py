@@ -11,7 +11,11 @@ import time
 import torch
 from torch import nn
 
-from hpcrl.ppo.transport import checksum
+from hpcrl.ppo.channels import checksum
+
+import json
+import os
+from dataclasses import asdict
 
 VERSIONS: set[float] = set()  # trainer side: checksums of every version this trainer has held
 
@@ -93,3 +97,14 @@ class ToyLearner:
 
     def load_state_dict(self, state):
         self.opt.load_state_dict(state["opt"])
+
+
+class EventLog:
+    """A picklable events callback: one JSON line per event, one file per rank process."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def __call__(self, event) -> None:
+        with open(os.path.join(self.directory, f"events-{os.getpid()}.jsonl"), "a") as f:
+            f.write(json.dumps({"kind": type(event).__name__, **asdict(event)}, default=str) + "\n")

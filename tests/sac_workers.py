@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from hpcrl.dist import all_reduce_sum_, init_distributed
+from hpcrl.comm import Plane, all_reduce_sum_, init_distributed
 from hpcrl.replay import Batch
 from hpcrl.sac import FastSAC, UpdateNoise, preset
 from hpcrl.sac.normalizer import ObsNormalizer
@@ -38,10 +38,11 @@ def rows(x, rank: int, world: int):
     return x[rank * per:(rank + 1) * per]
 
 
-def run_updates(mode: str, rank: int = 0, world: int = 1) -> dict:
+def run_updates(mode: str, rank: int = 0, world: int = 1, ctx=None) -> dict:
     """K updates on this rank's share of each global batch; returns grads of update 0 and final state."""
     torch.manual_seed(0)
-    agent = FastSAC(small_config(mode), OBS, ACT, -torch.ones(ACT), torch.ones(ACT), torch.device("cpu"))
+    plane = ctx.device_plane if ctx is not None else Plane.local("device")
+    agent = FastSAC(small_config(mode), OBS, ACT, -torch.ones(ACT), torch.ones(ACT), torch.device("cpu"), plane=plane)
     first_grads: dict[str, torch.Tensor] = {}
     real_step = agent.critic_opt.step
 
@@ -58,7 +59,7 @@ def run_updates(mode: str, rank: int = 0, world: int = 1) -> dict:
         batch, noise = global_data(step)
         mine = Batch(*[rows(t, rank, world) for t in batch])
         agent.update(mine, UpdateNoise(*[rows(t, rank, world) for t in noise]))
-        norm.update(rows(batch.obs * 3 + 1, rank, world), (lambda t: all_reduce_sum_([t])) if world > 1 else None)
+        norm.update(rows(batch.obs * 3 + 1, rank, world), (lambda t: all_reduce_sum_([t], plane)) if world > 1 else None)
     return {
         "grads": first_grads,
         "actor": {k: v.clone() for k, v in agent.actor.state_dict().items()},
@@ -72,4 +73,4 @@ def run_updates(mode: str, rank: int = 0, world: int = 1) -> dict:
 
 def dp_rank(modes: list[str]) -> dict:
     ctx = init_distributed(timeout_s=60)
-    return {mode: run_updates(mode, ctx.rank, ctx.world_size) for mode in modes}
+    return {mode: run_updates(mode, ctx.rank, ctx.world_size, ctx) for mode in modes}

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcrl.dist import spawn
+from hpcrl.comm import spawn
 from hpcrl.ppo.config import DetachedConfig
 from hpcrl.ppo.run import train
 from hpcrl.ppo.topology import Topology
-from hpcrl.ppo.transport import Schema, checksum
+from hpcrl.ppo.channels import Schema, checksum
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
@@ -101,6 +101,26 @@ def test_idle_fractions_name_the_side_that_waits(tmp_path, makers, rollout_s, tr
         assert maker < 0.4 and trainer > 0.6, (maker, trainer)
 
 
+def test_events_hook_sees_batches_rows_publishes_and_rollouts(tmp_path):
+    import ppo_toy
+
+    log_dir = tmp_path / "events"
+    log_dir.mkdir()
+    cfg = toy_config(tmp_path / "run", 2, 1, lag=1, total_steps=6)
+    spawn(train, 3, args=(cfg, ppo_toy.EventLog(str(log_dir))), timeout_s=100)
+    events = [json.loads(line) for f in log_dir.iterdir() for line in f.read_text().splitlines()]
+    kinds = {k: [e for e in events if e["kind"] == k] for k in ("BatchReceived", "RowLogged", "WeightsPublished",
+                                                                 "RolloutDone")}
+    assert [e["row"]["policy_version"] for e in kinds["RowLogged"]] == list(range(1, 7))
+    assert len([e for e in kinds["BatchReceived"] if not e["stale"]]) == 6
+    assert all(0 <= e["lag"] <= 1 and e["wait_s"] >= 0 for e in kinds["BatchReceived"])
+    published = [e["version"] for e in kinds["WeightsPublished"]]
+    assert published == sorted(published) and published[-1] == 6
+    assert all(e["transport"] == "broadcast" and e["makers"] == 2 for e in kinds["WeightsPublished"])
+    assert {e["maker"] for e in kinds["RolloutDone"]} == {0, 1}
+    assert all(e["wait_start"] <= e["collect_start"] <= e["time"] for e in kinds["RolloutDone"])
+
+
 def test_trainable_only_sync_keeps_the_frozen_base(tmp_path):
     cfg = toy_config(tmp_path, 2, 1, lag=1, workload_args={"trainable_only": True})
     rows = spawn(train, 3, args=(cfg,), timeout_s=100)
@@ -165,6 +185,8 @@ def test_dead_maker_is_dropped_and_training_continues(tmp_path):
             p.kill()
     final = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert final["policy_version"] == 40 and final["makers_lost"] == 1
+    # the lost maker broke the weight broadcast: the survivor got its weights point-to-point
+    assert final["checksum_mismatches"] == 0
 
 
 def test_dead_trainer_stops_makers_with_a_named_error(tmp_path):

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from hpcrl.dist import spawn
+from hpcrl.comm import spawn
 from hpcrl.ppo.config import DetachedConfig
 from hpcrl.ppo.run import train
 from hpcrl.ppo.sync import train_sync

@@ -11,7 +11,7 @@ import io
 import pytest
 import torch
 
-from hpcrl.dist import GradSync
+from hpcrl.comm import GradSync, Plane
 from hpcrl.ppo.workloads.lm import LMWorkload, LoRALinear, _PRETRAINED
 
 SEED = 0
@@ -20,7 +20,7 @@ SAMPLE_SEED = 2
 
 
 def _grad_sync(model):
-    return GradSync([p for p in model.parameters() if p.requires_grad])
+    return GradSync([p for p in model.parameters() if p.requires_grad], plane=Plane.local("device"))
 
 
 def _loop(wl: LMWorkload, cfg, iters: int):

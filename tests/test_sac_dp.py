@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcrl.dist import spawn
+from hpcrl.comm import spawn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sac_workers  # noqa: E402
@@ -49,9 +49,9 @@ def test_two_ranks_equal_one_rank_on_concatenated_batches(mode, single, two_rank
 def test_single_rank_actually_learns_something(single):
     # Guard against a vacuous comparison: the updates moved the parameters.
     torch.manual_seed(0)
-    fresh = sac_workers.run_updates.__globals__["FastSAC"](
+    fresh = sac_workers.FastSAC(
         sac_workers.small_config("flat"), sac_workers.OBS, sac_workers.ACT, -torch.ones(2), torch.ones(2),
-        torch.device("cpu"))
+        torch.device("cpu"), plane=sac_workers.Plane.local("device"))
     moved = [not torch.equal(v, fresh.critic.state_dict()[k]) for k, v in single["critic"].items()]
     assert sum(moved) > len(moved) // 2
     assert single["counters"] == (0, sac_workers.UPDATES, sac_workers.UPDATES // 2)

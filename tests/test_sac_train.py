@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hpcrl import checkpoint
+from hpcrl.comm import Plane
 from hpcrl.sac import FastSAC, UpdateNoise, plan, preset
 from hpcrl.sac.train import ConfigError
 
@@ -42,7 +43,7 @@ def test_update_schedule_counts(num_updates, policy_frequency):
     cfg = preset("pendulum", actor_hidden=16, critic_hidden=16, num_atoms=5, num_updates=num_updates,
                  policy_frequency=policy_frequency)
     torch.manual_seed(0)
-    agent = FastSAC(cfg, 3, 1, torch.tensor([-2.0]), torch.tensor([2.0]), torch.device("cpu"))
+    agent = FastSAC(cfg, 3, 1, torch.tensor([-2.0]), torch.tensor([2.0]), torch.device("cpu"), plane=Plane.local("device"))
     batch, _ = sac_workers.global_data(0)
     batch = batch._replace(obs=batch.obs[:, :3], next_obs=batch.next_obs[:, :3], action=batch.action[:, :1])
     g = torch.Generator().manual_seed(0)
@@ -139,7 +140,8 @@ def test_bf16_autocast_update_is_finite_and_learns():
     cfg = sac_workers.small_config("flat")
     cfg = type(cfg)(**{**cfg.__dict__, "bf16": True})
     torch.manual_seed(0)
-    agent = FastSAC(cfg, sac_workers.OBS, sac_workers.ACT, -torch.ones(2), torch.ones(2), torch.device("cpu"))
+    agent = FastSAC(cfg, sac_workers.OBS, sac_workers.ACT, -torch.ones(2), torch.ones(2), torch.device("cpu"),
+                    plane=Plane.local("device"))
     before = {k: v.clone() for k, v in agent.critic.state_dict().items()}
     for step in range(4):
         batch, noise = sac_workers.global_data(step)

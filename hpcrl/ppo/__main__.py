@@ -13,19 +13,26 @@ import sys
 
 import tyro
 
-from hpcrl.dist import EXIT_STOPPED, DistSetupError, SpawnError, StopRequest, detect_launch, spawn
+from hpcrl.comm import DistSetupError, SpawnError, StopRequest, check_local_gpus, cuda_count, detect_launch, spawn
+from hpcrl.comm.devices import resolve_kind
+from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_STOPPED
 
 from .config import DetachedConfig
-from .roles import PeerLost
-from .run import ConfigError, build_workload, train
+from .liveness import PeerLost
+from .run import ConfigError, build_workload, train, validate
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = tyro.cli(DetachedConfig, args=sys.argv[1:] if argv is None else argv,
                    description="Detached PPO: experience makers and PPO trainers as separate process groups")
     try:
-        build_workload(cfg)  # fail on a bad workload before starting any process
+        build_workload(cfg)  # fail on a bad workload or device before starting any process
+        for role in ("trainer", "maker"):
+            resolve_kind(getattr(cfg, f"{role}_device"), cuda_count(), f"--{role}-device")
         if detect_launch().source == "single" and cfg.makers + cfg.trainers > 1:
+            validate(cfg, cfg.makers + cfg.trainers)
+            # Spawned ranks get cuda:(rank mod GPUs); makers may share GPUs, trainers (one NCCL group) may not.
+            check_local_gpus(cfg.trainers, cfg.trainer_device, cuda_count(), "--trainer-device", "--trainers")
             for sig in StopRequest.SIGNALS:  # the ranks handle them; the parent only waits
                 signal.signal(sig, signal.SIG_IGN)
             rows = spawn(train, cfg.makers + cfg.trainers, args=(cfg,), timeout_s=None, num_threads=cfg.threads)
@@ -33,10 +40,10 @@ def main(argv: list[str] | None = None) -> int:
             rows = [train(cfg)]
     except (ConfigError, DistSetupError) as err:
         print(f"hpcrl.ppo: error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_CONFIG
     except (SpawnError, PeerLost) as err:
         print(f"hpcrl.ppo: error: {err}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     return EXIT_STOPPED if any(row.get("preempted") for row in rows) else 0
 
 

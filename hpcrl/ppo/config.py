@@ -6,6 +6,10 @@ import ast
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from hpcrl.conventions import DEFAULT_MAKERS, DEFAULT_TRAINERS
+
 
 def _literal(value: Any) -> Any:
     if not isinstance(value, str):
@@ -20,8 +24,16 @@ def _literal(value: Any) -> Any:
 class DetachedConfig:
     workload: str = "cartpole"
     """"cartpole" (discrete vector-env PPO), "swingup" (continuous), "lm" (token-level LM PPO)."""
-    makers: int = 1
-    trainers: int = 1
+    makers: int = DEFAULT_MAKERS
+    trainers: int = DEFAULT_TRAINERS
+    trainer_device: str = "auto"
+    """Trainers' device: "auto" (CUDA when a GPU is visible), "cpu" or "cuda". On CUDA a rank gets
+    cuda:LOCAL_RANK under srun/torchrun (cuda:0 with one GPU per task), cuda:(rank mod GPUs) when spawned
+    locally; trainers need a GPU each."""
+    maker_device: str = "auto"
+    """Makers' device, same choices. Any mix with --trainer-device works: experience crosses on the host
+    plane, weights by NCCL broadcast when trainer 0 and every maker have GPUs of their own, else by gloo
+    staged through host memory (e.g. a maker sharing trainer 0's GPU)."""
     lag: int = 1
     """Staleness bound: trainers keep (lag + 1) x batches_per_step credits out, each requiring weights at
     least as new as the trainer's version when it was granted. 0 = synchronous (generate <-> train barrier)."""
@@ -56,6 +68,10 @@ class DetachedConfig:
 
     def ppo_kwargs(self) -> dict[str, Any]:
         return {k: _literal(v) for k, v in self.ppo_args.items()}
+
+    def bucket_numel(self, dtype: torch.dtype) -> int:
+        """Elements of ``dtype`` per weight bucket (``bucket_mb``)."""
+        return max(1, int(self.bucket_mb * 2**20) // torch.empty((), dtype=dtype).element_size())
 
     @property
     def stale_cap(self) -> int:

@@ -7,6 +7,18 @@ import time
 
 import torch.distributed as dist
 
+from hpcrl.comm import DistContext, host_of
+
+
+class PeerLost(RuntimeError):
+    """A peer stopped responding; the message names it."""
+
+
+def describe(ctx: DistContext, rank: int, role: str) -> str:
+    """``"maker rank 3 (node7)"``: how errors name a peer."""
+    host = host_of(ctx, rank)
+    return f"{role} rank {rank}" + (f" ({host})" if host else "")
+
 
 class Heartbeat:
     """Background thread bumping ``hb/<rank>`` every ``interval_s``."""

@@ -11,7 +11,7 @@ Seed discipline (the detached roles copy it exactly; with it and lag 0 they see 
   then runs update ``k`` on exactly that one batch.
 
 Maker 0 and trainer 0 of a detached run use exactly these seeds; other makers and trainers offset
-``seed`` by their index (``hpcrl.ppo.roles``) so their streams differ.
+``seed`` by their index (``hpcrl.ppo.maker``, ``hpcrl.ppo.trainer``) so their streams differ.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from .workload import PPOConfig, Workload
 
 
 class NoGradSync:
-    """Gradient "averaging" over a group of one. Unlike a world-size-1 ``hpcrl.dist.GradSync`` it
+    """Gradient "averaging" over a group of one. Unlike a world-size-1 ``hpcrl.comm.GradSync`` it
     is safe inside a process that belongs to a larger initialised world."""
 
     def all_reduce(self) -> None:

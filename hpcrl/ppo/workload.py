@@ -65,7 +65,7 @@ class Workload(Protocol):
 
     def make_learner(self, model: nn.Module, cfg: PPOConfig, grad_sync: Any) -> "Learner":
         """Trainer-side optimiser state; ``grad_sync`` averages gradients over the trainer group
-        (an :class:`hpcrl.dist.GradSync` over ``model``'s trainable parameters)."""
+        (an :class:`hpcrl.comm.GradSync` over ``model``'s trainable parameters)."""
 
 
 class Collector(Protocol):

@@ -14,7 +14,8 @@ import sys
 
 import tyro
 
-from hpcrl.dist import EXIT_STOPPED, DistSetupError, SpawnError, StopRequest, spawn
+from hpcrl.comm import DistSetupError, SpawnError, StopRequest, check_local_gpus, cuda_count, spawn
+from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_STOPPED
 
 from .config import PRESETS, SACConfig, preset
 from .train import ConfigError, plan, train
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if cfg.nproc > 1:
             plan(cfg, cfg.nproc)  # fail before spawning anything
+            check_local_gpus(cfg.nproc, cfg.device, cuda_count())
             # The ranks checkpoint and stop on SIGUSR2/SIGTERM; the parent only waits for them
             # (send the signal to the process group: kill -USR2 -<pgid>).
             for sig in StopRequest.SIGNALS:
@@ -50,10 +52,10 @@ def main(argv: list[str] | None = None) -> int:
             rows = [train(cfg)]
     except (ConfigError, DistSetupError) as err:
         print(f"hpcrl.sac: error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_CONFIG
     except SpawnError as err:  # a local rank failed: its message names the rank and carries its traceback
         print(f"hpcrl.sac: error: {err}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     return EXIT_STOPPED if any(row.get("preempted") for row in rows) else 0
 
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from hpcrl.dist import GradSync
+from hpcrl.comm import GradSync, Plane
 from hpcrl.replay import Batch
 
 from . import losses
@@ -44,7 +44,9 @@ class FastSAC(nn.Module):
     """Networks, optimisers and gradient sync of one rank."""
 
     def __init__(self, cfg: SACConfig, obs_dim: int, action_dim: int, action_low: torch.Tensor,
-                 action_high: torch.Tensor, device: torch.device) -> None:
+                 action_high: torch.Tensor, device: torch.device, *, plane: Plane) -> None:
+        """``plane``: the device plane gradients are averaged over (``ctx.device_plane``; a plane of
+        one, ``Plane.local("device", device)``, for a single process)."""
         super().__init__()
         self.cfg = cfg
         self.action_dim = action_dim
@@ -62,8 +64,8 @@ class FastSAC(nn.Module):
         # Plain Adam: holosoma's AdamW default weight decay 1e-2 silently pulls log(alpha) to 0.
         self.alpha_opt = torch.optim.Adam([self.log_alpha], lr=cfg.alpha_lr, betas=(0.9, 0.95), fused=True)
         # One collective per optimizer update: critic + log-alpha together, the actor alone.
-        self.critic_sync = GradSync([*self.critic.parameters(), self.log_alpha], cfg.grad_sync)
-        self.actor_sync = GradSync(self.actor.parameters(), cfg.grad_sync)
+        self.critic_sync = GradSync([*self.critic.parameters(), self.log_alpha], cfg.grad_sync, plane=plane)
+        self.actor_sync = GradSync(self.actor.parameters(), cfg.grad_sync, plane=plane)
         self.critic_train = self.critic_sync.wrap(self.critic)
         self.actor_train = self.actor_sync.wrap(self.actor)
         self.counters = Counters()

@@ -23,9 +23,11 @@ class SACConfig:
     """Continue from the newest complete checkpoint in run_dir/checkpoints."""
     seed: int = 0
     device: str = "auto"
-    """"auto" = cuda:LOCAL_RANK when CUDA is available, else cpu."""
+    """"auto" = CUDA when a GPU is visible, else cpu; or "cuda", "cpu", "cuda:K". On CUDA a rank gets
+    cuda:LOCAL_RANK under srun/torchrun (cuda:0 with one GPU per task) and cuda:(rank mod GPUs) under --nproc."""
     nproc: int = 1
-    """Spawn this many local ranks (gloo on CPU); 1 = run in this process (or one rank under srun/torchrun)."""
+    """Spawn this many local ranks (NCCL on GPUs: at most one rank per GPU; gloo on CPU); 1 = run in this
+    process (or one rank under srun/torchrun)."""
     threads: int = 1
     """torch intra-op threads per rank (oversubscribing cores made updates 10-30x slower here)."""
     timeout_s: float = 300.0

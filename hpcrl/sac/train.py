@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from hpcrl import checkpoint
-from hpcrl.dist import (DistContext, StopRequest, all_reduce_sum_, barrier, broadcast_, check_parameters_in_sync,
+from hpcrl.comm import (DistContext, StopRequest, all_reduce_sum_, barrier, broadcast_, check_parameters_in_sync,
                         hosts, init_distributed, reduce_metrics, shutdown)
 from hpcrl.envs import EpisodeStats, make_env
 from hpcrl.metrics import RunLogger
@@ -71,26 +71,23 @@ def plan(cfg: SACConfig, world_size: int) -> Layout:
                   math.ceil(cfg.total_env_steps / cfg.num_envs))
 
 
-def _device(cfg: SACConfig, ctx: DistContext) -> torch.device:
-    if cfg.device == "auto":
-        return ctx.device
-    return torch.device(cfg.device)
-
-
 def train(cfg: SACConfig) -> dict[str, float]:
     """Run (or resume) one rank of a FastSAC job; returns the final metrics row (all ranks)."""
     stop = StopRequest.install()  # first: a USR2 during start-up must stop cleanly too, not kill the rank
     torch.set_num_threads(cfg.threads)
-    ctx = init_distributed(timeout_s=cfg.timeout_s)
+    ctx = init_distributed(timeout_s=cfg.timeout_s, device=cfg.device)
     layout = plan(cfg, ctx.world_size)
-    device = _device(cfg, ctx)
+    device = ctx.device
     rank, world = ctx.rank, ctx.world_size
+    # Planes (hpcrl.comm.planes): gradients, parameters, normaliser statistics and checksums on the
+    # device plane; metrics rows and the stop agreement on the host plane.
+    data, control = ctx.device_plane, ctx.host_plane
 
     def sync_barrier(name: str) -> None:
         barrier(ctx, name)
 
     def reduce_sum(t: torch.Tensor) -> None:
-        all_reduce_sum_([t])
+        all_reduce_sum_([t], data)
 
     # Model init identical on every rank (then broadcast anyway); env and sampling streams per rank.
     torch.manual_seed(cfg.seed)
@@ -102,7 +99,7 @@ def train(cfg: SACConfig) -> dict[str, float]:
         raise ConfigError(str(err)) from None
     if env.num_actions is not None:
         raise ConfigError(f"env {cfg.env!r} has discrete actions; FastSAC needs a continuous action space")
-    agent = FastSAC(cfg, env.obs_dim, env.action_dim, env.action_low, env.action_high, device)
+    agent = FastSAC(cfg, env.obs_dim, env.action_dim, env.action_low, env.action_high, device, plane=data)
     normalizer = ObsNormalizer(env.obs_dim, enabled=cfg.obs_normalization).to(device)
     if cfg.compile:
         agent.actor.compile()
@@ -125,7 +122,7 @@ def train(cfg: SACConfig) -> dict[str, float]:
         stats.load_state_dict(mine["episode_stats"])
         generator.set_state(mine["generator"])
         obs = mine["obs"].to(device)
-    broadcast_([t.data for t in agent.broadcast_tensors()] + [normalizer.count, normalizer.mean, normalizer.m2])
+    broadcast_([t.data for t in agent.broadcast_tensors()] + [normalizer.count, normalizer.mean, normalizer.m2], data)
 
     run_dir = Path(cfg.run_dir)
     if rank == 0:
@@ -170,7 +167,7 @@ def train(cfg: SACConfig) -> dict[str, float]:
                     check_parameters_in_sync(
                         [(f"actor.{n}", p) for n, p in agent.actor.named_parameters()]
                         + [(f"critic.{n}", p) for n, p in agent.critic.named_parameters()]
-                        + [("log_alpha", agent.log_alpha)], ctx)
+                        + [("log_alpha", agent.log_alpha)], data)
         agent.counters.iteration = it + 1
         window_iters += 1
 
@@ -178,7 +175,7 @@ def train(cfg: SACConfig) -> dict[str, float]:
             row = _log_row(agent, stats, window, window_iters, time.time() - window_start, cfg, ctx)
             logger.log(row)
             window, window_iters, window_start = {}, 0, time.time()
-            if it + 1 < layout.iterations and stop.agreed():
+            if it + 1 < layout.iterations and stop.agreed(control):
                 _save(cfg, ctx, agent, normalizer, replay, env, stats, generator, obs, sync_barrier)
                 if rank == 0:
                     print(f"hpcrl.sac: stop requested ({stop.reason}); checkpoint at env step "
@@ -208,7 +205,7 @@ def _log_row(agent: FastSAC, stats: EpisodeStats, window: dict[str, list[torch.T
     metrics["episode_length"] = episodes.length_sum / count.clamp(min=1)
     metrics["alpha"] = agent.alpha
     weights = {"episode_return": count, "episode_length": count}
-    out = reduce_metrics(metrics, ctx, weights=weights)
+    out = reduce_metrics(metrics, ctx.host_plane, weights=weights)
     env_steps = agent.counters.iteration * cfg.num_envs
     return {"env_steps": env_steps, "updates": agent.counters.critic_steps,
             "actor_updates": agent.counters.actor_steps, **{k: round(v, 6) for k, v in sorted(out.items())},
@@ -240,4 +237,4 @@ def evaluate(cfg: SACConfig, agent: FastSAC, normalizer: ObsNormalizer, device: 
         obs = result.obs
         if bool(finished.all()):
             break
-    return {"eval_return": reduce_metrics({"r": returns.mean()}, ctx)["r"]}
+    return {"eval_return": reduce_metrics({"r": returns.mean()}, ctx.host_plane)["r"]}

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._pack import pack, unpack_
+from .planes import Plane
 
 __all__ = ["GradSync", "Mode"]
 
@@ -55,10 +56,6 @@ class _Bucket:
     params: list[nn.Parameter]
     buffer: torch.Tensor
     views: list[torch.Tensor] = field(default_factory=list)
-
-
-def _world_size(group: dist.ProcessGroup | None) -> int:
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
 def _make_buckets(params: list[nn.Parameter], view: bool) -> list[_Bucket]:
@@ -89,8 +86,9 @@ class GradSync:
     """Gradient averaging for one set of parameters (e.g. critic + log-alpha, or the actor).
 
     ``params``: the parameters whose grads are averaged (frozen ones, ``requires_grad=False``, are
-    skipped; duplicates are dropped). ``group``: the process group (default: the world; detached
-    PPO passes its trainer subgroup). ``ddp_kwargs``: extra DistributedDataParallel options.
+    skipped; duplicates are dropped). ``plane``: the device plane whose ranks average (the world's
+    for FastSAC, the trainers' for detached PPO; a plane of one communicates nothing).
+    ``ddp_kwargs``: extra DistributedDataParallel options.
     """
 
     def __init__(
@@ -98,7 +96,7 @@ class GradSync:
         params: Iterable[torch.Tensor],
         mode: Mode = "flat",
         *,
-        group: dist.ProcessGroup | None = None,
+        plane: Plane,
         ddp_kwargs: dict[str, Any] | None = None,
     ):
         if mode not in ("flat", "view", "ddp"):
@@ -115,11 +113,16 @@ class GradSync:
         for i, p in enumerate(self.params):
             if not p.is_contiguous():
                 raise ValueError(f"GradSync parameter {i} (shape {tuple(p.shape)}) is not contiguous")
+        if plane.name != "device":
+            raise ValueError(f"GradSync averages on a device plane, got the {plane}")
+        if plane.active:
+            plane.check(self.params, "GradSync parameter")
         self.mode: Mode = mode
-        self.group = group
-        self.world_size = _world_size(group)
+        self.plane = plane
+        self.group = plane.group
+        self.world_size = plane.size if plane.active else 1
         # NCCL applies the 1/W inside the collective; elsewhere SUM then one in-place scale.
-        self._avg_op = self.world_size > 1 and dist.get_backend(group) == "nccl"
+        self._avg_op = self.world_size > 1 and plane.backend == "nccl"
         self._ddp_kwargs = ddp_kwargs or {}
         self._covered: set[int] = set()  # ids of parameters reduced by a DDP wrapper
         self._warned_detached = False

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hpcrl.dist import init_distributed, shutdown
+from hpcrl.comm import init_distributed, shutdown
 
 from . import grad, misc
 

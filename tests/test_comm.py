@@ -1,4 +1,4 @@
-"""hpcrl.dist: bootstrap precedence and errors, named barriers, gradient sync modes, reductions, spawn.
+"""hpcrl.comm: bootstrap precedence and errors, named barriers, gradient sync modes, reductions, spawn.
 
 Multi-rank tests start real processes (gloo on CPU, 2 ranks, one thread each) with small timeouts;
 launcher-environment tests run in-process on a fake environment.
@@ -19,13 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import hpcrl.dist as hd
-from hpcrl.dist import env as dist_env
+import hpcrl.comm as hd
+from hpcrl.conventions import rendezvous_port
+from hpcrl.comm import env as dist_env
 
 TESTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TESTS))  # dist_workers must be importable here and in spawned ranks
+sys.path.insert(0, str(TESTS))  # comm_workers must be importable here and in spawned ranks
 
-from dist_workers import fail, grad, ranks  # noqa: E402
+from comm_workers import fail, grad, ranks  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -94,10 +95,10 @@ def test_slurm_variables_master_from_nodelist_and_port_from_job_id():
     assert (info.source, info.rank, info.world_size, info.local_rank) == ("slurm", 3, 4, 1)
     if shutil.which("scontrol") is None:  # with real Slurm installed, scontrol may reject fake names
         assert info.master_addr == "node01"
-    assert info.master_port == hd.slurm_port(123456, int(SLURM["SLURM_STEP_ID"])) == 20000 + 123456 % 10000
+    assert info.master_port == rendezvous_port(123456, int(SLURM["SLURM_STEP_ID"])) == 20000 + 123456 % 10000
     # a later step of the same job (e.g. the next point of a scaling sweep) gets its own port
     assert hd.detect_launch({**SLURM, "SLURM_STEP_ID": "3"}).master_port == 20000 + (123456 + 3 * 7919) % 10000
-    assert len({hd.slurm_port(123456, s) for s in range(10000)}) == 10000  # no two steps of a job collide
+    assert len({rendezvous_port(123456, s) for s in range(10000)}) == 10000  # no two steps of a job collide
 
 
 def test_slurm_master_overrides_and_step_task_count():
@@ -203,7 +204,7 @@ def test_init_single_process(no_launcher):
     assert (ctx.rank, ctx.world_size, ctx.source, ctx.is_distributed, ctx.backend) == (0, 1, "single", False, None)
     assert ctx.is_main and ctx.rank_seed(7) == 7 and hd.current() is ctx
     hd.barrier(ctx, "noop")  # no-op without peers
-    assert hd.reduce_metrics({"a": 2.0, "b": torch.tensor(3.0)}, ctx) == {"a": 2.0, "b": 3.0}
+    assert hd.reduce_metrics({"a": 2.0, "b": torch.tensor(3.0)}, ctx.host_plane) == {"a": 2.0, "b": 3.0}
 
 
 def test_init_partial_environment_fails_fast(no_launcher):
@@ -243,8 +244,9 @@ def test_init_unreachable_master_names_the_address(no_launcher):
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    """One 2-rank run (gradient sync in every mode, then barrier/divergence/reductions)."""
-    return hd.spawn(ranks.main, 2, timeout_s=80)
+    """One 2-rank run (gradient sync in every mode, then barrier/divergence/reductions), in the production
+    layout: the device plane is the default group (the other multi-rank tests run with strict planes)."""
+    return hd.spawn(ranks.main, 2, timeout_s=80, env={"HPCRL_STRICT_PLANES": "0"})
 
 
 @pytest.fixture(scope="module")
@@ -299,7 +301,7 @@ def test_grad_sync_bf16(grad_runs, mode):
 
 def test_grad_sync_single_rank_is_untouched():
     net, log_alpha = grad.make_model()
-    sync = hd.GradSync([*net.parameters(), log_alpha, log_alpha], "view")  # duplicates are dropped
+    sync = hd.GradSync([*net.parameters(), log_alpha, log_alpha], "view", plane=hd.Plane.local("device"))  # dups dropped
     assert sync.world_size == 1 and len(sync.params) == 7
     assert sync.wrap(net) is net
     net(torch.randn(2, 6)).sum().backward()
@@ -307,7 +309,7 @@ def test_grad_sync_single_rank_is_untouched():
     sync.all_reduce()
     assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), before))
     with pytest.raises(ValueError, match="mode"):
-        hd.GradSync(net.parameters(), "ring")
+        hd.GradSync(net.parameters(), "ring", plane=hd.Plane.local("device"))
 
 
 # --- barrier, divergence check, packed reductions (same 2-rank run) --------------------------------
@@ -329,12 +331,17 @@ def test_divergence_check_names_rank_and_tensor(misc_runs):
 
 def test_packed_reductions(misc_runs):
     for run in misc_runs:
-        assert (run["source"], run["backend"]) == ("local", "gloo")  # spawned by hpcrl.dist.spawn
+        assert (run["source"], run["backend"]) == ("local", "gloo")  # spawned by hpcrl.comm.spawn
         assert run["count"].dtype == torch.int64 and run["count"].tolist() == [3]
         assert run["total"].tolist() == [1.5, 1.5, 1.5]
         w, steps = run["bcast"]
         assert w.tolist() == [[0.0, 0.0], [0.0, 0.0]] and steps.tolist() == [10]
         assert run["metrics"] == {"episode_return": -200.0, "loss": 0.5, "sps": 150.0}
+        assert run["reductions"] == {"samples": 30.0, "lag_max": 1.0, "lag_min": 0.0, "loss": 0.5}
+        # a CPU tensor on a (declared) NCCL plane, metrics on the device plane: refused by name
+        assert len(run["wrong_plane"]) == 2
+        assert "device plane" in run["wrong_plane"][0] and "cpu" in run["wrong_plane"][0]
+        assert "host plane" in run["wrong_plane"][1]
 
 
 # --- spawn ---------------------------------------------------------------------------------------
@@ -382,7 +389,7 @@ def test_slurm_variables_form_a_gloo_group():
         "SLURM_JOB_NODELIST": "localhost",
     }
     envs = [{**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)} for r in range(2)]
-    cmd = [sys.executable, "-m", "dist_workers.launched"]
+    cmd = [sys.executable, "-m", "comm_workers.launched"]
     outs = sorted(run_launched([cmd, cmd], envs), key=lambda o: o["rank"])
     assert [(o["rank"], o["world"], o["local_rank"], o["source"], o["sum"]) for o in outs] == [
         (0, 2, 0, "slurm", 3.0),
@@ -393,7 +400,7 @@ def test_slurm_variables_form_a_gloo_group():
 def test_torchrun_launch_forms_a_gloo_group():
     env = {**clean_env(), "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)]), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "dist_workers.launched"]
+           "-m", "comm_workers.launched"]
     outs = sorted(run_launched([cmd], [env]), key=lambda o: o["rank"])
     assert [(o["rank"], o["world"], o["local_rank"], o["source"], o["sum"]) for o in outs] == [
         (0, 2, 0, "torchrun", 3.0),
@@ -410,7 +417,7 @@ def test_mpi_launch_forms_a_gloo_group():
     cmd = [MPIEXEC, "-n", "2"]
     if "OMPI" in subprocess.run([MPIEXEC, "--version"], capture_output=True, text=True).stdout.upper():
         cmd += ["--allow-run-as-root", "--oversubscribe"]
-    outs = run_launched([cmd + [sys.executable, "-m", "dist_workers.launched"]], [env], timeout=60)
+    outs = run_launched([cmd + [sys.executable, "-m", "comm_workers.launched"]], [env], timeout=60)
     outs.sort(key=lambda o: o["rank"])
     assert [(o["rank"], o["world"], o["source"], o["sum"]) for o in outs] == [(0, 2, "mpi", 3.0), (1, 2, "mpi", 3.0)]
 

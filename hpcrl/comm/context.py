@@ -1,4 +1,4 @@
-"""What a rank knows about its place in the job, as returned by :func:`hpcrl.dist.init_distributed`."""
+"""What a rank knows about its place in the job, as returned by :func:`hpcrl.comm.init_distributed`."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from .planes import Plane
+
 __all__ = ["DistContext", "DistSetupError", "Source"]
 
-Source = Literal["torchrun", "local", "slurm", "mpi", "single"]  # local: hpcrl.dist.spawn / --nproc
+Source = Literal["torchrun", "local", "slurm", "mpi", "single"]  # local: hpcrl.comm.spawn / --nproc
 
 
 class DistSetupError(RuntimeError):
@@ -22,9 +24,11 @@ class DistSetupError(RuntimeError):
 class DistContext:
     """One rank's view of the job.
 
-    ``backend`` is None and ``is_distributed`` False when there is no process group (world size 1:
-    no collective is ever needed). ``store`` is the rendezvous key-value store (a namespace of it
-    that torch's own keys cannot collide with); :func:`hpcrl.dist.barrier` uses it.
+    ``backend`` (the device plane's) is None and ``is_distributed`` False when there is no process
+    group (world size 1: no collective is ever needed). ``host_plane`` / ``device_plane`` span the
+    world (see :mod:`hpcrl.comm.planes`); with one rank they are planes of one. ``store`` is the
+    rendezvous key-value store (a namespace of it that torch's own keys cannot collide with);
+    :func:`hpcrl.comm.barrier` uses it.
     """
 
     rank: int
@@ -36,6 +40,8 @@ class DistContext:
     source: Source
     timeout: timedelta
     hostname: str = ""
+    host_plane: Plane = field(default_factory=lambda: Plane.local("host"), repr=False, compare=False)
+    device_plane: Plane = field(default_factory=lambda: Plane.local("device"), repr=False, compare=False)
     store: dist.Store | None = field(default=None, repr=False, compare=False)
     # Per-name barrier generations; identical on every rank because barriers are called in order.
     barrier_generations: dict[str, int] = field(default_factory=dict, repr=False, compare=False)

@@ -11,10 +11,12 @@ import socket
 from dataclasses import dataclass
 from typing import Mapping
 
+from hpcrl.conventions import rendezvous_port
+
 from .context import DistSetupError, Source
 from .nodelist import first_host
 
-__all__ = ["LaunchInfo", "detect_launch", "slurm_port"]
+__all__ = ["LaunchInfo", "detect_launch"]
 
 # Variables an MPI launcher (mpirun/mpiexec/srun --mpi=...) gives its ranks. PMIX_RANK carries no size.
 _MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
@@ -30,7 +32,7 @@ class LaunchInfo:
     hostname: str
     master_addr: str | None = None  # None for MPI (rank 0 broadcasts it) and single
     master_port: int | None = None
-    store_hosted_elsewhere: bool = False  # torchrun's agent (or hpcrl.dist.spawn's parent) hosts the store
+    store_hosted_elsewhere: bool = False  # torchrun's agent (or hpcrl.comm.spawn's parent) hosts the store
     restart: int = 0  # torchrun restart count: keeps store keys of an earlier attempt out of the way
 
 
@@ -47,13 +49,6 @@ def _check_ranks(source: str, rank: int, world: int, local_rank: int) -> None:
             f"{source}: inconsistent rank {rank}, world size {world}, local rank {local_rank} "
             "(need world >= 1, 0 <= rank < world, local rank >= 0)"
         )
-
-
-def slurm_port(job_id: int, step_id: int = 0) -> int:
-    """Rendezvous port derived from the job and step ids, so all tasks of a step agree without talking
-    and the steps of one job (a scaling sweep, concurrent ``srun &``) never share a port: 7919 is
-    coprime to 10000, so steps 0..9999 of a job map to distinct ports in 20000-29999."""
-    return 20000 + (job_id + 7919 * step_id) % 10000
 
 
 def _torchrun(env: Mapping[str, str], source: Source = "torchrun") -> LaunchInfo:
@@ -121,7 +116,7 @@ def _slurm(env: Mapping[str, str]) -> LaunchInfo:
     master_addr = env.get("MASTER_ADDR") or first_host(het0 or env[nodelist_var])  # type: ignore[index]
     step = env.get("SLURM_STEP_ID", "")
     port = (_int(env, "MASTER_PORT") if env.get("MASTER_PORT")
-            else slurm_port(_int(env, "SLURM_JOB_ID"), int(step) if step.isdigit() else 0))
+            else rendezvous_port(_int(env, "SLURM_JOB_ID"), int(step) if step.isdigit() else 0))
     return LaunchInfo(
         source="slurm",
         rank=rank,
@@ -188,7 +183,7 @@ def detect_launch(env: Mapping[str, str] | None = None, source: Source | None = 
             not env.get("SLURM_STEP_ID") or (mpi_size is not None and str(mpi_size) != slurm_world)
         )
         if "RANK" in env or "WORLD_SIZE" in env:
-            # hpcrl.dist.spawn (--nproc) and submitit's local executor set the same variables as torchrun
+            # hpcrl.comm.spawn (--nproc) and submitit's local executor set the same variables as torchrun
             source = "local" if env.get("HPCRL_LAUNCHER") == "local" else "torchrun"
         elif "SLURM_PROCID" in env and not mpi_in_slurm:
             source = "slurm"

@@ -8,10 +8,11 @@ when they got far enough to register one).
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Sequence
 
 from .context import DistContext
 
-__all__ = ["BarrierTimeoutError", "barrier", "hosts", "register_host"]
+__all__ = ["BarrierTimeoutError", "barrier", "host_of", "hosts", "register_host"]
 
 
 class BarrierTimeoutError(TimeoutError):
@@ -39,23 +40,30 @@ def hosts(ctx: DistContext) -> list[str]:
     return [ctx.store.get(_host_key(r)).decode() for r in range(ctx.world_size)]
 
 
+def host_of(ctx: DistContext, rank: int) -> str:
+    """The hostname ``rank`` registered, or "" when it never got that far (or the store is gone)."""
+    if ctx.store is None:
+        return ctx.hostname if rank == ctx.rank else ""
+    try:
+        return ctx.store.get(_host_key(rank)).decode() if ctx.store.check([_host_key(rank)]) else ""
+    except RuntimeError:
+        return ""
+
+
 def _describe(ctx: DistContext, ranks: list[int]) -> str:
-    assert ctx.store is not None
-    parts = []
-    for r in ranks:
-        host = ctx.store.get(_host_key(r)).decode() if ctx.store.check([_host_key(r)]) else ""
-        parts.append(f"rank {r}" + (f" ({host})" if host else ""))
-    return ", ".join(parts)
+    return ", ".join(f"rank {r}" + (f" ({h})" if (h := host_of(ctx, r)) else "") for r in ranks)
 
 
-def barrier(ctx: DistContext, name: str, timeout_s: float | None = None) -> None:
-    """Wait until every rank of ``ctx`` has called ``barrier(ctx, name)`` (a no-op for one rank).
+def barrier(ctx: DistContext, name: str, timeout_s: float | None = None, ranks: Sequence[int] | None = None) -> None:
+    """Wait until every rank of ``ranks`` (default: the world) has called ``barrier(ctx, name, ...,
+    ranks)``: a no-op for one rank. On the store, not on a plane: it names who is missing.
 
     Raises :class:`BarrierTimeoutError` naming the ranks that did not arrive within ``timeout_s``
-    (default: the context's timeout). Every rank must call barriers in the same order; the same
-    name may be reused any number of times.
+    (default: the context's timeout). Those ranks must call barriers of one name in the same order;
+    the same name may be reused any number of times.
     """
-    if not ctx.is_distributed:
+    members = list(range(ctx.world_size)) if ranks is None else sorted(ranks)
+    if not ctx.is_distributed or len(members) < 2:
         return
     store = ctx.store
     assert store is not None
@@ -72,11 +80,11 @@ def barrier(ctx: DistContext, name: str, timeout_s: float | None = None) -> None
         store.delete_key(key(gen - 2, ctx.rank))
     timeout = ctx.timeout if timeout_s is None else timedelta(seconds=timeout_s)
     try:
-        store.wait([key(gen, r) for r in range(ctx.world_size)], timeout)
+        store.wait([key(gen, r) for r in members], timeout)
     except RuntimeError as err:  # DistStoreError on timeout, DistNetworkError if the store is gone
-        where = f"barrier {name!r} on rank {ctx.rank} of {ctx.world_size} ({ctx.hostname})"
+        where = f"barrier {name!r} on rank {ctx.rank} of {len(members)} ({ctx.hostname})"
         try:
-            missing = [r for r in range(ctx.world_size) if not store.check([key(gen, r)])]
+            missing = [r for r in members if not store.check([key(gen, r)])]
             who = _describe(ctx, missing)
         except RuntimeError:
             raise BarrierTimeoutError(

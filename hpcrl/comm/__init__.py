@@ -1,19 +1,24 @@
-"""Rank bootstrap (torchrun / Slurm / MPI / single), gradient sync, packed reductions, timeouts.
+"""Rank bootstrap (torchrun / Slurm / MPI / single), devices, the host and device planes, gradient
+sync, packed reductions, timeouts.
 
 Typical trainer::
 
-    ctx = hpcrl.dist.init_distributed(timeout_s=cfg.dist_timeout_s)
-    critic_sync = hpcrl.dist.GradSync([*critic.parameters(), log_alpha], mode=cfg.grad_sync)
+    ctx = hpcrl.comm.init_distributed(timeout_s=cfg.timeout_s, device=cfg.device)
+    critic_sync = hpcrl.comm.GradSync([*critic.parameters(), log_alpha], cfg.grad_sync, plane=ctx.device_plane)
     ...
-    hpcrl.dist.shutdown()
+    if stop.agreed(ctx.host_plane): ...
+    hpcrl.comm.shutdown()
 
-Local ranks without a launcher: ``hpcrl.dist.spawn(main, nproc)``.
+Every collective names its plane (see :mod:`hpcrl.comm.planes`). Local ranks without a launcher:
+``hpcrl.comm.spawn(main, nproc)``.
 """
 
-from .barrier import BarrierTimeoutError, barrier, hosts
+from .barrier import BarrierTimeoutError, barrier, host_of, hosts
 from .bootstrap import current, init_distributed, shutdown
 from .context import DistContext, DistSetupError, Source
-from .env import LaunchInfo, detect_launch, slurm_port
+from .devices import check_local_gpus, cuda_count, rank_device
+from .env import LaunchInfo, detect_launch
+from .planes import Plane, new_plane, new_planes, strict_planes
 from .grad_sync import GradSync, Mode
 from .local import SpawnError, spawn
 from .nodelist import expand_nodelist, first_host
@@ -22,6 +27,13 @@ from .reduce import RankDivergenceError, all_reduce_sum_, broadcast_, check_para
 
 __all__ = [
     "BarrierTimeoutError",
+    "Plane",
+    "check_local_gpus",
+    "cuda_count",
+    "new_plane",
+    "new_planes",
+    "rank_device",
+    "strict_planes",
     "DistContext",
     "DistSetupError",
     "EXIT_STOPPED",
@@ -34,6 +46,7 @@ __all__ = [
     "SpawnError",
     "all_reduce_sum_",
     "barrier",
+    "host_of",
     "hosts",
     "broadcast_",
     "check_parameters_in_sync",
@@ -44,6 +57,5 @@ __all__ = [
     "init_distributed",
     "reduce_metrics",
     "shutdown",
-    "slurm_port",
     "spawn",
 ]

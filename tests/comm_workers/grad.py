@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hpcrl.dist import DistContext, GradSync
+from hpcrl.comm import DistContext, GradSync, Plane
 
 STEPS = 3
 BATCH = 8  # global; each of W ranks takes BATCH // W rows
@@ -27,11 +27,11 @@ def batch(step: int, rank: int, world: int, dtype: torch.dtype) -> tuple[torch.T
     return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
 
 
-def train(mode: str, rank: int, world: int, dtype: torch.dtype = torch.float32) -> dict:
+def train(mode: str, rank: int, world: int, dtype: torch.dtype = torch.float32, plane: Plane | None = None) -> dict:
     """STEPS AdamW updates; returns the synced grads of step 0, the final params and bookkeeping."""
     net, log_alpha = make_model(dtype)
     params = [*net.parameters(), log_alpha]
-    sync = GradSync(params, mode)
+    sync = GradSync(params, mode, plane=plane or Plane.local("device"))
     model = sync.wrap(net)
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
     calls = {"n": 0}
@@ -68,7 +68,8 @@ def train(mode: str, rank: int, world: int, dtype: torch.dtype = torch.float32) 
 
 
 def run(ctx: DistContext) -> dict:
-    results = {mode: train(mode, ctx.rank, ctx.world_size) for mode in ("flat", "view", "ddp")}
+    plane = ctx.device_plane
+    results = {mode: train(mode, ctx.rank, ctx.world_size, plane=plane) for mode in ("flat", "view", "ddp")}
     for mode in ("flat", "view"):
-        results[f"{mode}-bf16"] = train(mode, ctx.rank, ctx.world_size, torch.bfloat16)
+        results[f"{mode}-bf16"] = train(mode, ctx.rank, ctx.world_size, torch.bfloat16, plane)
     return results

@@ -1,7 +1,8 @@
-"""The one bootstrap every entry point calls: launcher detection -> store -> named barrier -> group.
+"""The one bootstrap every entry point calls: launcher detection -> device -> store -> named
+barrier -> default group -> the two planes (:mod:`hpcrl.comm.planes`).
 
 The rendezvous store is created here (not by ``init_process_group``) so that a missing peer is
-caught by :func:`hpcrl.dist.barrier`, which names it, before gloo/NCCL start their opaque
+caught by :func:`hpcrl.comm.barrier`, which names it, before gloo/NCCL start their opaque
 full-mesh connect.
 """
 
@@ -17,28 +18,15 @@ import torch.distributed as dist
 
 from .barrier import barrier, register_host
 from .context import DistContext, DistSetupError, Source
+from .devices import cuda_count, rank_device
 from .env import LaunchInfo, detect_launch
+from .planes import STRICT_BACKEND, Plane, register_strict_backend, strict_planes
 
 __all__ = ["init_distributed", "shutdown", "current"]
 
 DEFAULT_TIMEOUT_S = 600.0
 
 _active: DistContext | None = None
-
-
-def _device(local_rank: int) -> torch.device:
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    count = torch.cuda.device_count()
-    # With per-task GPU binding (srun --gpus-per-task=1) each task sees exactly its own GPU as cuda:0.
-    if count == 1:
-        return torch.device("cuda", 0)
-    if local_rank >= count:
-        raise DistSetupError(
-            f"LOCAL_RANK={local_rank} but only {count} GPUs are visible on this node: start at most "
-            f"{count} tasks per node, or bind one GPU per task (srun --gpus-per-task=1)"
-        )
-    return torch.device("cuda", local_rank)
 
 
 def _tcp_store(addr: str, port: int, info: LaunchInfo, is_master: bool, timeout: timedelta) -> dist.TCPStore:
@@ -83,29 +71,34 @@ def init_distributed(
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     *,
+    device: str = "auto",
     source: Source | None = None,
+    device_flag: str = "--device",
 ) -> DistContext:
     """Join the job as its launcher describes it and return this rank's :class:`DistContext`.
 
     Precedence: torchrun variables -> Slurm task variables -> MPI (mpi4py) -> single process; see
-    :func:`hpcrl.dist.env.detect_launch` (``source`` forces one). ``backend`` defaults to ``nccl``
-    when CUDA is available, else ``gloo``; the device is ``cuda:LOCAL_RANK`` (made current) or cpu.
-    ``timeout_s`` bounds the rendezvous, the start barrier and every collective of the group.
-    World size 1 creates no process group. Calling it again returns the active context.
+    :func:`hpcrl.comm.env.detect_launch` (``source`` forces one). ``device`` (auto / cpu / cuda /
+    cuda:K) resolves by :func:`hpcrl.comm.devices.rank_device` and is made current; ``device_flag``
+    names the option in errors. The device plane's ``backend`` defaults to ``nccl`` when every rank's
+    device is CUDA, else ``gloo`` (agreed through the store, so a world that mixes CPU and GPU ranks
+    gets one answer); the host plane is always gloo. ``timeout_s`` bounds the rendezvous, the start
+    barrier and every collective. World size 1 creates no process group. Calling it again returns
+    the active context.
     """
     global _active
     if _active is not None:
         return _active
     info = detect_launch(source=source)
-    device = _device(info.local_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    dev = rank_device(device, info.source, info.local_rank, cuda_count(), device_flag)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     timeout = timedelta(seconds=timeout_s)
     if info.world_size == 1:
-        _active = DistContext(0, 1, info.local_rank, device, None, False, info.source, timeout, info.hostname)
+        _active = DistContext(0, 1, info.local_rank, dev, None, False, info.source, timeout, info.hostname,
+                              Plane.local("host"), Plane.local("device", dev))
         return _active
 
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if info.source == "mpi":
         raw = _mpi_store(info, timeout)
     else:
@@ -114,30 +107,36 @@ def init_distributed(
         raw = _tcp_store(info.master_addr, info.master_port, info, is_master, timeout)
     # Keys of an earlier torchrun attempt may still sit in the launcher's store: namespace by attempt.
     base = dist.PrefixStore(f"attempt{info.restart}", raw)
-    ctx = DistContext(
-        rank=info.rank,
-        world_size=info.world_size,
-        local_rank=info.local_rank,
-        device=device,
-        backend=backend,
-        is_distributed=True,
-        source=info.source,
-        timeout=timeout,
-        hostname=info.hostname,
-        store=dist.PrefixStore("hpcrl", base),
-    )
-    register_host(ctx)
-    barrier(ctx, "init")  # a missing peer is named here, not reported as a gloo connect timeout
+    store = dist.PrefixStore("hpcrl", base)
+    probe = DistContext(info.rank, info.world_size, info.local_rank, dev, None, True, info.source, timeout,
+                        info.hostname, store=store)
+    register_host(probe)
+    store.add("cuda_ranks", int(dev.type == "cuda"))
+    barrier(probe, "init")  # a missing peer is named here, not reported as a gloo connect timeout
+    all_cuda = int(store.add("cuda_ranks", 0)) == info.world_size
+    backend = backend or ("nccl" if all_cuda else "gloo")
+    # A world mixing CPU and GPU ranks (detached PPO) gets a CPU gloo device plane; its roles make their own.
+    plane_device = dev if backend == "nccl" or all_cuda else torch.device("cpu")
+    strict = strict_planes()
+    if strict:
+        register_strict_backend()
+    default_backend = STRICT_BACKEND if strict else backend
     dist.init_process_group(
-        backend,
+        default_backend,
         store=dist.PrefixStore("default_pg", base),
         rank=info.rank,
         world_size=info.world_size,
         timeout=timeout,
-        device_id=device if backend == "nccl" else None,
+        device_id=dev if default_backend == "nccl" else None,
     )
-    _active = ctx
-    return ctx
+    ranks = tuple(range(info.world_size))
+    host_plane = Plane("host", torch.device("cpu"), ranks, dist.new_group(timeout=timeout, backend="gloo"), "gloo")
+    device_group = dist.new_group(timeout=timeout, backend=backend) if strict else dist.group.WORLD
+    device_plane = Plane("device", plane_device, ranks, device_group, backend)
+    _active = DistContext(info.rank, info.world_size, info.local_rank, dev, backend, True, info.source, timeout,
+                          info.hostname, host_plane, device_plane, store=store,
+                          barrier_generations=probe.barrier_generations)
+    return _active
 
 
 def current() -> DistContext | None:
@@ -165,6 +164,6 @@ def shutdown(timeout_s: float | None = None) -> None:
             timeout = ctx.timeout if timeout_s is None else timedelta(seconds=timeout_s)
             store.wait([f"exit/{r}" for r in range(ctx.world_size)], timeout)
     except RuntimeError as err:
-        warnings.warn(f"hpcrl.dist.shutdown on rank {ctx.rank}: not every rank reached shutdown ({err})")
+        warnings.warn(f"hpcrl.comm.shutdown on rank {ctx.rank}: not every rank reached shutdown ({err})")
     if dist.is_initialized():
         dist.destroy_process_group()

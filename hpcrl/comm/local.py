@@ -3,7 +3,7 @@
 The parent hosts the rendezvous store on a loopback port the OS picked (no "find a free port, then
 hope nobody takes it" race) and tells the children, as torchrun's agent does, so every child is a
 plain store client and rank 0 may leave first. Each child runs ``fn(*args)``, which calls
-:func:`hpcrl.dist.init_distributed` like any entry point.
+:func:`hpcrl.comm.init_distributed` like any entry point.
 """
 
 from __future__ import annotations

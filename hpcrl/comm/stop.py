@@ -7,9 +7,12 @@ import threading
 
 import torch
 
+from hpcrl.conventions import EXIT_STOPPED
+
+from .planes import Plane
 from .reduce import all_reduce_sum_
 
-EXIT_STOPPED = 75  # sysexits EX_TEMPFAIL: stopped on request after a checkpoint; rerun with --resume
+__all__ = ["EXIT_STOPPED", "StopRequest"]
 
 
 class StopRequest:
@@ -33,10 +36,13 @@ class StopRequest:
     def _handle(self, signum, _frame) -> None:
         self.reason = signal.Signals(signum).name
 
-    def agreed(self, group=None) -> bool:
-        """True on every rank of ``group`` if any of them was signalled (one tiny all-reduce)."""
+    def agreed(self, plane: Plane) -> bool:
+        """True on every rank of a host ``plane`` if any of them was signalled (one tiny gloo
+        all-reduce of a CPU flag: never on the device plane, where NCCL refuses CPU tensors)."""
+        if plane.name != "host":
+            raise ValueError(f"StopRequest.agreed runs on the host plane, got the {plane}")
         flag = torch.tensor([1.0 if self.reason else 0.0])
-        all_reduce_sum_([flag], group=group)
+        all_reduce_sum_([flag], plane)
         if flag.item() > 0 and not self.reason:
             self.reason = "signal on another rank"
         return flag.item() > 0

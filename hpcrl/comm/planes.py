@@ -1,0 +1,111 @@
+"""The two communication planes. Every collective and point-to-point call in hpcrl names one.
+
+* **device plane** — tensors on the rank's device: gradients, weights, normaliser statistics,
+  divergence checksums. NCCL when the ranks' devices are CUDA, gloo on CPU.
+* **host plane** — always gloo, always CPU tensors: stop agreement, metrics rows, credits, headers,
+  experience bytes, anything small and control-like.
+
+Rules. No code uses the default process group implicitly: every helper of :mod:`hpcrl.comm` takes
+a :class:`Plane`, and role subgroups (detached PPO's trainers, its weight group) are created as
+planes too (:func:`new_planes`). Control values are CPU tensors from the start, so they never force
+a device->host sync inside an update loop (a log row may sync; it happens once per row).
+
+In production the world's device plane is the default group (one communicator fewer). With
+``HPCRL_STRICT_PLANES=1`` the default group is initialised with a backend registered for CUDA only
+(:data:`STRICT_BACKEND`), so any CPU tensor sent to it raises "No backend type associated with device
+type cpu" — the failure a forgotten plane would hit under NCCL — while both planes are separate real
+gloo groups. CPU CI runs its multi-rank tests in this mode.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Plane", "STRICT_BACKEND", "new_plane", "new_planes", "strict_planes"]
+
+STRICT_BACKEND = "hpcrl_strict"  # registered for CUDA only: a CPU tensor on the default group raises
+PlaneName = Literal["host", "device"]
+
+
+def strict_planes() -> bool:
+    """True when ``HPCRL_STRICT_PLANES=1``: the default group is poisoned for CPU tensors."""
+    return os.environ.get("HPCRL_STRICT_PLANES", "") not in ("", "0")
+
+
+def _strict_backend(store, rank, size, timeout):
+    # Only CUDA tensors would ever reach this backend; gloo serves them correctly should any appear.
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def register_strict_backend() -> None:
+    if not hasattr(dist.Backend, STRICT_BACKEND.upper()):
+        dist.Backend.register_backend(STRICT_BACKEND, _strict_backend, devices=["cuda"])
+
+
+@dataclass(frozen=True)
+class Plane:
+    """One process group and the device its tensors live on.
+
+    ``ranks`` are the global ranks of the group in group-rank order. ``group`` is None for a plane of
+    one rank (nothing to communicate: every helper is a no-op) and on ranks outside the group
+    (``member`` False). ``backend`` is ``"nccl"`` or ``"gloo"`` (None without a group).
+    """
+
+    name: PlaneName
+    device: torch.device
+    ranks: tuple[int, ...]
+    group: dist.ProcessGroup | None = None
+    backend: str | None = None
+    member: bool = True
+
+    @classmethod
+    def local(cls, name: PlaneName, device: torch.device | str = "cpu", rank: int = 0) -> "Plane":
+        """A plane of one rank: no process group, every collective on it is a no-op."""
+        return cls(name, torch.device(device), (rank,))
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def active(self) -> bool:
+        """A member of a group of more than one rank: collectives on this plane communicate."""
+        return self.member and self.group is not None and self.size > 1
+
+    def group_rank(self, global_rank: int) -> int:
+        return self.ranks.index(global_rank)
+
+    def check(self, tensors: Sequence[torch.Tensor], what: str = "tensor") -> None:
+        """Raise if a tensor is on the wrong kind of device for this plane (metadata only: no sync)."""
+        for t in tensors:
+            if t.device.type != self.device.type:
+                raise ValueError(f"{what} on {t.device} sent on the {self.name} plane, whose tensors live on "
+                                 f"{self.device} ({self.backend}); move it, or use the other plane")
+
+    def __str__(self) -> str:
+        return f"{self.name} plane ({self.backend or 'no group'}, {self.device}, ranks {list(self.ranks)})"
+
+
+def new_plane(name: PlaneName, ranks: Sequence[int], rank: int, device: torch.device, backend: str,
+              timeout: timedelta) -> Plane:
+    """One plane over ``ranks``. Collective over the WHOLE world: every rank calls it, in the same
+    order, with the same ``ranks`` and ``backend`` (a torch.distributed rule for ``new_group``).
+    ``device``: where this rank's tensors for the plane live (a host plane's is always cpu)."""
+    ranks = tuple(sorted(ranks))
+    member = rank in ranks
+    group = dist.new_group(list(ranks), timeout=timeout, backend=backend)
+    here = torch.device("cpu") if name == "host" or not member else device
+    return Plane(name, here, ranks, group if member else None, backend, member)
+
+
+def new_planes(ranks: Sequence[int], rank: int, device: torch.device, device_backend: str,
+               timeout: timedelta) -> tuple[Plane, Plane]:
+    """(host plane, device plane) over ``ranks``; see :func:`new_plane`."""
+    return (new_plane("host", ranks, rank, device, "gloo", timeout),
+            new_plane("device", ranks, rank, device, device_backend, timeout))

@@ -1,0 +1,405 @@
+"""The three channels of detached PPO: the only place in ``hpcrl.ppo`` that sends, receives or broadcasts.
+
+Each channel owns its plane (:mod:`hpcrl.comm.planes`), tags, tensor layout, end-of-stream marker,
+timeouts and the bounds checks of what it receives; a bad message raises :class:`ChannelError`
+naming the sending rank before anything is allocated from it.
+
+* :class:`CreditChannel` — trainer -> maker, host plane: int64 ``[trainer, min_version, credit_id]``
+  ("you may start one rollout, with weights of at least this version, and send it to me as
+  credit_id"); ``trainer = -1`` is the end of the stream (STOP).
+* :class:`ExperienceChannel` — maker -> trainer, host plane: an int64 :class:`Header` then ONE packed
+  byte buffer holding every tensor of the batch and its rollout stats (:class:`Schema`). Experience
+  is packed on the maker's host and moved to the trainer's device on arrival, whatever the two
+  devices are; ``maker = -1`` ends a stream.
+* :class:`WeightChannel` — trainer 0 -> every maker: per version a header ``[version, buckets,
+  checksum, numel]`` and the flat weights in buckets, as ONE bucketed broadcast over the weight
+  plane (trainer 0 + makers). That plane is NCCL when trainer 0 and every maker sit on distinct GPUs;
+  otherwise (a CPU side, or a maker sharing trainer 0's GPU, which NCCL refuses) it is gloo and the
+  weights are staged through host memory, leaving the trainer's device once per version. Makers
+  receive into a fresh shadow buffer (see :mod:`hpcrl.ppo.maker`). If a broadcast cannot complete
+  (a maker died or hangs), the publisher switches the channel to point-to-point sends over the host
+  plane for the rest of the run and says so through the store, so one lost maker never stops the
+  others' weights; version ``-1`` ends the stream.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from hpcrl.comm import Plane
+
+__all__ = ["ChannelError", "Credit", "CreditChannel", "ExperienceChannel", "Header", "Schema", "WeightChannel",
+           "checksum"]
+
+TAG_CREDIT, TAG_HEADER, TAG_PAYLOAD, TAG_WEIGHTS = 11, 12, 13, 14
+END = -1  # in a credit's trainer field, a header's maker field, a weight header's version: stream ends
+MAX_PAYLOAD_BYTES = 1 << 34  # 16 GiB: a schema announcing more per batch is refused, never allocated
+_POLL_MIN_S, _POLL_MAX_S = 0.0002, 0.005  # completion poll of a pending broadcast (is_completed(): a flag read)
+_LOOK_S = 0.25  # how often a waiting broadcast checks liveness (publisher) or the fallback key (maker)
+
+
+class ChannelError(RuntimeError):
+    """A peer sent something the channel refuses (wrong size, unknown version, bad index)."""
+
+
+# ------------------------------------------------------------------------------------ wire formats
+
+
+@dataclass(frozen=True)
+class Schema:
+    """Names, shapes and dtypes of an experience batch and its stats: agreed once, then every batch
+    is one byte buffer of ``nbytes`` (no per-sample pickling)."""
+
+    fields: tuple[tuple[str, tuple[int, ...], str], ...]
+    stats: tuple[str, ...]
+
+    @classmethod
+    def of(cls, batch: dict[str, torch.Tensor], stats: dict[str, float]) -> "Schema":
+        return cls(tuple((k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in sorted(batch.items())),
+                   tuple(sorted(stats)))
+
+    def to_json(self) -> str:
+        return json.dumps({"fields": self.fields, "stats": self.stats})
+
+    @classmethod
+    def from_json(cls, text: str) -> "Schema":
+        d = json.loads(text)
+        schema = cls(tuple((k, tuple(int(x) for x in s), t) for k, s, t in d["fields"]), tuple(d["stats"]))
+        for name, shape, dtype in schema.fields:
+            if not isinstance(getattr(torch, dtype, None), torch.dtype) or any(x < 0 for x in shape):
+                raise ChannelError(f"experience schema field {name!r}: bad dtype {dtype!r} or shape {shape}")
+        return schema
+
+    def _sizes(self) -> list[int]:
+        return [math.prod(s) * torch.empty((), dtype=getattr(torch, t)).element_size() for _, s, t in self.fields]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self._sizes()) + 8 * len(self.stats)
+
+    def pack(self, batch: dict[str, torch.Tensor], stats: dict[str, float]) -> torch.Tensor:
+        """One CPU byte buffer (the host plane carries experience, whatever the maker's device)."""
+        if set(batch) != {k for k, _, _ in self.fields} or set(stats) != set(self.stats):
+            raise ValueError(f"experience keys {sorted(batch)} / stats {sorted(stats)} do not match the schema "
+                             f"{[k for k, _, _ in self.fields]} / {list(self.stats)}")
+        parts = []
+        for name, shape, dtype in self.fields:
+            t = batch[name]
+            if tuple(t.shape) != shape or str(t.dtype).removeprefix("torch.") != dtype:
+                raise ValueError(f"experience field {name!r} is {tuple(t.shape)} {t.dtype}, schema says {shape} {dtype}")
+            parts.append(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
+        parts.append(torch.tensor([float(stats[k]) for k in self.stats], dtype=torch.float64).view(torch.uint8))
+        return torch.cat(parts)
+
+    def unpack(self, buf: torch.Tensor, device: torch.device | str = "cpu"
+               ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """The batch on ``device`` (the trainer's) and its stats."""
+        out, offset = {}, 0
+        for (name, shape, dtype), size in zip(self.fields, self._sizes()):
+            # clone() first: a fresh buffer is aligned for any dtype (the packed offset may not be)
+            t = buf[offset : offset + size].clone().view(getattr(torch, dtype)).reshape(shape)
+            out[name] = t.to(device, non_blocking=True)
+            offset += size
+        values = buf[offset:].clone().view(torch.float64).tolist()
+        return out, dict(zip(self.stats, values))
+
+
+@dataclass(frozen=True)
+class Header:
+    """Experience header: who sent it, for which credit, its sequence number, its policy version,
+    its samples and its payload size."""
+
+    maker: int
+    credit: int
+    seq: int
+    version: int
+    samples: int
+    nbytes: int
+
+    def tensor(self) -> torch.Tensor:
+        return torch.tensor([self.maker, self.credit, self.seq, self.version, self.samples, self.nbytes],
+                            dtype=torch.int64)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> "Header":
+        return cls(*[int(x) for x in t.tolist()])
+
+
+@dataclass(frozen=True)
+class Credit:
+    trainer: int
+    min_version: int
+    credit_id: int
+
+
+def checksum(flat: torch.Tensor, chunk: int = 1 << 20) -> float:
+    """Order-independent exact checksum of a float tensor: its bit patterns summed as integers
+    (modulo 2^52, so float64 carries it exactly). Summed in chunks: one int64 copy of a whole model
+    would cost more than sending it."""
+    bits = flat.detach().contiguous().reshape(-1).view(torch.int32 if flat.element_size() == 4 else torch.int16)
+    total = 0
+    for start in range(0, bits.numel(), chunk):
+        total += int(bits[start : start + chunk].sum(dtype=torch.int64))
+    return float(total % (1 << 52))
+
+
+# ----------------------------------------------------------------------------------------- credits
+
+
+class CreditChannel:
+    """Trainer -> maker credits over the host plane (``plane``: the world's host plane)."""
+
+    def __init__(self, plane: Plane, trainers: int) -> None:
+        self.plane, self.trainers = plane, trainers
+        self._buf = torch.empty(3, dtype=torch.int64)
+
+    def grant(self, maker_rank: int, credit: Credit) -> None:
+        dist.send(torch.tensor([credit.trainer, credit.min_version, credit.credit_id], dtype=torch.int64),
+                  maker_rank, group=self.plane.group, tag=TAG_CREDIT)
+
+    def stop(self, maker_rank: int) -> None:
+        dist.send(torch.tensor([END, 0, 0], dtype=torch.int64), maker_rank, group=self.plane.group, tag=TAG_CREDIT)
+
+    def receive(self) -> Credit | None:
+        """The next credit from any trainer (blocking), or None at STOP."""
+        src = dist.recv(self._buf, group=self.plane.group, tag=TAG_CREDIT)
+        trainer, min_version, credit_id = (int(x) for x in self._buf.tolist())
+        if trainer == END:
+            return None
+        if not (0 <= trainer < self.trainers and trainer == src and min_version >= 0 and credit_id >= 0):
+            raise ChannelError(f"credit from rank {src}: trainer {trainer}, min version {min_version}, id "
+                               f"{credit_id} (need the sender's own trainer index < {self.trainers}, values >= 0)")
+        return Credit(trainer, min_version, credit_id)
+
+
+# -------------------------------------------------------------------------------------- experience
+
+
+class ExperienceChannel:
+    """Maker -> trainer experience over the host plane. ``schema`` (trainer side) gives the one payload
+    size a header may announce; ``max_version`` (trainer side) returns the newest version any maker
+    can hold."""
+
+    def __init__(self, plane: Plane, schema: Callable[[], Schema] | None = None,
+                 max_version: Callable[[], int] | None = None, maker_index: Callable[[int], int] | None = None,
+                 max_bytes: int = MAX_PAYLOAD_BYTES) -> None:
+        self.plane, self._schema, self._max_version, self._maker_index = plane, schema, max_version, maker_index
+        self.max_bytes = max_bytes
+
+    def send(self, trainer_rank: int, header: Header, payload: torch.Tensor) -> None:
+        dist.send(header.tensor(), trainer_rank, group=self.plane.group, tag=TAG_HEADER)
+        dist.send(payload, trainer_rank, group=self.plane.group, tag=TAG_PAYLOAD)
+
+    def end(self, trainer_rank: int) -> None:
+        dist.send(Header(END, 0, 0, 0, 0, 0).tensor(), trainer_rank, group=self.plane.group, tag=TAG_HEADER)
+
+    def check(self, h: Header, src: int) -> None:
+        """Raise ChannelError naming ``src`` unless ``h`` is a header this trainer can accept."""
+        assert self._schema is not None and self._max_version is not None and self._maker_index is not None
+        problems = []
+        if h.maker != self._maker_index(src):
+            problems.append(f"maker index {h.maker}, but rank {src} is maker {self._maker_index(src)}")
+        if not 0 <= h.nbytes <= self.max_bytes:
+            problems.append(f"payload of {h.nbytes} bytes (limit {self.max_bytes})")
+        elif h.nbytes != self._schema().nbytes:
+            problems.append(f"payload of {h.nbytes} bytes, the schema says {self._schema().nbytes}")
+        if not 0 <= h.version <= self._max_version():
+            problems.append(f"unknown policy version {h.version} (newest published: {self._max_version()})")
+        if h.samples < 0 or h.credit < 0 or h.seq < 0:
+            problems.append(f"negative samples / credit / sequence number ({h.samples}, {h.credit}, {h.seq})")
+        if problems:
+            raise ChannelError(f"experience header from rank {src} refused: " + "; ".join(problems))
+
+    def receive(self, maker_rank: int) -> tuple[Header, torch.Tensor] | None:
+        """The next (header, payload) from one maker (blocking), or None when its stream ends."""
+        buf = torch.empty(6, dtype=torch.int64)
+        dist.recv(buf, maker_rank, group=self.plane.group, tag=TAG_HEADER)
+        h = Header.from_tensor(buf)
+        if h.maker == END:
+            return None
+        self.check(h, maker_rank)
+        payload = torch.empty(h.nbytes, dtype=torch.uint8)
+        dist.recv(payload, maker_rank, group=self.plane.group, tag=TAG_PAYLOAD)
+        return h, payload
+
+
+# ----------------------------------------------------------------------------------------- weights
+
+
+class WeightChannel:
+    """Trainer 0 -> makers. ``plane``: the weight plane (trainer 0 + makers; NCCL or gloo), ``host``:
+    the world's host plane (point-to-point fallback), ``store``: the rendezvous store (fallback flag).
+    ``numel`` / ``dtype``: the flat weight vector every version carries. ``alive()`` (publisher side)
+    returns False once a maker of the plane is known dead; ``timeout_s`` bounds one delivery.
+    ``transport="point-to-point"`` starts in the fallback mode (one copy per maker over the host plane:
+    the pre-broadcast design, kept for comparison); both ends must pass the same."""
+
+    FALLBACK_KEY = "ppo/weights/point-to-point"
+
+    def __init__(self, plane: Plane, host: Plane, store: dist.Store, numel: int, dtype: torch.dtype,
+                 bucket_numel: int, timeout_s: float, alive: Callable[[], bool] = lambda: True,
+                 transport: str = "broadcast") -> None:
+        if transport not in ("broadcast", "point-to-point"):
+            raise ValueError(f"transport must be 'broadcast' or 'point-to-point', not {transport!r}")
+        if bucket_numel < 1:
+            raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
+        self.plane, self.host, self.store = plane, host, store
+        self.numel, self.dtype, self.bucket = numel, dtype, bucket_numel
+        self.buckets = max(1, math.ceil(numel / bucket_numel))
+        self.timeout_s, self.alive = timeout_s, alive
+        self.src = plane.ranks[0]
+        self.point_to_point = transport == "point-to-point"
+        self.transport = transport
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    # publisher ---------------------------------------------------------------------------------
+    def publish(self, flat: torch.Tensor, version: int, makers: list[int]) -> list[int]:
+        """Deliver ``flat`` (any device; moved to the plane's device once) as ``version`` to the live
+        ``makers`` (global ranks); returns the ranks it could not reach (point-to-point mode)."""
+        if flat.numel() != self.numel or flat.dtype != self.dtype:
+            raise ValueError(f"weights v{version}: {flat.numel()} x {flat.dtype}, the channel carries "
+                             f"{self.numel} x {self.dtype}")
+        header = [float(version), float(self.buckets), checksum(flat), float(self.numel)]
+        if not self.point_to_point:
+            staged = flat.to(self.plane.device)
+            if self._broadcast(staged, header, publisher=True):
+                return []
+            self._fall_back(version)
+        return self._send_each(flat.to("cpu"), header, makers)
+
+    def end(self, makers: list[int]) -> None:
+        """Close the stream (best effort: makers that are gone are skipped)."""
+        header = [float(END), 0.0, 0.0, 0.0]
+        if not self.point_to_point and self._broadcast(None, header, publisher=True):
+            return
+        self.point_to_point = True
+        for dst in makers:
+            try:
+                w = dist.isend(torch.tensor(header, dtype=torch.float64), dst, group=self.host.group, tag=TAG_WEIGHTS)
+                w.wait(timedelta(seconds=self.timeout_s))
+            except Exception:
+                pass
+
+    def _fall_back(self, version: int) -> None:
+        self.point_to_point, self.transport = True, "point-to-point"
+        self.store.set(self.FALLBACK_KEY, str(version))
+
+    def _send_each(self, flat: torch.Tensor, header: list[float], makers: list[int]) -> list[int]:
+        head = torch.tensor(header, dtype=torch.float64)
+        parts = [flat[i * self.bucket : (i + 1) * self.bucket] for i in range(self.buckets)]
+        works: dict[int, list] = {}
+        failed: list[int] = []
+        for dst in makers:
+            try:
+                works[dst] = [dist.isend(t, dst, group=self.host.group, tag=TAG_WEIGHTS) for t in [head, *parts]]
+            except Exception:
+                failed.append(dst)
+        for dst, ws in works.items():
+            try:
+                for w in ws:
+                    w.wait(timedelta(seconds=self.timeout_s))
+            except Exception:
+                failed.append(dst)
+        return failed
+
+    def _wait(self, works: list, publisher: bool) -> bool:
+        """Poll the works until done (True), or False when the channel must give up on broadcasts."""
+        deadline = time.monotonic() + self.timeout_s
+        next_look = time.monotonic() + _LOOK_S
+        nap = _POLL_MIN_S
+        while True:
+            try:
+                if all(w.is_completed() for w in works):
+                    for w in works:
+                        w.wait()  # raises the error of a failed work
+                    return True
+            except Exception:
+                return False
+            now = time.monotonic()
+            if now >= next_look:  # the liveness / store look is rarer than the poll: M makers share one store
+                next_look = now + _LOOK_S
+                if publisher and not self.alive():
+                    return False
+                if not publisher and self.store.check([self.FALLBACK_KEY]):
+                    return False
+            if publisher and now > deadline:
+                return False
+            time.sleep(nap)
+            nap = min(2 * nap, _POLL_MAX_S)  # quick for a transfer in flight, cheap while idle
+
+    def _broadcast(self, staged: torch.Tensor | None, header: list[float], publisher: bool) -> bool:
+        head = torch.tensor(header, dtype=torch.float64, device=self.plane.device)
+        works = [dist.broadcast(head, self.src, group=self.plane.group, async_op=True)]
+        if staged is not None:
+            works += [dist.broadcast(staged[i * self.bucket : (i + 1) * self.bucket], self.src,
+                                     group=self.plane.group, async_op=True) for i in range(self.buckets)]
+        return self._wait(works, publisher)
+
+    # maker -------------------------------------------------------------------------------------
+    def receive(self, newer_than: int) -> tuple[int, torch.Tensor] | None:
+        """The next version (blocking) as ``(version, flat)`` on the plane's device (a fresh
+        buffer), or None at the end of the stream. Checks bounds and the checksum."""
+        while True:
+            if not self.point_to_point:
+                got = self._receive_broadcast()
+                if got is None:  # the publisher fell back to point-to-point: so do we
+                    self.point_to_point, self.transport = True, "point-to-point"
+                    continue
+            else:
+                got = self._receive_point_to_point()
+            header, flat = got
+            version = int(header[0])
+            if version == END:
+                return None
+            if flat is None or version <= newer_than:
+                continue  # an old version re-sent after the switch to point-to-point
+            if checksum(flat) != header[2]:
+                raise ChannelError(f"weights v{version} from rank {self.src}: checksum mismatch (corrupted transfer)")
+            return version, flat
+
+    def _check_header(self, header: list[float]) -> None:
+        version, buckets, _, numel = header
+        if int(version) == END:
+            return
+        if int(numel) != self.numel or int(buckets) != self.buckets or version < 0 or version != int(version):
+            raise ChannelError(f"weights header from rank {self.src} refused: version {version}, {int(buckets)} "
+                               f"buckets of {int(numel)} values (this channel carries {self.numel} values in "
+                               f"{self.buckets} buckets)")
+
+    def _receive_broadcast(self) -> tuple[list[float], torch.Tensor | None] | None:
+        head = torch.empty(4, dtype=torch.float64, device=self.plane.device)
+        if not self._wait([dist.broadcast(head, self.src, group=self.plane.group, async_op=True)], False):
+            return None
+        header = head.tolist()
+        self._check_header(header)
+        if int(header[0]) == END:
+            return header, None
+        flat = torch.empty(self.numel, dtype=self.dtype, device=self.plane.device)
+        works = [dist.broadcast(flat[i * self.bucket : (i + 1) * self.bucket], self.src, group=self.plane.group,
+                                async_op=True) for i in range(self.buckets)]
+        if not self._wait(works, False):
+            return None
+        return header, flat
+
+    def _receive_point_to_point(self) -> tuple[list[float], torch.Tensor | None]:
+        head = torch.empty(4, dtype=torch.float64)
+        dist.recv(head, self.src, group=self.host.group, tag=TAG_WEIGHTS)
+        header = head.tolist()
+        self._check_header(header)
+        if int(header[0]) == END:
+            return header, None
+        flat = torch.empty(self.numel, dtype=self.dtype)
+        for i in range(self.buckets):
+            dist.recv(flat[i * self.bucket : (i + 1) * self.bucket], self.src, group=self.host.group, tag=TAG_WEIGHTS)
+        return header, flat

@@ -1,0 +1,370 @@
+"""The PPO trainer: grant credits, take experience in credit order, update, publish weights.
+
+:meth:`Trainer.run` holds the whole loop (resume, steps, metrics, checkpoints, stop, drain, the end
+of every stream). Background threads: one experience receiver per linked maker and, on trainer 0,
+the weight publisher. Only the main thread changes credit bookkeeping; no lock is held across a
+communication call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hpcrl import checkpoint, ops
+from hpcrl.comm import DistContext, GradSync, StopRequest, barrier, hosts, reduce_metrics
+from hpcrl.metrics import RunLogger
+
+from .channels import ChannelError, Credit, CreditChannel, ExperienceChannel, Header, Schema, WeightChannel
+from .config import DetachedConfig
+from .events import BatchReceived, Events, RowLogged, WeightsPublished
+from .groups import Groups, staging_note
+from .liveness import PeerLost, Watcher, describe
+from .topology import Topology
+from .workload import PPOConfig, Workload
+
+__all__ = ["Trainer"]
+
+MIN_RECENT_EPISODES = 20  # episode_return_recent: mean over the latest steps that finished this many
+
+
+@dataclass
+class Received:
+    header: Header
+    payload: torch.Tensor
+
+
+class Trainer:
+    def __init__(self, ctx: DistContext, top: Topology, cfg: DetachedConfig, workload: Workload, ppo: PPOConfig,
+                 groups: Groups, stop: StopRequest, events: Events) -> None:
+        self.ctx, self.top, self.cfg, self.workload, self.groups = ctx, top, cfg, workload, groups
+        self.stop, self.events = stop, events
+        self.index = ctx.rank
+        self.device = ctx.device
+        self.model = workload.build_model(cfg.seed, self.device)
+        self.sync_tensors = workload.sync_tensors(self.model)
+        grad_sync = GradSync([p for p in self.model.parameters() if p.requires_grad], "flat",
+                             plane=groups.trainer_device)
+        self.learner = workload.make_learner(self.model, ppo, grad_sync)
+        self.generator = torch.Generator().manual_seed(cfg.seed + 2 + 1000 * self.index)
+        self.version = 0
+        self.credits = CreditChannel(groups.world_host, top.trainers)
+        self.experience = ExperienceChannel(groups.world_host, schema=self._schema,
+                                            max_version=lambda: self.version + 1, maker_index=top.maker_index)
+        self.dead: set[int] = set()  # maker indices (only the main thread changes it)
+        self._unreachable: set[int] = set()  # makers the publisher failed to reach
+        self._failed: dict[int, BaseException] = {}  # maker -> what its receive thread hit
+        self.outstanding = [0] * top.makers  # credits granted and not yet returned as experience
+        self.watch = Watcher(ctx.store, [top.maker_rank(m) for m in range(top.makers)], cfg.heartbeat_timeout_s)
+        self.trainer_watch = Watcher(ctx.store, [r for r in range(top.trainers) if r != self.index],
+                                     cfg.heartbeat_timeout_s)
+        self._inbox: queue.Queue = queue.Queue()
+        self._schema_cache: Schema | None = None
+        self._cursor = 0
+        self._pending: deque[int] = deque()  # credit ids in grant order: experience is consumed oldest-first
+        self._credit_maker: dict[int, int] = {}
+        self._arrived: dict[int, Received] = {}
+        self._next_credit_id = 0
+        self.publish_ms = float("nan")
+        self._publish_q: queue.Queue = queue.Queue()
+        # One receiver per maker, linked or not: when makers die the modulo rule re-links the live ones.
+        self.threads = [threading.Thread(target=self._receive_loop, args=(m,), name=f"experience-in-{m}", daemon=True)
+                        for m in range(top.makers)]
+        if self.index == 0:
+            dtype = self.sync_tensors[0].dtype
+            self.weights = WeightChannel(groups.weights, groups.world_host, ctx.store,
+                                         sum(t.numel() for t in self.sync_tensors), dtype, cfg.bucket_numel(dtype),
+                                         cfg.heartbeat_timeout_s, alive=lambda: not self.dead)
+            self.threads.append(threading.Thread(target=self._publish_loop, name="weights-out", daemon=True))
+        for t in self.threads:
+            t.start()
+
+    # the whole loop -----------------------------------------------------------------------------
+    def run(self) -> dict[str, float]:
+        cfg, top, main = self.cfg, self.top, self.index == 0
+        run_dir = Path(cfg.run_dir)
+        env_steps = 0.0
+        if cfg.resume and (ck := checkpoint.latest(run_dir)) is not None:
+            learner_state, mine = checkpoint.load(ck, self.index, top.trainers, self.device)
+            self.model.load_state_dict(learner_state["model"])
+            self.learner.load_state_dict(learner_state["learner"])
+            self.version = int(learner_state["version"])
+            env_steps = float(learner_state["env_steps"])
+            self.generator.set_state(mine["generator"])
+            if self.version > 0:
+                self._publish()  # makers start from the initial weights: bring them to the resumed version
+        if main:
+            self._write_config(run_dir)
+        resumed_env_steps = env_steps
+        logger = RunLogger(run_dir, main, cfg.total_steps, resume_env_steps=int(env_steps), progress_key="updates")
+        self._grant((cfg.lag + 1) * cfg.batches_per_step)
+        dropped_stale = 0.0
+        recent: deque[tuple[float, float]] = deque()  # (return sum, episodes) of the latest steps
+        row: dict[str, float] = {}
+        last = time.perf_counter()
+        for _ in range(self.version, cfg.total_steps):
+            batches, lags, stats_sum = [], [], {}
+            wait_t0 = time.perf_counter()
+            while len(batches) < cfg.batches_per_step:
+                t0 = time.perf_counter()
+                item = self._next_batch()
+                lag = self.version - item.header.version
+                data, stats = self._schema().unpack(item.payload, self.device)
+                stale = lag > cfg.stale_cap
+                self.events(BatchReceived(time.time(), self.index, item.header.maker, item.header.version, lag,
+                                          time.perf_counter() - t0, item.header.samples, stale))
+                if stale:
+                    dropped_stale += item.header.samples
+                    self._grant(1)
+                    for k in ("maker_wait_s", "maker_busy_s"):  # the makers' time was spent all the same
+                        stats_sum[k] = stats_sum.get(k, 0.0) + stats.get(k, 0.0)
+                    continue
+                batches.append(data)
+                lags.append(lag)
+                for k, v in stats.items():
+                    stats_sum[k] = stats_sum.get(k, 0.0) + v
+            wait_s = time.perf_counter() - wait_t0
+            try:
+                learn = self.learner.update(batches, self.generator)
+            except RuntimeError as err:  # a collective of the trainer group failed: name who is missing
+                self._check_peers()
+                raise PeerLost(f"trainer {self.index}: gradient all-reduce failed: {err}") from err
+            self.version += 1
+            self._publish()
+            self._grant(cfg.batches_per_step)
+
+            now = time.perf_counter()
+            step_s = max(now - last, 1e-9)
+            last = now
+            reduced = reduce_metrics(
+                {"samples": stats_sum.get("env_steps", 0.0), "return_sum": stats_sum.get("episode_return_sum", 0.0),
+                 "episodes": stats_sum.get("episodes", 0.0), "lag_sum": float(sum(lags)), "batches": float(len(lags)),
+                 "lag_max": float(max(lags)), "lag_min": float(min(lags)), "idle_frac": wait_s / step_s,
+                 "dropped_stale": dropped_stale, "maker_wait_s": stats_sum.get("maker_wait_s", 0.0),
+                 "maker_busy_s": stats_sum.get("maker_busy_s", 0.0), **{f"learn/{k}": v for k, v in learn.items()}},
+                self.groups.trainer_host,
+                sums=["samples", "return_sum", "episodes", "lag_sum", "batches", "dropped_stale", "maker_wait_s",
+                      "maker_busy_s"],
+                maxes=["lag_max"], mins=["lag_min"])
+            env_steps += reduced["samples"]
+            recent.append((reduced["return_sum"], reduced["episodes"]))
+            while len(recent) > 1 and sum(n for _, n in recent) - recent[0][1] >= MIN_RECENT_EPISODES:
+                recent.popleft()
+            recent_episodes = sum(n for _, n in recent)
+            row = {"env_steps": int(env_steps), "updates": self.version, "policy_version": self.version,
+                   "episode_return": (reduced["return_sum"] / reduced["episodes"] if reduced["episodes"]
+                                      else float("nan")),
+                   "episode_return_recent": (sum(r for r, _ in recent) / recent_episodes
+                                             if recent_episodes >= MIN_RECENT_EPISODES else float("nan")),
+                   "lag_mean": reduced["lag_sum"] / reduced["batches"], "lag_max": reduced["lag_max"],
+                   "lag_min": reduced["lag_min"], "dropped_stale": reduced["dropped_stale"],
+                   "weight_sync_ms": self.publish_ms, "samples_per_s": reduced["samples"] / step_s,
+                   "trainer_idle_frac": reduced["idle_frac"],
+                   # of the makers' time behind this step's batches, the share not spent collecting
+                   "maker_idle_frac": reduced["maker_wait_s"] / max(reduced["maker_wait_s"] + reduced["maker_busy_s"],
+                                                                    1e-9),
+                   **{k.removeprefix("learn/"): v for k, v in reduced.items() if k.startswith("learn/")}}
+            row = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()}
+            logger.log(row)
+            self.events(RowLogged(time.time(), self.index, dict(row)))
+            if cfg.checkpoint_every and self.version % cfg.checkpoint_every == 0:
+                self._save(env_steps)
+            # Every trainer sees the same reduced row, so they all stop at the same step.
+            if cfg.target_return is not None and row["episode_return_recent"] >= cfg.target_return:
+                break
+            if self.version < cfg.total_steps and self.stop.agreed(self.groups.trainer_host):
+                row["preempted"] = 1.0
+                if main:
+                    print(f"hpcrl.ppo: stop requested ({self.stop.reason}); checkpoint at v{self.version}, "
+                          "resume with --resume", flush=True)
+                break
+
+        consumed = env_steps - resumed_env_steps  # this job's makers produced only this job's samples
+        self._save(env_steps)
+        totals = reduce_metrics({"dropped_shutdown": self._drain(), "dropped_stale": dropped_stale},
+                                self.groups.trainer_host, sums=["dropped_shutdown", "dropped_stale"])
+        if main:
+            self._publish_q.put(None)  # the publisher ends the weight stream after the last version
+            for m in range(top.makers):
+                if m not in self.dead:
+                    try:
+                        self.credits.stop(top.maker_rank(m))
+                    except Exception:  # gone in the meantime: nothing to stop
+                        pass
+            produced = 0.0
+            for m in range(top.makers):
+                if m not in self.dead:
+                    self.ctx.store.wait([f"ppo/produced/{m}"])
+                    produced += float(self.ctx.store.get(f"ppo/produced/{m}").decode())
+            row.update(samples_produced=produced, samples_consumed=consumed, dropped_shutdown=totals["dropped_shutdown"],
+                       dropped_stale=totals["dropped_stale"], makers_lost=float(len(self.dead)))
+            logger.log(row)
+        logger.close()
+        for thread in self.threads:  # makers close their streams after the STOP credit
+            thread.join(timeout=cfg.timeout_s)
+        return row
+
+    # start-up, checkpoints, shutdown --------------------------------------------------------------
+    def _write_config(self, run_dir: Path) -> None:
+        cfg, top = self.cfg, self.top
+        run_dir.mkdir(parents=True, exist_ok=True)
+        names = hosts(self.ctx)
+        (run_dir / "config.json").write_text(json.dumps(
+            {**dataclasses.asdict(cfg), "world_size": self.ctx.world_size, "launcher": self.ctx.source,
+             "hosts": {"trainers": names[: top.trainers], "makers": names[top.trainers :]},
+             "planes": {"trainers": self.groups.trainer_device.backend, "weights": self.groups.weights.backend}},
+            indent=2, default=str))
+        print(f"hpcrl.ppo: {top.makers} maker(s) : {top.trainers} trainer(s) via {self.ctx.source}; workload "
+              f"{cfg.workload}; trainers on {self.device} ({self.groups.trainer_device.backend}), "
+              f"{staging_note(self.groups, self.device)}; lag {cfg.lag} (cap {cfg.stale_cap}); "
+              f"{cfg.batches_per_step} batch(es) per trainer per step; {cfg.total_steps} steps"
+              + (f"; resuming at v{self.version}" if self.version else ""), flush=True)
+
+    def _save(self, env_steps: float) -> None:
+        trainers = list(range(self.top.trainers))
+
+        def trainer_barrier(name: str) -> None:
+            barrier(self.ctx, f"ppo/{name}", ranks=trainers)
+
+        learner = ({"model": self.model.state_dict(), "learner": self.learner.state_dict(), "version": self.version,
+                    "env_steps": env_steps} if self.index == 0 else None)
+        checkpoint.save(self.cfg.run_dir, self.version, self.index, self.top.trainers, learner,
+                        {"generator": self.generator.get_state()}, trainer_barrier)
+
+    def _drain(self) -> float:
+        """Collect every outstanding rollout (or give up on dead makers); count them as dropped at shutdown."""
+        dropped = 0.0
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while self._pending and time.monotonic() < deadline:
+            dropped += self._next_batch().header.samples
+        return dropped
+
+    # weights ------------------------------------------------------------------------------------
+    def _publish(self) -> None:
+        if self.index == 0:  # a fresh flat tensor: a snapshot the next update cannot change
+            self._publish_q.put((self.version, ops.flatten(self.sync_tensors)))
+
+    def _publish_loop(self) -> None:
+        while True:
+            item = self._publish_q.get()
+            while item is not None and not self._publish_q.empty():  # only the newest version matters
+                item = self._publish_q.get()
+            live = [self.top.maker_rank(m) for m in self._live()]
+            if item is None:
+                self.weights.end(live)
+                return
+            version, flat = item
+            t0 = time.perf_counter()
+            try:
+                failed = self.weights.publish(flat, version, live)
+            except Exception:  # the whole plane is gone: every maker will notice trainer 0's silence
+                return
+            seconds = time.perf_counter() - t0
+            self.publish_ms = seconds * 1000
+            self.events(WeightsPublished(time.time(), version, seconds, self.weights.nbytes, len(live),
+                                         self.weights.transport))
+            # A maker we could not reach gets no more weights; the main thread's heartbeat watcher
+            # drops it (and re-issues its credits) once its heartbeat stalls too.
+            self._unreachable.update(self.top.maker_index(r) for r in failed)
+
+    # experience and credits ---------------------------------------------------------------------
+    def _schema(self) -> Schema:
+        if self._schema_cache is None:  # written by maker 0 before its first send
+            self.ctx.store.wait(["ppo/schema"], self.ctx.timeout)
+            self._schema_cache = Schema.from_json(self.ctx.store.get("ppo/schema").decode())
+        return self._schema_cache
+
+    def _receive_loop(self, m: int) -> None:
+        rank = self.top.maker_rank(m)
+        while True:
+            try:
+                got = self.experience.receive(rank)
+            except ChannelError as err:  # a maker sending garbage is treated as lost (the main thread drops it)
+                self._failed[m] = err
+                return
+            except Exception:  # maker gone: the heartbeat watcher declares it dead and reroutes
+                return
+            if got is None:
+                return
+            self._inbox.put(Received(*got))
+
+    def _live(self) -> list[int]:
+        return [m for m in range(self.top.makers) if m not in self.dead and m not in self._unreachable]
+
+    def _grant(self, count: int) -> None:
+        """Hand ``count`` credits to my makers, round-robin, requiring my current version."""
+        for _ in range(count):
+            mine = self.top.makers_of(self.index, self._live())
+            if not mine:
+                raise PeerLost(f"trainer {self.index}: every maker is dead (lost: {sorted(self.dead)}); cannot continue")
+            m = mine[self._cursor % len(mine)]
+            self._cursor += 1
+            credit = self._next_credit_id
+            try:
+                self.credits.grant(self.top.maker_rank(m), Credit(self.index, self.version, credit))
+            except Exception:
+                self._drop_maker(m)
+                self._grant(1)
+                continue
+            self._next_credit_id += 1
+            self._pending.append(credit)
+            self._credit_maker[credit] = m
+            self.outstanding[m] += 1
+
+    def _drop_maker(self, m: int) -> None:
+        if m in self.dead:
+            return
+        self.dead.add(m)
+        self.watch.forget(self.top.maker_rank(m))
+        if m in self._failed:
+            print(f"hpcrl.ppo: trainer {self.index}: dropping {describe(self.ctx, self.top.maker_rank(m), 'maker')}: "
+                  f"{self._failed[m]}", flush=True)
+        lost = [c for c in self._pending if self._credit_maker[c] == m and c not in self._arrived]
+        self._pending = deque(c for c in self._pending if c not in lost)
+        self.outstanding[m] = 0
+        if lost:
+            self._grant(len(lost))  # its unfinished rollouts are re-issued to the live makers
+
+    def _check_peers(self) -> None:
+        try:
+            dead_trainers = self.trainer_watch.dead()
+        except Exception as err:
+            raise PeerLost(f"trainer {self.index}: lost the rendezvous store hosted by trainer rank 0: {err}") from None
+        if dead_trainers:
+            raise PeerLost(f"trainer {self.index}: " + ", ".join(describe(self.ctx, r, "trainer") for r in dead_trainers)
+                           + f" stopped responding (no heartbeat for {self.cfg.heartbeat_timeout_s:.0f} s)")
+        for rank in self.watch.dead():
+            self._drop_maker(self.top.maker_index(rank))
+        for m in list(self._failed):
+            self._drop_maker(m)
+
+    def _next_batch(self) -> Received:
+        """The batch of the oldest outstanding credit (later arrivals wait): lag stays <= the bound."""
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while True:
+            if self._pending and self._pending[0] in self._arrived:
+                credit = self._pending.popleft()
+                item = self._arrived.pop(credit)
+                self.outstanding[item.header.maker] -= 1
+                return item
+            try:
+                item = self._inbox.get(timeout=0.25)
+            except queue.Empty:
+                self._check_peers()
+                if time.monotonic() > deadline:
+                    waiting = [m for m in self._live() if self.outstanding[m]]
+                    raise PeerLost(f"trainer {self.index}: no experience within {self.cfg.timeout_s:.0f} s from "
+                                   + (", ".join(describe(self.ctx, self.top.maker_rank(m), "maker") for m in waiting)
+                                      or "any maker"))
+                continue
+            if item.header.maker in self.dead or self._credit_maker.get(item.header.credit) != item.header.maker:
+                continue  # arrived after we gave up on its maker (credit re-issued), or not a credit we gave it
+            self._arrived[item.header.credit] = item
