@@ -6,7 +6,7 @@ Writes ``<out>/<date>-<host>-<commit>/``: one JSON per benchmark (common header,
 benchmarks/schema.py), ``report.md``, PNGs and one ``*.log`` per subprocess benchmark.
 
 Steps: collectives (W local ranks, gloo) -> cost_model (fit + projection) -> kernels (--quick in quick
-mode) -> [full mode only] sac_throughput, ppo_throughput, scaling (benchmarks/scaling.py) -> report. ``--quick`` (< 2 min on 2 CPU cores)
+mode) -> [full mode only] sac_throughput, ppo_throughput, weight_publish, scaling (benchmarks/scaling.py) -> report. ``--quick`` (< 2 min on 2 CPU cores)
 runs the first three; ``--only`` picks any steps (at quick sizes with ``--quick``). The older scripts' own JSON is wrapped under ``results`` with the common header.
 """
 
@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                                               str(outdir / "sac_throughput_curve.png")], outdir, args.device, 3600, cfg)),
         ("ppo_throughput", lambda: run_script("ppo_throughput", [*q, "--png", str(outdir / "ppo_throughput.png")],
                                               outdir, args.device, 3600, cfg)),
+        ("weight_publish", lambda: run_script("weight_publish", q, outdir, args.device, 900, cfg)),
         ("scaling", scaling),
     ]
     if args.only:  # any step, at quick sizes with --quick (e.g. bench.sbatch QUICK=1 SCALING=1)

@@ -170,6 +170,22 @@ def test_compare_on_real_quick_run(quick_run: Path, tmp_path: Path) -> None:
     assert [r["figure"] for r in rows if r["regression"]] == [f"collectives/{name}"]
 
 
+def test_weight_publish_quick_delivers_with_both_transports(tmp_path: Path) -> None:
+    out = tmp_path / "weight_publish.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "weight_publish.py"), "--quick", "--reps", "2",
+                           "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert sorted((r["makers"], r["mib"], r["transport"]) for r in rows) == sorted(
+        (m, s, t) for m in (1, 2) for s in (1.0, 16.0) for t in ("broadcast", "point-to-point"))
+    for r in rows:  # every maker's checksum of what it received == trainer 0's checksum of what it sent
+        assert r["checksum_ok"], r
+        assert len(r["times_s"]) == 2 and all(t > 0 for t in r["times_s"]) and r["ms"] > 0
+    assert doc["summary"]["broadcast_time_ratio_m2_m1_16mib"] > 0 and len(doc["reading"]) == 2
+
+
 # ---------------------------------------------------------------- scaling sweeps (pure parts, no subprocess)
 
 from benchmarks import scaling  # noqa: E402
