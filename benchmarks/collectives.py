@@ -136,7 +136,7 @@ def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
                         g.mul_(1.0 / world)
                 res[cname] = _timed(fn, _inner_for(fn, device, target, cap), rep, device)
             flat[name] = res
-    return {"rank": rank, "world": world, "device": str(device), "backend": dist.get_backend(),
+    return {"rank": rank, "world": world, "device": str(device), "backend": ctx.backend,
             "sweep": {op: {str(k): v for k, v in d.items()} for op, d in sweep.items()}, "flat": flat}
 
 

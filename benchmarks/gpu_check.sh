@@ -4,7 +4,11 @@
 #      --no-build-isolation --no-deps; numpy/h5py/pytest/tyro come from the image),
 #   2. run the `cuda`-marked tests (CPU/GPU parity of every kernel) and the CPU kernel tests,
 #   3. run the kernel benchmark on the GPU,
-#   4. run the suite's GPU part (python -m benchmarks --device cuda): JSON + report.md in $OUT/suite.
+#   4. run the suite's GPU part (python -m benchmarks --device cuda): JSON + report.md in $OUT/suite,
+#   5. run every entry point on the GPU, each to finite metrics: FastSAC pendulum (W = 1; with one GPU no
+#      NCCL group of two can exist) at the preset's size and at --num-envs 4096; detached PPO 1:1 with GPU
+#      trainer + GPU maker (they share the GPU: weights by gloo staged through host memory) and with GPU
+#      trainer + CPU maker. $OUT/gpu_check.json: exit code, wall time and last metrics row of each.
 # Results land in $OUT (the device tool's output folder) or benchmarks/results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,5 +27,37 @@ echo "== benchmarks"
 "$PY" benchmarks/kernels.py --device cuda --json "$OUT/kernels_cuda.json" 2>&1 | tee "$OUT/kernels_cuda.txt"
 echo "== benchmark suite (GPU part: per-update compute at batch 8192 on the GPU, gloo collective sweep, cost model, report)"
 # --quick keeps it short; kernels were run above, so only collectives + cost model here.
-timeout 240 "$PY" -m benchmarks --quick --device cuda --only collectives,cost_model --run-dir "$OUT/suite" 2>&1 | tee "$OUT/suite.txt" || echo "suite step failed (see $OUT/suite.txt)"
+timeout 150 "$PY" -m benchmarks --quick --device cuda --only collectives,cost_model --run-dir "$OUT/suite" 2>&1 | tee "$OUT/suite.txt" || echo "suite step failed (see $OUT/suite.txt)"
+
+echo "== entry points on the GPU"
+runs=()
+entry() {  # entry NAME TIMEOUT_S CMD...: run one entry point into $OUT/runs/NAME, record rc and wall time
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s) rc=0
+  timeout "$limit" "$@" --run-dir "$OUT/runs/$name" > "$OUT/runs/$name.log" 2>&1 || rc=$?
+  echo "$name rc=$rc $(( $(date +%s) - t0 )) s"; tail -2 "$OUT/runs/$name.log"
+  runs+=("$name:$rc:$(( $(date +%s) - t0 ))")
+}
+mkdir -p "$OUT/runs"
+entry sac_pendulum 90 "$PY" -m hpcrl.sac --preset pendulum --total-env-steps 6400 --eval-episodes 4
+entry sac_4096_envs 90 "$PY" -m hpcrl.sac --preset pendulum --num-envs 4096 --batch-size 8192 --total-env-steps 409600 --learning-starts 10 --log-every 20 --eval-episodes 4
+entry ppo_gpu_trainer_gpu_maker 90 "$PY" -m hpcrl.ppo --workload cartpole --makers 1 --trainers 1 --trainer-device cuda --maker-device cuda --total-steps 30
+entry ppo_gpu_trainer_cpu_maker 90 "$PY" -m hpcrl.ppo --workload cartpole --makers 1 --trainers 1 --trainer-device cuda --maker-device cpu --total-steps 30
+"$PY" - "$OUT" "${runs[@]}" <<'PYEOF'
+import json, math, sys
+from pathlib import Path
+out, summary, ok = Path(sys.argv[1]), {}, True
+for item in sys.argv[2:]:
+    name, rc, wall = item.split(":")
+    path = out / "runs" / name / "metrics.jsonl"
+    rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
+    last = rows[-1] if rows else {}
+    losses = {k: v for k, v in last.items() if k.endswith("loss") and isinstance(v, (int, float))}
+    finite = bool(losses) and all(math.isfinite(v) for v in losses.values())
+    ok &= rc == "0" and finite
+    summary[name] = {"rc": int(rc), "wall_s": int(wall), "rows": len(rows), "finite_losses": finite, "last_row": last}
+(out / "gpu_check.json").write_text(json.dumps(summary, indent=2))
+print(json.dumps({k: {x: v[x] for x in ("rc", "wall_s", "rows", "finite_losses")} for k, v in summary.items()}, indent=1))
+sys.exit(0 if ok else 1)
+PYEOF
 echo "== gpu_check done in $(( $(date +%s) - start )) s"

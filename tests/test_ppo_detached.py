@@ -180,6 +180,7 @@ def test_dead_maker_is_dropped_and_training_continues(tmp_path):
         out, err = procs[0].communicate(timeout=90)
         assert procs[0].returncode == 0, err[-3000:]
         assert procs[1].wait(timeout=30) == 0
+        assert "weights go point-to-point" in out, out[-2000:]
     finally:
         for p in procs:
             p.kill()

@@ -180,7 +180,8 @@ def test_cancelled_submitit_job_raises_instead_of_hanging(cluster, tmp_path):
     with pytest.raises((UncompletedJobError, FailedJobError),
                        match="has not produced any output|was killed by SIGTERM .job cancelled"):
         sub.results()
-    assert job_fields(sub.job_id)["JobState"] == "CANCELLED"
+    # COMPLETING is Slurm's transitional state while the step's processes are reaped
+    wait_for(lambda: job_fields(sub.job_id)["JobState"] == "CANCELLED", 30, "the job to be CANCELLED", poll_s=0.5)
 
 
 @pytest.mark.timeout(180)

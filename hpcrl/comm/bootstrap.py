@@ -74,6 +74,7 @@ def init_distributed(
     device: str = "auto",
     source: Source | None = None,
     device_flag: str = "--device",
+    world_device_plane: bool = True,
 ) -> DistContext:
     """Join the job as its launcher describes it and return this rank's :class:`DistContext`.
 
@@ -83,8 +84,10 @@ def init_distributed(
     names the option in errors. The device plane's ``backend`` defaults to ``nccl`` when every rank's
     device is CUDA, else ``gloo`` (agreed through the store, so a world that mixes CPU and GPU ranks
     gets one answer); the host plane is always gloo. ``timeout_s`` bounds the rendezvous, the start
-    barrier and every collective. World size 1 creates no process group. Calling it again returns
-    the active context.
+    barrier and every collective. ``world_device_plane=False``: the ranks share no device plane
+    (detached PPO: each role makes its own, and a trainer and a maker may share a GPU, which an NCCL
+    world would refuse), so the world gets gloo only and ``ctx.device_plane`` is a CPU gloo plane.
+    World size 1 creates no process group. Calling it again returns the active context.
     """
     global _active
     if _active is not None:
@@ -113,7 +116,7 @@ def init_distributed(
     register_host(probe)
     store.add("cuda_ranks", int(dev.type == "cuda"))
     barrier(probe, "init")  # a missing peer is named here, not reported as a gloo connect timeout
-    all_cuda = int(store.add("cuda_ranks", 0)) == info.world_size
+    all_cuda = world_device_plane and int(store.add("cuda_ranks", 0)) == info.world_size
     backend = backend or ("nccl" if all_cuda else "gloo")
     # A world mixing CPU and GPU ranks (detached PPO) gets a CPU gloo device plane; its roles make their own.
     plane_device = dev if backend == "nccl" or all_cuda else torch.device("cpu")

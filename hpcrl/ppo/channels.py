@@ -42,7 +42,9 @@ __all__ = ["ChannelError", "Credit", "CreditChannel", "ExperienceChannel", "Head
 TAG_CREDIT, TAG_HEADER, TAG_PAYLOAD, TAG_WEIGHTS = 11, 12, 13, 14
 END = -1  # in a credit's trainer field, a header's maker field, a weight header's version: stream ends
 MAX_PAYLOAD_BYTES = 1 << 34  # 16 GiB: a schema announcing more per batch is refused, never allocated
-_POLL_MIN_S, _POLL_MAX_S = 0.0002, 0.005  # completion poll of a pending broadcast (is_completed(): a flag read)
+# Completion poll of a pending broadcast (is_completed(): a flag read), backing off from 0.2 ms: to 1 ms
+# while a transfer is in flight, to 5 ms while a maker idles until the next version's header.
+_POLL_MIN_S, _POLL_BUSY_S, _POLL_IDLE_S = 0.0002, 0.001, 0.005
 _LOOK_S = 0.25  # how often a waiting broadcast checks liveness (publisher) or the fallback key (maker)
 
 
@@ -271,6 +273,8 @@ class WeightChannel:
             raise ValueError(f"weights v{version}: {flat.numel()} x {flat.dtype}, the channel carries "
                              f"{self.numel} x {self.dtype}")
         header = [float(version), float(self.buckets), checksum(flat), float(self.numel)]
+        if not self.point_to_point and not self.alive():
+            self._fall_back(version)  # a broadcast over a group with a dead member cannot complete
         if not self.point_to_point:
             staged = flat.to(self.plane.device)
             if self._broadcast(staged, header, publisher=True):
@@ -313,7 +317,7 @@ class WeightChannel:
                 failed.append(dst)
         return failed
 
-    def _wait(self, works: list, publisher: bool) -> bool:
+    def _wait(self, works: list, publisher: bool, max_nap_s: float = _POLL_BUSY_S) -> bool:
         """Poll the works until done (True), or False when the channel must give up on broadcasts."""
         deadline = time.monotonic() + self.timeout_s
         next_look = time.monotonic() + _LOOK_S
@@ -336,7 +340,7 @@ class WeightChannel:
             if publisher and now > deadline:
                 return False
             time.sleep(nap)
-            nap = min(2 * nap, _POLL_MAX_S)  # quick for a transfer in flight, cheap while idle
+            nap = min(2 * nap, max_nap_s)
 
     def _broadcast(self, staged: torch.Tensor | None, header: list[float], publisher: bool) -> bool:
         head = torch.tensor(header, dtype=torch.float64, device=self.plane.device)
@@ -379,7 +383,7 @@ class WeightChannel:
 
     def _receive_broadcast(self) -> tuple[list[float], torch.Tensor | None] | None:
         head = torch.empty(4, dtype=torch.float64, device=self.plane.device)
-        if not self._wait([dist.broadcast(head, self.src, group=self.plane.group, async_op=True)], False):
+        if not self._wait([dist.broadcast(head, self.src, group=self.plane.group, async_op=True)], False, _POLL_IDLE_S):
             return None
         header = head.tolist()
         self._check_header(header)

@@ -66,7 +66,8 @@ def train(cfg: DetachedConfig, events: Events = ignore) -> dict[str, float]:
     torch.set_num_threads(cfg.threads)
     role = ppo_role(detect_launch().rank, cfg.trainers, cfg.makers)
     flag = f"--{role}-device"
-    ctx = init_distributed(timeout_s=cfg.timeout_s, device=getattr(cfg, f"{role}_device"), device_flag=flag)
+    ctx = init_distributed(timeout_s=cfg.timeout_s, device=getattr(cfg, f"{role}_device"), device_flag=flag,
+                           world_device_plane=False)
     top = validate(cfg, ctx.world_size)
     workload, ppo = build_workload(cfg)
     groups = make_groups(ctx, top)  # every rank, same order: a torch.distributed rule

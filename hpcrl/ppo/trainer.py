@@ -75,6 +75,7 @@ class Trainer:
         self._next_credit_id = 0
         self.publish_ms = float("nan")
         self._publish_q: queue.Queue = queue.Queue()
+        self._publish_error: BaseException | None = None
         # One receiver per maker, linked or not: when makers die the modulo rule re-links the live ones.
         self.threads = [threading.Thread(target=self._receive_loop, args=(m,), name=f"experience-in-{m}", daemon=True)
                         for m in range(top.makers)]
@@ -249,6 +250,8 @@ class Trainer:
 
     # weights ------------------------------------------------------------------------------------
     def _publish(self) -> None:
+        if self._publish_error is not None:
+            raise PeerLost(f"trainer {self.index}: publishing weights to the makers failed: {self._publish_error}")
         if self.index == 0:  # a fresh flat tensor: a snapshot the next update cannot change
             self._publish_q.put((self.version, ops.flatten(self.sync_tensors)))
 
@@ -263,12 +266,18 @@ class Trainer:
                 return
             version, flat = item
             t0 = time.perf_counter()
+            before = self.weights.transport
             try:
                 failed = self.weights.publish(flat, version, live)
-            except Exception:  # the whole plane is gone: every maker will notice trainer 0's silence
+            except Exception as err:  # the main thread raises it at its next publish
+                self._publish_error = err
                 return
             seconds = time.perf_counter() - t0
             self.publish_ms = seconds * 1000
+            if self.weights.transport != before:
+                print(f"hpcrl.ppo: the weight broadcast to the makers could not complete at v{version} (a maker is "
+                      f"lost or hangs); weights go {self.weights.transport} to the {len(live)} live maker(s) from now on",
+                      flush=True)
             self.events(WeightsPublished(time.time(), version, seconds, self.weights.nbytes, len(live),
                                          self.weights.transport))
             # A maker we could not reach gets no more weights; the main thread's heartbeat watcher
@@ -327,6 +336,9 @@ class Trainer:
         if m in self._failed:
             print(f"hpcrl.ppo: trainer {self.index}: dropping {describe(self.ctx, self.top.maker_rank(m), 'maker')}: "
                   f"{self._failed[m]}", flush=True)
+        # Makers behind the lost one in the broadcast tree may miss the current version: publishing it
+        # again moves the weight channel to point-to-point copies for the live makers.
+        self._publish()
         lost = [c for c in self._pending if self._credit_maker[c] == m and c not in self._arrived]
         self._pending = deque(c for c in self._pending if c not in lost)
         self.outstanding[m] = 0
