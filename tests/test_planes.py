@@ -78,9 +78,25 @@ def test_ppo_trainers_beyond_gpus_fail_before_spawning(monkeypatch, capsys, tmp_
 
 
 def test_weight_plane_is_nccl_only_with_a_gpu_each():
-    assert weight_backend([("a", "cuda:0"), ("a", "cuda:1"), ("b", "cuda:0")]) == "nccl"
-    assert weight_backend([("a", "cuda:0"), ("a", "cuda:0")]) == "gloo"  # a maker sharing trainer 0's GPU
-    assert weight_backend([("a", "cuda:0"), ("b", "cpu")]) == "gloo"
+    # (host, device, GPU UUID): GPUs are told apart by UUID
+    assert weight_backend([("a", "cuda:0", "u0"), ("a", "cuda:1", "u1"), ("b", "cuda:0", "u2")]) == "nccl"
+    # one GPU per task: every task says cuda:0, the UUIDs differ
+    assert weight_backend([("a", "cuda:0", "u0"), ("a", "cuda:0", "u1")]) == "nccl"
+    assert weight_backend([("a", "cuda:0", "u0"), ("a", "cuda:1", "u0")]) == "gloo"  # a maker sharing trainer 0's GPU
+    assert weight_backend([("a", "cuda:0", "u0"), ("b", "cpu", "")]) == "gloo"
+
+
+def test_weight_header_bounds():
+    from hpcrl.comm import Plane
+    from hpcrl.ppo.channels import ChannelError, WeightChannel
+
+    ch = WeightChannel(Plane.local("host"), Plane.local("host"), None, numel=1000, dtype=torch.float32,
+                       bucket_numel=300, timeout_s=1.0)
+    ch._check_header([3.0, 4.0, 0.0, 1000.0])  # 4 buckets of 300
+    for bad in ([3.0, 4.0, 0.0, 10**12], [3.0, 1.0, 0.0, 1000.0], [-2.0, 4.0, 0.0, 1000.0], [float("nan"), 4, 0, 1000],
+                [2.5, 4.0, 0.0, 1000.0]):
+        with pytest.raises(ChannelError, match="weights header from rank 0 refused"):
+            ch._check_header(bad)
 
 
 def test_channel_bounds_name_the_sender_and_allocate_nothing():
@@ -105,8 +121,10 @@ def test_strict_planes_mode_poisons_only_the_default_group():
 
 @pytest.mark.parametrize("makers, trainers", [(2, 1), (1, 2)])
 def test_ppo_across_declared_devices(tmp_path, makers, trainers):
-    """Trainers and makers on explicitly declared devices (cpu here, cuda on a GPU machine) go through
-    the paths that move experience to the trainer's device and stage weights through the host."""
+    """Trainers and makers on explicitly declared devices go through the code that moves experience to
+    the trainer's device and stages weights through host memory. Both are cpu on this machine, so the
+    moves are no-ops: what this proves is the flags and the planes they select (gloo weights, gloo
+    trainers); benchmarks/gpu_check.sh runs the cuda/cuda and cuda/cpu mixes on a GPU."""
     cfg = DetachedConfig(workload="ppo_toy:ToyWorkload", makers=makers, trainers=trainers, run_dir=str(tmp_path),
                          total_steps=8, timeout_s=30, heartbeat_timeout_s=5, trainer_device="cpu", maker_device="cpu",
                          bucket_mb=1e-4)  # several buckets per version

@@ -121,6 +121,17 @@ def test_events_hook_sees_batches_rows_publishes_and_rollouts(tmp_path):
     assert all(e["wait_start"] <= e["collect_start"] <= e["time"] for e in kinds["RolloutDone"])
 
 
+def test_idle_receives_outlive_the_timeout(tmp_path):
+    # A credit backlog keeps the maker's credit receive (and the trainer's experience receive) posted
+    # for longer than --timeout-s: the exchange plane must not time those out (gloo would close the
+    # connection), liveness is the heartbeats' job.
+    cfg = toy_config(tmp_path, 1, 1, lag=1, total_steps=3, batches_per_step=3, timeout_s=5,
+                     workload_args={"rollout_s": 1.2})
+    rows = spawn(train, 2, args=(cfg,), timeout_s=100)
+    assert rows[0]["policy_version"] == 3
+    assert rows[0]["samples_produced"] == rows[0]["samples_consumed"] + rows[0]["dropped_shutdown"]
+
+
 def test_trainable_only_sync_keeps_the_frozen_base(tmp_path):
     cfg = toy_config(tmp_path, 2, 1, lag=1, workload_args={"trainable_only": True})
     rows = spawn(train, 3, args=(cfg,), timeout_s=100)

@@ -18,7 +18,7 @@ from .bootstrap import current, init_distributed, shutdown
 from .context import DistContext, DistSetupError, Source
 from .devices import check_local_gpus, cuda_count, rank_device
 from .env import LaunchInfo, detect_launch
-from .planes import Plane, new_plane, new_planes, strict_planes
+from .planes import IDLE_TIMEOUT, Plane, abort, new_plane, new_planes, strict_planes
 from .grad_sync import GradSync, Mode
 from .local import SpawnError, spawn
 from .nodelist import expand_nodelist, first_host
@@ -27,6 +27,8 @@ from .reduce import RankDivergenceError, all_reduce_sum_, broadcast_, check_para
 
 __all__ = [
     "BarrierTimeoutError",
+    "IDLE_TIMEOUT",
+    "abort",
     "Plane",
     "check_local_gpus",
     "cuda_count",

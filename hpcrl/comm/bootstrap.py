@@ -67,6 +67,20 @@ def _mpi_store(info: LaunchInfo, timeout: timedelta) -> dist.TCPStore:
     return store if store is not None else _tcp_store(addr, port, info, False, timeout)
 
 
+def _refuse_shared_gpus(ctx: DistContext, gpu_key: str, dev: torch.device) -> None:
+    """Two ranks of one NCCL communicator on one physical GPU (told apart by UUID: with one GPU per task
+    every task says cuda:0) is refused by NCCL with an opaque error; every rank raises a clear one here."""
+    assert ctx.store is not None
+    shared = int(ctx.store.add(gpu_key, 0)) > 1
+    if shared:
+        ctx.store.add("gpu_shared", 1)
+    barrier(ctx, "gpu-check")
+    if int(ctx.store.add("gpu_shared", 0)):
+        where = f"this rank's GPU ({dev} on {ctx.hostname}) is" if shared else "a GPU of this job is"
+        raise DistSetupError(f"rank {ctx.rank}: {where} used by two ranks; NCCL needs one GPU per rank: bind one "
+                             "GPU per task (srun --gpus-per-task=1), start at most one task per GPU, or use --device cpu")
+
+
 def init_distributed(
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -115,8 +129,13 @@ def init_distributed(
                         info.hostname, store=store)
     register_host(probe)
     store.add("cuda_ranks", int(dev.type == "cuda"))
+    gpu_key = f"gpu/{info.hostname}/{torch.cuda.get_device_properties(dev).uuid}" if dev.type == "cuda" else ""
+    if gpu_key:
+        store.add(gpu_key, 1)
     barrier(probe, "init")  # a missing peer is named here, not reported as a gloo connect timeout
     all_cuda = world_device_plane and int(store.add("cuda_ranks", 0)) == info.world_size
+    if all_cuda:
+        _refuse_shared_gpus(probe, gpu_key, dev)
     backend = backend or ("nccl" if all_cuda else "gloo")
     # A world mixing CPU and GPU ranks (detached PPO) gets a CPU gloo device plane; its roles make their own.
     plane_device = dev if backend == "nccl" or all_cuda else torch.device("cpu")
@@ -167,6 +186,11 @@ def shutdown(timeout_s: float | None = None) -> None:
             timeout = ctx.timeout if timeout_s is None else timedelta(seconds=timeout_s)
             store.wait([f"exit/{r}" for r in range(ctx.world_size)], timeout)
     except RuntimeError as err:
-        warnings.warn(f"hpcrl.comm.shutdown on rank {ctx.rank}: not every rank reached shutdown ({err})")
+        try:
+            missing = [r for r in range(ctx.world_size) if not store.check([f"exit/{r}"])]
+            who = f"rank(s) {', '.join(map(str, missing))} did not" if missing else "not every rank did"
+        except RuntimeError:
+            who = "the store is gone; not every rank may have"
+        warnings.warn(f"hpcrl.comm.shutdown on rank {ctx.rank}: {who} reach shutdown ({err})")
     if dist.is_initialized():
         dist.destroy_process_group()

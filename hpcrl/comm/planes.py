@@ -27,7 +27,7 @@ from typing import Literal, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["Plane", "STRICT_BACKEND", "new_plane", "new_planes", "strict_planes"]
+__all__ = ["IDLE_TIMEOUT", "Plane", "STRICT_BACKEND", "abort", "new_plane", "new_planes", "strict_planes"]
 
 STRICT_BACKEND = "hpcrl_strict"  # registered for CUDA only: a CPU tensor on the default group raises
 PlaneName = Literal["host", "device"]
@@ -92,14 +92,22 @@ class Plane:
         return f"{self.name} plane ({self.backend or 'no group'}, {self.device}, ranks {list(self.ranks)})"
 
 
+IDLE_TIMEOUT = timedelta(days=1)
+"""For planes whose receivers idle in a posted receive (detached PPO's credits, experience, weight
+headers): a gloo timeout closes the connection, so liveness is left to heartbeats instead."""
+
+
 def new_plane(name: PlaneName, ranks: Sequence[int], rank: int, device: torch.device, backend: str,
-              timeout: timedelta) -> Plane:
+              timeout: timedelta, eager: bool = False) -> Plane:
     """One plane over ``ranks``. Collective over the WHOLE world: every rank calls it, in the same
     order, with the same ``ranks`` and ``backend`` (a torch.distributed rule for ``new_group``).
-    ``device``: where this rank's tensors for the plane live (a host plane's is always cpu)."""
+    ``device``: where this rank's tensors for the plane live (a host plane's is always cpu).
+    ``eager`` (NCCL, distinct GPUs checked): create the communicator now, on the calling thread,
+    instead of inside the first collective (which may run on a background thread without a deadline)."""
     ranks = tuple(sorted(ranks))
     member = rank in ranks
-    group = dist.new_group(list(ranks), timeout=timeout, backend=backend)
+    bind = device if eager and backend == "nccl" and member and device.type == "cuda" else None
+    group = dist.new_group(list(ranks), timeout=timeout, backend=backend, device_id=bind)
     here = torch.device("cpu") if name == "host" or not member else device
     return Plane(name, here, ranks, group if member else None, backend, member)
 
@@ -109,3 +117,15 @@ def new_planes(ranks: Sequence[int], rank: int, device: torch.device, device_bac
     """(host plane, device plane) over ``ranks``; see :func:`new_plane`."""
     return (new_plane("host", ranks, rank, device, "gloo", timeout),
             new_plane("device", ranks, rank, device, device_backend, timeout))
+
+
+def abort(plane: Plane) -> None:
+    """Give up on a plane whose collectives can no longer complete (a member died): abort its
+    communicator so pending operations are dropped, not left to NCCL's watchdog (which would take the
+    whole process down when they time out). Never use the plane afterwards."""
+    if plane.group is None:
+        return
+    try:
+        dist.distributed_c10d._abort_process_group(plane.group)
+    except Exception:  # best effort: gloo has no watchdog, an abandoned gloo op only errors on its own
+        pass

@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from hpcrl.comm import Plane
+from hpcrl.comm import Plane, abort
 
 __all__ = ["ChannelError", "Credit", "CreditChannel", "ExperienceChannel", "Header", "Schema", "WeightChannel",
            "checksum"]
@@ -147,10 +147,10 @@ def checksum(flat: torch.Tensor, chunk: int = 1 << 20) -> float:
     (modulo 2^52, so float64 carries it exactly). Summed in chunks: one int64 copy of a whole model
     would cost more than sending it."""
     bits = flat.detach().contiguous().reshape(-1).view(torch.int32 if flat.element_size() == 4 else torch.int16)
-    total = 0
+    total = torch.zeros((), dtype=torch.int64, device=bits.device)
     for start in range(0, bits.numel(), chunk):
-        total += int(bits[start : start + chunk].sum(dtype=torch.int64))
-    return float(total % (1 << 52))
+        total += bits[start : start + chunk].sum(dtype=torch.int64)
+    return float(int(total) % (1 << 52))  # one host sync (per chunk would stall a GPU stream per MiB)
 
 
 # ----------------------------------------------------------------------------------------- credits
@@ -187,16 +187,17 @@ class CreditChannel:
 
 class ExperienceChannel:
     """Maker -> trainer experience over the host plane. ``schema`` (trainer side) gives the one payload
-    size a header may announce; ``max_version`` (trainer side) returns the newest version any maker
-    can hold."""
+    size a header may announce (given the sender's rank); ``max_version`` (trainer side) returns the
+    newest version any maker can hold."""
 
-    def __init__(self, plane: Plane, schema: Callable[[], Schema] | None = None,
+    def __init__(self, plane: Plane, schema: Callable[[int], Schema] | None = None,
                  max_version: Callable[[], int] | None = None, maker_index: Callable[[int], int] | None = None,
                  max_bytes: int = MAX_PAYLOAD_BYTES) -> None:
         self.plane, self._schema, self._max_version, self._maker_index = plane, schema, max_version, maker_index
         self.max_bytes = max_bytes
 
     def send(self, trainer_rank: int, header: Header, payload: torch.Tensor) -> None:
+        self.plane.check([payload], "experience payload")
         dist.send(header.tensor(), trainer_rank, group=self.plane.group, tag=TAG_HEADER)
         dist.send(payload, trainer_rank, group=self.plane.group, tag=TAG_PAYLOAD)
 
@@ -211,8 +212,8 @@ class ExperienceChannel:
             problems.append(f"maker index {h.maker}, but rank {src} is maker {self._maker_index(src)}")
         if not 0 <= h.nbytes <= self.max_bytes:
             problems.append(f"payload of {h.nbytes} bytes (limit {self.max_bytes})")
-        elif h.nbytes != self._schema().nbytes:
-            problems.append(f"payload of {h.nbytes} bytes, the schema says {self._schema().nbytes}")
+        elif h.nbytes != self._schema(src).nbytes:
+            problems.append(f"payload of {h.nbytes} bytes, the schema says {self._schema(src).nbytes}")
         if not 0 <= h.version <= self._max_version():
             problems.append(f"unknown policy version {h.version} (newest published: {self._max_version()})")
         if h.samples < 0 or h.credit < 0 or h.seq < 0:
@@ -276,32 +277,33 @@ class WeightChannel:
         if not self.point_to_point and not self.alive():
             self._fall_back(version)  # a broadcast over a group with a dead member cannot complete
         if not self.point_to_point:
-            staged = flat.to(self.plane.device)
+            staged = flat.to(self.plane.device)  # the weights leave the trainer's device once per version
             if self._broadcast(staged, header, publisher=True):
                 return []
             self._fall_back(version)
         return self._send_each(flat.to("cpu"), header, makers)
 
     def end(self, makers: list[int]) -> None:
-        """Close the stream (best effort: makers that are gone are skipped)."""
+        """Close the stream (best effort: makers that are gone are skipped, within one deadline)."""
         header = [float(END), 0.0, 0.0, 0.0]
-        if not self.point_to_point and self._broadcast(None, header, publisher=True):
+        if not self.point_to_point and self.alive() and self._broadcast(None, header, publisher=True):
             return
-        self.point_to_point = True
-        for dst in makers:
-            try:
-                w = dist.isend(torch.tensor(header, dtype=torch.float64), dst, group=self.host.group, tag=TAG_WEIGHTS)
-                w.wait(timedelta(seconds=self.timeout_s))
-            except Exception:
-                pass
+        if not self.point_to_point:
+            self._fall_back(END)
+        self._send_each(torch.zeros(0, dtype=self.dtype), header, makers, buckets=0)
 
     def _fall_back(self, version: int) -> None:
+        """From now on point-to-point over the host plane; every member learns it from the store and
+        aborts the weight plane, so no pending broadcast is left to a watchdog."""
         self.point_to_point, self.transport = True, "point-to-point"
         self.store.set(self.FALLBACK_KEY, str(version))
+        abort(self.plane)
 
-    def _send_each(self, flat: torch.Tensor, header: list[float], makers: list[int]) -> list[int]:
+    def _send_each(self, flat: torch.Tensor, header: list[float], makers: list[int],
+                   buckets: int | None = None) -> list[int]:
+        """One copy per maker, all posted first, then waited for against one deadline."""
         head = torch.tensor(header, dtype=torch.float64)
-        parts = [flat[i * self.bucket : (i + 1) * self.bucket] for i in range(self.buckets)]
+        parts = [flat[i * self.bucket : (i + 1) * self.bucket] for i in range(self.buckets if buckets is None else buckets)]
         works: dict[int, list] = {}
         failed: list[int] = []
         for dst in makers:
@@ -309,16 +311,19 @@ class WeightChannel:
                 works[dst] = [dist.isend(t, dst, group=self.host.group, tag=TAG_WEIGHTS) for t in [head, *parts]]
             except Exception:
                 failed.append(dst)
+        deadline = time.monotonic() + self.timeout_s
         for dst, ws in works.items():
             try:
                 for w in ws:
-                    w.wait(timedelta(seconds=self.timeout_s))
+                    w.wait(timedelta(seconds=max(0.01, deadline - time.monotonic())))
             except Exception:
                 failed.append(dst)
         return failed
 
     def _wait(self, works: list, publisher: bool, max_nap_s: float = _POLL_BUSY_S) -> bool:
-        """Poll the works until done (True), or False when the channel must give up on broadcasts."""
+        """Poll the works until done (True), or False when the channel must give up on broadcasts: on the
+        publisher when a maker is dead, a work failed, or the delivery is past its deadline; on a maker
+        only when the publisher said so through the store (a failed work there is an error)."""
         deadline = time.monotonic() + self.timeout_s
         next_look = time.monotonic() + _LOOK_S
         nap = _POLL_MIN_S
@@ -329,7 +334,11 @@ class WeightChannel:
                         w.wait()  # raises the error of a failed work
                     return True
             except Exception:
-                return False
+                if publisher:
+                    return False
+                if self.store.check([self.FALLBACK_KEY]):
+                    return False
+                raise
             now = time.monotonic()
             if now >= next_look:  # the liveness / store look is rarer than the poll: M makers share one store
                 next_look = now + _LOOK_S
@@ -343,6 +352,8 @@ class WeightChannel:
             nap = min(2 * nap, max_nap_s)
 
     def _broadcast(self, staged: torch.Tensor | None, header: list[float], publisher: bool) -> bool:
+        if staged is not None:
+            self.plane.check([staged], "weights")
         head = torch.tensor(header, dtype=torch.float64, device=self.plane.device)
         works = [dist.broadcast(head, self.src, group=self.plane.group, async_op=True)]
         if staged is not None:
@@ -359,6 +370,7 @@ class WeightChannel:
                 got = self._receive_broadcast()
                 if got is None:  # the publisher fell back to point-to-point: so do we
                     self.point_to_point, self.transport = True, "point-to-point"
+                    abort(self.plane)
                     continue
             else:
                 got = self._receive_point_to_point()
@@ -374,9 +386,12 @@ class WeightChannel:
 
     def _check_header(self, header: list[float]) -> None:
         version, buckets, _, numel = header
+        if not all(math.isfinite(x) for x in (version, buckets, numel)):
+            raise ChannelError(f"weights header from rank {self.src} refused: non-finite {header}")
         if int(version) == END:
             return
-        if int(numel) != self.numel or int(buckets) != self.buckets or version < 0 or version != int(version):
+        if not (int(numel) == self.numel and int(buckets) == self.buckets and version >= 0
+                and version == int(version)):
             raise ChannelError(f"weights header from rank {self.src} refused: version {version}, {int(buckets)} "
                                f"buckets of {int(numel)} values (this channel carries {self.numel} values in "
                                f"{self.buckets} buckets)")

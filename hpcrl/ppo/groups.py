@@ -5,9 +5,13 @@
 * weights: trainer 0 + every maker. NCCL when all of them are on CUDA and no two share a GPU
   (NCCL refuses two ranks of one communicator on one device — e.g. one node, one GPU, a trainer and a
   maker on it); otherwise gloo, with the weights staged through host memory;
-* credits and experience use the world's host plane (``ctx.host_plane``).
+* exchange: every rank, gloo, for credits and experience. Its receivers idle in posted receives
+  (a credit backlog, a slow rollout), and a gloo timeout closes the connection, so this plane and the
+  weight plane get :data:`hpcrl.comm.IDLE_TIMEOUT`: liveness is the heartbeats' job.
 
-Each rank publishes ``host|device`` through the store first, so the choice needs no extra collective.
+Each rank publishes where it runs (host, device, GPU UUID) through the store first, so the choice
+needs no extra collective; GPUs are told apart by UUID, not by ``cuda:K`` (with one GPU per task every
+task calls its GPU ``cuda:0``).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hpcrl.comm import DistContext, DistSetupError, Plane, new_plane, new_planes
+from hpcrl.comm import IDLE_TIMEOUT, DistContext, DistSetupError, Plane, new_plane, new_planes
 
 from .topology import Topology
 
@@ -25,26 +29,37 @@ __all__ = ["Groups", "make_groups", "weight_backend"]
 
 @dataclass(frozen=True)
 class Groups:
-    world_host: Plane
-    """Credits and experience (every rank)."""
+    exchange: Plane
+    """Credits and experience (every rank; a host plane)."""
     trainer_host: Plane
     trainer_device: Plane
     weights: Plane
     """Trainer 0 + makers; a device plane (NCCL) or a host plane (gloo, CPU staging)."""
 
 
-def _placements(ctx: DistContext) -> list[tuple[str, str]]:
+Placement = tuple[str, str, str]  # (host, device, GPU UUID or "")
+
+
+def gpu_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
+
+
+def _placements(ctx: DistContext) -> list[Placement]:
     assert ctx.store is not None
-    ctx.store.set(f"ppo/device/{ctx.rank}", f"{ctx.hostname}|{ctx.device}")
+    ctx.store.set(f"ppo/device/{ctx.rank}", f"{ctx.hostname}|{ctx.device}|{gpu_uuid(ctx.device)}")
     keys = [f"ppo/device/{r}" for r in range(ctx.world_size)]
     ctx.store.wait(keys, ctx.timeout)
-    return [tuple(ctx.store.get(k).decode().split("|", 1)) for k in keys]  # type: ignore[misc]
+    return [tuple(ctx.store.get(k).decode().split("|", 2)) for k in keys]  # type: ignore[misc]
 
 
-def weight_backend(placements: list[tuple[str, str]]) -> str:
-    """``nccl`` iff every member is on CUDA and no two share a (host, GPU); else ``gloo``."""
-    cuda = all(device.startswith("cuda") for _, device in placements)
-    return "nccl" if cuda and len(set(placements)) == len(placements) else "gloo"
+def _gpu(p: Placement) -> tuple[str, str]:
+    return p[0], p[2] or p[1]  # the physical GPU: UUID when known
+
+
+def weight_backend(placements: list[Placement]) -> str:
+    """``nccl`` iff every member is on CUDA and no two share a physical GPU; else ``gloo``."""
+    cuda = all(device.startswith("cuda") for _, device, _ in placements)
+    return "nccl" if cuda and len({_gpu(p) for p in placements}) == len(placements) else "gloo"
 
 
 def make_groups(ctx: DistContext, top: Topology) -> Groups:
@@ -53,24 +68,26 @@ def make_groups(ctx: DistContext, top: Topology) -> Groups:
         raise DistSetupError("detached PPO needs at least two ranks (one trainer, one maker)")
     where = _placements(ctx)
     trainers = where[: top.trainers]
-    kinds = {device.split(":")[0] for _, device in trainers}
+    kinds = {device.split(":")[0] for _, device, _ in trainers}
     if len(kinds) > 1:
         raise DistSetupError(f"trainers resolved to different kinds of device ({', '.join(sorted(kinds))}): set "
                              "--trainer-device cpu or cuda explicitly, the same for every trainer")
     trainer_backend = "nccl" if kinds == {"cuda"} else "gloo"
-    if trainer_backend == "nccl" and len(set(trainers)) < len(trainers):
-        shared = sorted({p for p in trainers if trainers.count(p) > 1})
-        raise DistSetupError(f"two trainers share a GPU ({', '.join('|'.join(p) for p in shared)}); NCCL refuses "
-                             "that: one trainer per GPU (fewer --trainers, more GPUs), or --trainer-device cpu")
+    gpus = [_gpu(p) for p in trainers]
+    if trainer_backend == "nccl" and len(set(gpus)) < len(gpus):
+        shared = sorted({f"{where[r][0]} {where[r][1]}" for r in range(top.trainers) if gpus.count(gpus[r]) > 1})
+        raise DistSetupError(f"trainers share a GPU ({', '.join(shared)}); NCCL refuses that: one trainer per "
+                             "GPU (fewer --trainers, more GPUs), or --trainer-device cpu")
     trainer_ranks = list(range(top.trainers))
     t_host, t_device = new_planes(trainer_ranks, ctx.rank, ctx.device, trainer_backend, ctx.timeout)
+    exchange = new_plane("host", range(top.world_size), ctx.rank, ctx.device, "gloo", IDLE_TIMEOUT)
 
     weight_ranks = [0] + [top.maker_rank(m) for m in range(top.makers)]
     backend = weight_backend([where[r] for r in weight_ranks])
     # gloo weights travel as host tensors: the plane that carries them is a host plane
     weights = new_plane("device" if backend == "nccl" else "host", weight_ranks, ctx.rank, ctx.device, backend,
-                        ctx.timeout)
-    return Groups(ctx.host_plane, t_host, t_device, weights)
+                        IDLE_TIMEOUT, eager=True)
+    return Groups(exchange, t_host, t_device, weights)
 
 
 def staging_note(groups: Groups, device: torch.device) -> str:

@@ -59,11 +59,11 @@ class Maker:
         self.version = 0
         self.collector = workload.make_collector(maker_seed(cfg.seed, self.index), self.device)
         self.generator = torch.Generator().manual_seed(maker_seed(cfg.seed, self.index) + 1)
-        self.credits = CreditChannel(groups.world_host, top.trainers)
-        self.experience = ExperienceChannel(groups.world_host)
+        self.credits = CreditChannel(groups.exchange, top.trainers)
+        self.experience = ExperienceChannel(groups.exchange)
         numel = sum(t.numel() for t in self.sync_tensors)
         dtype = self.sync_tensors[0].dtype
-        self.weights = WeightChannel(groups.weights, groups.world_host, ctx.store, numel, dtype,
+        self.weights = WeightChannel(groups.weights, groups.exchange, ctx.store, numel, dtype,
                                      cfg.bucket_numel(dtype), cfg.timeout_s)
         self.watch = Watcher(ctx.store, list(range(top.trainers)), cfg.heartbeat_timeout_s)
         self._credit_q: queue.Queue = queue.Queue()
@@ -98,26 +98,34 @@ class Maker:
             wait_start = t0 if prev_end is None else prev_end
             prev_end = time.monotonic()
             stats = {**stats, "maker_wait_s": t_collect - wait_start, "maker_busy_s": prev_end - t_collect}
-            if schema is None:
+            if schema is None:  # every maker announces its layout: the trainers size receives by it
                 schema = Schema.of(batch, stats)
-                if self.index == 0:
-                    self.ctx.store.set("ppo/schema", schema.to_json())
+                self.ctx.store.set(f"ppo/schema/{self.ctx.rank}", schema.to_json())
             samples = int(stats.get("env_steps", 1))
             payload = schema.pack(batch, stats)
             header = Header(self.index, credit.credit_id, seq, self.version, samples, payload.numel())
-            if self._send_error:
-                raise PeerLost(f"maker {self.index}: sending experience failed: {self._send_error[0]}")
-            self._outbox.put((credit.trainer, header, payload))  # trainer index == its rank
+            self._hand_over((credit.trainer, header, payload))  # trainer index == its rank
             produced += samples
             seq += 1
             wall = time.time() - prev_end  # monotonic instants as wall-clock times, for the event
             self.events(RolloutDone(wall + prev_end, self.index, self.version, wall + wait_start, wall + t_collect,
                                     samples))
-        self._outbox.put(None)  # the sender closes every trainer's stream, then ends
+        self._hand_over(None)  # the sender closes every trainer's stream, then ends
+        self.ctx.store.set(f"ppo/produced/{self.index}", str(produced))  # before the joins: trainer 0 waits for it
         for thread in self._threads:
             thread.join(timeout=self.cfg.timeout_s)
-        self.ctx.store.set(f"ppo/produced/{self.index}", str(produced))
         return {"produced": float(produced), "batches": float(seq), "wait_s": waiting_s}
+
+    def _hand_over(self, item) -> None:
+        """To the sender thread (a queue of two: back-pressure), failing if the sender has died."""
+        while True:
+            if self._send_error:
+                raise PeerLost(f"maker {self.index}: sending experience failed: {self._send_error[0]}")
+            try:
+                self._outbox.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                self._check_trainers("room in the send queue")
 
     # background paths ---------------------------------------------------------------------------
     def _credit_loop(self) -> None:
@@ -145,6 +153,8 @@ class Maker:
                 return
 
     def _weight_loop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         while True:
             try:
                 got = self.weights.receive(newer_than=self._shadow.version)

@@ -64,7 +64,11 @@ def train(cfg: DetachedConfig, events: Events = ignore) -> dict[str, float]:
     happens (:mod:`hpcrl.ppo.events`). Returns the trainer's final row, or the maker's totals."""
     stop = StopRequest.install()  # makers only record it: trainers decide, then send STOP credits
     torch.set_num_threads(cfg.threads)
-    role = ppo_role(detect_launch().rank, cfg.trainers, cfg.makers)
+    try:
+        role = ppo_role(detect_launch().rank, cfg.trainers, cfg.makers)
+    except ValueError as err:  # a rank beyond trainers + makers: the launcher started too many
+        raise ConfigError(f"{err}: --trainers {cfg.trainers} + --makers {cfg.makers} = "
+                          f"{cfg.trainers + cfg.makers} ranks; start that many tasks or change the counts") from None
     flag = f"--{role}-device"
     ctx = init_distributed(timeout_s=cfg.timeout_s, device=getattr(cfg, f"{role}_device"), device_flag=flag,
                            world_device_plane=False)

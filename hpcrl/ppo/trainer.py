@@ -15,12 +15,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 
 from hpcrl import checkpoint, ops
-from hpcrl.comm import DistContext, GradSync, StopRequest, barrier, hosts, reduce_metrics
+from hpcrl.comm import IDLE_TIMEOUT, DistContext, GradSync, StopRequest, barrier, hosts, reduce_metrics
 from hpcrl.metrics import RunLogger
 
 from .channels import ChannelError, Credit, CreditChannel, ExperienceChannel, Header, Schema, WeightChannel
@@ -56,8 +57,8 @@ class Trainer:
         self.learner = workload.make_learner(self.model, ppo, grad_sync)
         self.generator = torch.Generator().manual_seed(cfg.seed + 2 + 1000 * self.index)
         self.version = 0
-        self.credits = CreditChannel(groups.world_host, top.trainers)
-        self.experience = ExperienceChannel(groups.world_host, schema=self._schema,
+        self.credits = CreditChannel(groups.exchange, top.trainers)
+        self.experience = ExperienceChannel(groups.exchange, schema=self._schema,
                                             max_version=lambda: self.version + 1, maker_index=top.maker_index)
         self.dead: set[int] = set()  # maker indices (only the main thread changes it)
         self._unreachable: set[int] = set()  # makers the publisher failed to reach
@@ -67,23 +68,26 @@ class Trainer:
         self.trainer_watch = Watcher(ctx.store, [r for r in range(top.trainers) if r != self.index],
                                      cfg.heartbeat_timeout_s)
         self._inbox: queue.Queue = queue.Queue()
-        self._schema_cache: Schema | None = None
+        self._schemas: dict[int, Schema] = {}
         self._cursor = 0
         self._pending: deque[int] = deque()  # credit ids in grant order: experience is consumed oldest-first
         self._credit_maker: dict[int, int] = {}
         self._arrived: dict[int, Received] = {}
         self._next_credit_id = 0
+        self._draining = False
         self.publish_ms = float("nan")
-        self._publish_q: queue.Queue = queue.Queue()
+        # A one-slot mailbox, not a queue: a busy publisher must not pile up model copies (GPU memory).
+        self._mailbox: list = []  # [] empty, [(version, flat)] a snapshot, [None] end of stream
+        self._mail = threading.Condition()
         self._publish_error: BaseException | None = None
         # One receiver per maker, linked or not: when makers die the modulo rule re-links the live ones.
         self.threads = [threading.Thread(target=self._receive_loop, args=(m,), name=f"experience-in-{m}", daemon=True)
                         for m in range(top.makers)]
         if self.index == 0:
             dtype = self.sync_tensors[0].dtype
-            self.weights = WeightChannel(groups.weights, groups.world_host, ctx.store,
+            self.weights = WeightChannel(groups.weights, groups.exchange, ctx.store,
                                          sum(t.numel() for t in self.sync_tensors), dtype, cfg.bucket_numel(dtype),
-                                         cfg.heartbeat_timeout_s, alive=lambda: not self.dead)
+                                         cfg.timeout_s, alive=lambda: not self.dead)
             self.threads.append(threading.Thread(target=self._publish_loop, name="weights-out", daemon=True))
         for t in self.threads:
             t.start()
@@ -118,7 +122,7 @@ class Trainer:
                 t0 = time.perf_counter()
                 item = self._next_batch()
                 lag = self.version - item.header.version
-                data, stats = self._schema().unpack(item.payload, self.device)
+                data, stats = self._schema(self.top.maker_rank(item.header.maker)).unpack(item.payload, self.device)
                 stale = lag > cfg.stale_cap
                 self.events(BatchReceived(time.time(), self.index, item.header.maker, item.header.version, lag,
                                           time.perf_counter() - t0, item.header.samples, stale))
@@ -136,7 +140,7 @@ class Trainer:
             try:
                 learn = self.learner.update(batches, self.generator)
             except RuntimeError as err:  # a collective of the trainer group failed: name who is missing
-                self._check_peers()
+                self._name_lost_trainer()
                 raise PeerLost(f"trainer {self.index}: gradient all-reduce failed: {err}") from err
             self.version += 1
             self._publish()
@@ -193,7 +197,7 @@ class Trainer:
         totals = reduce_metrics({"dropped_shutdown": self._drain(), "dropped_stale": dropped_stale},
                                 self.groups.trainer_host, sums=["dropped_shutdown", "dropped_stale"])
         if main:
-            self._publish_q.put(None)  # the publisher ends the weight stream after the last version
+            self._post(None)  # the publisher ends the weight stream after the last version
             for m in range(top.makers):
                 if m not in self.dead:
                     try:
@@ -203,8 +207,13 @@ class Trainer:
             produced = 0.0
             for m in range(top.makers):
                 if m not in self.dead:
-                    self.ctx.store.wait([f"ppo/produced/{m}"])
-                    produced += float(self.ctx.store.get(f"ppo/produced/{m}").decode())
+                    key = f"ppo/produced/{m}"
+                    try:
+                        self.ctx.store.wait([key], timedelta(seconds=cfg.timeout_s))
+                    except RuntimeError:
+                        raise PeerLost(f"trainer 0: {describe(self.ctx, top.maker_rank(m), 'maker')} did not report "
+                                       f"its sample count within {cfg.timeout_s:.0f} s of the STOP credit") from None
+                    produced += float(self.ctx.store.get(key).decode())
             row.update(samples_produced=produced, samples_consumed=consumed, dropped_shutdown=totals["dropped_shutdown"],
                        dropped_stale=totals["dropped_stale"], makers_lost=float(len(self.dead)))
             logger.log(row)
@@ -242,10 +251,13 @@ class Trainer:
 
     def _drain(self) -> float:
         """Collect every outstanding rollout (or give up on dead makers); count them as dropped at shutdown."""
+        self._draining = True  # lost makers' credits are not re-issued any more
         dropped = 0.0
-        deadline = time.monotonic() + self.cfg.timeout_s
-        while self._pending and time.monotonic() < deadline:
-            dropped += self._next_batch().header.samples
+        try:
+            while self._pending:  # each wait is bounded by --timeout-s; makers that die are dropped
+                dropped += self._next_batch().header.samples
+        except PeerLost as err:
+            print(f"hpcrl.ppo: trainer {self.index}: gave up collecting the last rollouts: {err}", flush=True)
         return dropped
 
     # weights ------------------------------------------------------------------------------------
@@ -253,13 +265,21 @@ class Trainer:
         if self._publish_error is not None:
             raise PeerLost(f"trainer {self.index}: publishing weights to the makers failed: {self._publish_error}")
         if self.index == 0:  # a fresh flat tensor: a snapshot the next update cannot change
-            self._publish_q.put((self.version, ops.flatten(self.sync_tensors)))
+            self._post((self.version, ops.flatten(self.sync_tensors)))
+
+    def _post(self, item) -> None:
+        with self._mail:
+            if self._mailbox != [None]:  # only the newest version matters; the end marker stays
+                self._mailbox[:] = [item]
+            self._mail.notify()
 
     def _publish_loop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         while True:
-            item = self._publish_q.get()
-            while item is not None and not self._publish_q.empty():  # only the newest version matters
-                item = self._publish_q.get()
+            with self._mail:
+                self._mail.wait_for(lambda: bool(self._mailbox))
+                item = self._mailbox.pop()
             live = [self.top.maker_rank(m) for m in self._live()]
             if item is None:
                 self.weights.end(live)
@@ -282,24 +302,25 @@ class Trainer:
                                          self.weights.transport))
             # A maker we could not reach gets no more weights; the main thread's heartbeat watcher
             # drops it (and re-issues its credits) once its heartbeat stalls too.
-            self._unreachable.update(self.top.maker_index(r) for r in failed)
+            if failed:  # rebinding, not update(): the main thread may be iterating over it
+                self._unreachable = self._unreachable | {self.top.maker_index(r) for r in failed}
 
     # experience and credits ---------------------------------------------------------------------
-    def _schema(self) -> Schema:
-        if self._schema_cache is None:  # written by maker 0 before its first send
-            self.ctx.store.wait(["ppo/schema"], self.ctx.timeout)
-            self._schema_cache = Schema.from_json(self.ctx.store.get("ppo/schema").decode())
-        return self._schema_cache
+    def _schema(self, maker_rank: int) -> Schema:
+        """The layout a maker announced before its first batch (its receive thread is the first to ask)."""
+        if maker_rank not in self._schemas:
+            key = f"ppo/schema/{maker_rank}"
+            self.ctx.store.wait([key], IDLE_TIMEOUT)  # a maker may take long to its first rollout
+            self._schemas[maker_rank] = Schema.from_json(self.ctx.store.get(key).decode())
+        return self._schemas[maker_rank]
 
     def _receive_loop(self, m: int) -> None:
         rank = self.top.maker_rank(m)
         while True:
             try:
                 got = self.experience.receive(rank)
-            except ChannelError as err:  # a maker sending garbage is treated as lost (the main thread drops it)
+            except Exception as err:  # garbage or gone: the main thread drops it (and names why, if garbage)
                 self._failed[m] = err
-                return
-            except Exception:  # maker gone: the heartbeat watcher declares it dead and reroutes
                 return
             if got is None:
                 return
@@ -333,15 +354,17 @@ class Trainer:
             return
         self.dead.add(m)
         self.watch.forget(self.top.maker_rank(m))
-        if m in self._failed:
+        if isinstance(self._failed.get(m), ChannelError):
             print(f"hpcrl.ppo: trainer {self.index}: dropping {describe(self.ctx, self.top.maker_rank(m), 'maker')}: "
                   f"{self._failed[m]}", flush=True)
-        # Makers behind the lost one in the broadcast tree may miss the current version: publishing it
-        # again moves the weight channel to point-to-point copies for the live makers.
-        self._publish()
         lost = [c for c in self._pending if self._credit_maker[c] == m and c not in self._arrived]
         self._pending = deque(c for c in self._pending if c not in lost)
         self.outstanding[m] = 0
+        if self._draining:
+            return
+        # Makers behind the lost one in the broadcast tree may miss the current version: publishing it
+        # again moves the weight channel to point-to-point copies for the live makers.
+        self._publish()
         if lost:
             self._grant(len(lost))  # its unfinished rollouts are re-issued to the live makers
 
@@ -355,8 +378,19 @@ class Trainer:
                            + f" stopped responding (no heartbeat for {self.cfg.heartbeat_timeout_s:.0f} s)")
         for rank in self.watch.dead():
             self._drop_maker(self.top.maker_index(rank))
-        for m in list(self._failed):
-            self._drop_maker(m)
+        # a maker whose stream broke (garbage, or gone before its heartbeat stalls) or that the publisher
+        # cannot reach is lost too: its credits are re-issued to the live ones
+        for m in [*self._failed, *self._unreachable]:
+            if isinstance(self._failed.get(m), ChannelError) or m in self._unreachable:
+                self._drop_maker(m)
+
+    def _name_lost_trainer(self) -> None:
+        """After a failed trainer collective: wait (up to the heartbeat timeout) until the lost trainer's
+        heartbeat is stale, so the error can name it rather than just report the collective."""
+        deadline = time.monotonic() + self.cfg.heartbeat_timeout_s + 1.0
+        while time.monotonic() < deadline:
+            self._check_peers()  # raises PeerLost naming a dead trainer
+            time.sleep(0.25)
 
     def _next_batch(self) -> Received:
         """The batch of the oldest outstanding credit (later arrivals wait): lag stays <= the bound."""

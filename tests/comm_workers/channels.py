@@ -32,7 +32,7 @@ def bounds() -> dict:
             dist.send(torch.tensor([5, 0, 0], dtype=torch.int64), 0, group=host.group, tag=TAG_CREDIT)  # trainer 5?
             dist.send(torch.tensor([0, -3, 0], dtype=torch.int64), 0, group=host.group, tag=TAG_CREDIT)
         else:
-            channel = ExperienceChannel(host, schema=lambda: SCHEMA, max_version=lambda: 3, maker_index=lambda r: r - 1,
+            channel = ExperienceChannel(host, schema=lambda src: SCHEMA, max_version=lambda: 3, maker_index=lambda r: r - 1,
                                         max_bytes=1 << 30)
             for case in BAD_HEADERS:
                 try:
