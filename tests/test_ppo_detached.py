@@ -77,6 +77,7 @@ def test_topologies_complete_with_every_sample_accounted(tmp_path, makers, train
     final = rows[0]
     assert final["policy_version"] == 12
     assert final["samples_produced"] == final["samples_consumed"] + final["dropped_stale"] + final["dropped_shutdown"]
+    assert final["lost_in_flight"] == 0 and final["makers_lost"] == 0
     assert final["samples_consumed"] == 12 * trainers * 8  # every trainer consumed the same amount each step
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert max(r["lag_max"] for r in metrics) <= lag
@@ -197,6 +198,9 @@ def test_dead_maker_is_dropped_and_training_continues(tmp_path):
             p.kill()
     final = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert final["policy_version"] == 40 and final["makers_lost"] == 1
+    assert final["samples_produced"] == (final["samples_consumed"] + final["dropped_stale"] + final["dropped_shutdown"]
+                                         + final["lost_in_flight"])
+    assert final["lost_in_flight"] >= 0
     # the lost maker broke the weight broadcast: the survivor got its weights point-to-point
     assert final["checksum_mismatches"] == 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Sequence
 import warnings
 from datetime import timedelta
 
@@ -166,13 +167,13 @@ def current() -> DistContext | None:
     return _active
 
 
-def shutdown(timeout_s: float | None = None) -> None:
+def shutdown(timeout_s: float | None = None, gone: Sequence[int] = ()) -> None:
     """Leave the job: destroy the process group. Safe to call when nothing was initialized.
 
     Rank 0 first waits up to ``timeout_s`` (default: the context's timeout) for every other rank
     to reach shutdown, because it usually hosts the store and leaving first would pull it from
     under peers still using it (NCCL creates communicators lazily through it). On an error path
-    pass a short ``timeout_s``.
+    pass a short ``timeout_s``; ranks known to be ``gone`` (detached PPO's lost makers) are not waited for.
     """
     global _active
     ctx, _active = _active, None
@@ -184,7 +185,7 @@ def shutdown(timeout_s: float | None = None) -> None:
         store.set(f"exit/{ctx.rank}", "1")
         if ctx.rank == 0:
             timeout = ctx.timeout if timeout_s is None else timedelta(seconds=timeout_s)
-            store.wait([f"exit/{r}" for r in range(ctx.world_size)], timeout)
+            store.wait([f"exit/{r}" for r in range(ctx.world_size) if r not in set(gone)], timeout)
     except RuntimeError as err:
         try:
             missing = [r for r in range(ctx.world_size) if not store.check([f"exit/{r}"])]

@@ -1,9 +1,15 @@
-"""Heartbeats through the rendezvous store: counters, not timestamps, so clocks never matter."""
+"""Heartbeats through the rendezvous store: counters, not timestamps, so clocks never matter.
+
+Heartbeats and watchers talk to the store through their own client (:func:`liveness_store`) whose
+timeout is the heartbeat timeout: a frozen store host (trainer 0 when no launcher hosts the store)
+is noticed within that time, instead of the store's default timeout.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -14,10 +20,35 @@ class PeerLost(RuntimeError):
     """A peer stopped responding; the message names it."""
 
 
+class Dropped(RuntimeError):
+    """This maker was declared lost by the trainers (it froze past the heartbeat timeout)."""
+
+
+# Store keys of a maker's life: samples it handed to its sender (counted as they leave, so a lost
+# maker's count survives it), whether the trainers dropped it, and that it finished after STOP.
+def produced_key(m: int) -> str:
+    return f"ppo/produced/{m}"
+
+
+def dropped_key(m: int) -> str:
+    return f"ppo/dropped/{m}"
+
+
+def done_key(m: int) -> str:
+    return f"ppo/done/{m}"
+
+
 def describe(ctx: DistContext, rank: int, role: str) -> str:
     """``"maker rank 3 (node7)"``: how errors name a peer."""
     host = host_of(ctx, rank)
     return f"{role} rank {rank}" + (f" ({host})" if host else "")
+
+
+def liveness_store(store: dist.Store, timeout_s: float) -> dist.Store:
+    """A separate client of ``store`` (own connection) whose every call gives up after ``timeout_s``."""
+    client = store.clone()
+    client.set_timeout(timedelta(seconds=timeout_s))
+    return client
 
 
 class Heartbeat:
@@ -33,8 +64,8 @@ class Heartbeat:
         while not self._stop.wait(self._interval):
             try:
                 self._store.add(self._key, 1)
-            except Exception:  # the store host is gone; watchers on the other side will notice us
-                return
+            except Exception:  # store slow or gone: keep trying; if it is gone, our watchers say so
+                continue
 
     def stop(self) -> None:
         self._stop.set()

@@ -22,7 +22,7 @@ from .channels import Credit, CreditChannel, ExperienceChannel, Header, Schema, 
 from .config import DetachedConfig
 from .events import Events, RolloutDone
 from .groups import Groups
-from .liveness import PeerLost, Watcher, describe
+from .liveness import Dropped, PeerLost, Watcher, describe, done_key, dropped_key, liveness_store, produced_key
 from .topology import Topology
 from .workload import Workload
 
@@ -65,11 +65,13 @@ class Maker:
         dtype = self.sync_tensors[0].dtype
         self.weights = WeightChannel(groups.weights, groups.exchange, ctx.store, numel, dtype,
                                      cfg.bucket_numel(dtype), cfg.timeout_s)
-        self.watch = Watcher(ctx.store, list(range(top.trainers)), cfg.heartbeat_timeout_s)
+        self.live = liveness_store(ctx.store, cfg.heartbeat_timeout_s)
+        self.watch = Watcher(self.live, list(range(top.trainers)), cfg.heartbeat_timeout_s)
         self._credit_q: queue.Queue = queue.Queue()
         self._outbox: queue.Queue = queue.Queue(maxsize=2)
         self._shadow = _Shadow()
         self._send_error: list[BaseException] = []
+        self._produced = 0
         self._threads = [
             threading.Thread(target=self._credit_loop, name="credits-in", daemon=True),
             threading.Thread(target=self._send_loop, name="experience-out", daemon=True),
@@ -80,8 +82,15 @@ class Maker:
 
     # the compute path: the whole loop -----------------------------------------------------------
     def run(self) -> dict[str, float]:
+        try:
+            return self._loop()
+        except Dropped as err:  # woke up after a freeze: the run went on without us; leave quietly
+            print(f"hpcrl.ppo: {err}", flush=True)
+            return {"produced": float(self._produced), "dropped": 1.0}
+
+    def _loop(self) -> dict[str, float]:
         schema: Schema | None = None
-        seq = produced = 0
+        seq = 0
         waiting_s = 0.0
         prev_end: float | None = None  # when the previous rollout finished
         while True:
@@ -105,16 +114,17 @@ class Maker:
             payload = schema.pack(batch, stats)
             header = Header(self.index, credit.credit_id, seq, self.version, samples, payload.numel())
             self._hand_over((credit.trainer, header, payload))  # trainer index == its rank
-            produced += samples
+            self._produced += samples
+            self.live.add(produced_key(self.index), samples)  # counted as it leaves: lost makers' count too
             seq += 1
             wall = time.time() - prev_end  # monotonic instants as wall-clock times, for the event
             self.events(RolloutDone(wall + prev_end, self.index, self.version, wall + wait_start, wall + t_collect,
                                     samples))
         self._hand_over(None)  # the sender closes every trainer's stream, then ends
-        self.ctx.store.set(f"ppo/produced/{self.index}", str(produced))  # before the joins: trainer 0 waits for it
+        self.ctx.store.set(done_key(self.index), "1")  # before the joins: trainer 0 waits for it
         for thread in self._threads:
             thread.join(timeout=self.cfg.timeout_s)
-        return {"produced": float(produced), "batches": float(seq), "wait_s": waiting_s}
+        return {"produced": float(self._produced), "batches": float(seq), "wait_s": waiting_s}
 
     def _hand_over(self, item) -> None:
         """To the sender thread (a queue of two: back-pressure), failing if the sender has died."""
@@ -200,7 +210,13 @@ class Maker:
 
     def _check_trainers(self, waiting_for: str) -> None:
         try:
+            if self.live.check([dropped_key(self.index)]):
+                raise Dropped(f"maker {self.index}: the trainers dropped this maker (its heartbeat stalled for more "
+                              f"than {self.cfg.heartbeat_timeout_s:g} s, e.g. while frozen); its rollouts were "
+                              "given to the others, so it stops here")
             dead = self.watch.dead()
+        except Dropped:
+            raise
         except Exception as err:  # the store lives on trainer 0: losing it means losing trainer 0
             raise PeerLost(f"maker {self.index}: lost the rendezvous store hosted by "
                            f"{describe(self.ctx, 0, 'trainer')} while waiting for {waiting_for}: {err}") from None

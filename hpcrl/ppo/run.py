@@ -13,7 +13,7 @@ from hpcrl.conventions import ppo_role
 from .config import DetachedConfig
 from .events import Events, ignore
 from .groups import make_groups
-from .liveness import Heartbeat
+from .liveness import Heartbeat, liveness_store
 from .maker import Maker
 from .topology import Topology
 from .trainer import Trainer
@@ -75,14 +75,17 @@ def train(cfg: DetachedConfig, events: Events = ignore) -> dict[str, float]:
     top = validate(cfg, ctx.world_size)
     workload, ppo = build_workload(cfg)
     groups = make_groups(ctx, top)  # every rank, same order: a torch.distributed rule
-    beat = Heartbeat(ctx.store, ctx.rank)
+    beat = Heartbeat(liveness_store(ctx.store, cfg.heartbeat_timeout_s), ctx.rank)
     try:
         if role == "maker":
             out = Maker(ctx, top, cfg, workload, groups, events).run()
+            gone: list[int] = []
         else:
-            out = Trainer(ctx, top, cfg, workload, ppo, groups, stop, events).run()
+            trainer = Trainer(ctx, top, cfg, workload, ppo, groups, stop, events)
+            out = trainer.run()
+            gone = [top.maker_rank(m) for m in trainer.dead]
     finally:
         beat.stop()
-    shutdown()
+    shutdown(gone=gone)  # trainer 0 waits for the live ranks only: a lost maker never reaches it
     return out
 

@@ -28,7 +28,7 @@ from .channels import ChannelError, Credit, CreditChannel, ExperienceChannel, He
 from .config import DetachedConfig
 from .events import BatchReceived, Events, RowLogged, WeightsPublished
 from .groups import Groups, staging_note
-from .liveness import PeerLost, Watcher, describe
+from .liveness import PeerLost, Watcher, describe, done_key, dropped_key, liveness_store, produced_key
 from .topology import Topology
 from .workload import PPOConfig, Workload
 
@@ -64,8 +64,10 @@ class Trainer:
         self._unreachable: set[int] = set()  # makers the publisher failed to reach
         self._failed: dict[int, BaseException] = {}  # maker -> what its receive thread hit
         self.outstanding = [0] * top.makers  # credits granted and not yet returned as experience
-        self.watch = Watcher(ctx.store, [top.maker_rank(m) for m in range(top.makers)], cfg.heartbeat_timeout_s)
-        self.trainer_watch = Watcher(ctx.store, [r for r in range(top.trainers) if r != self.index],
+        self._used = [0] * top.makers  # samples per maker consumed, dropped as stale or drained
+        live = liveness_store(ctx.store, cfg.heartbeat_timeout_s)
+        self.watch = Watcher(live, [top.maker_rank(m) for m in range(top.makers)], cfg.heartbeat_timeout_s)
+        self.trainer_watch = Watcher(live, [r for r in range(top.trainers) if r != self.index],
                                      cfg.heartbeat_timeout_s)
         self._inbox: queue.Queue = queue.Queue()
         self._schemas: dict[int, Schema] = {}
@@ -81,8 +83,9 @@ class Trainer:
         self._mail = threading.Condition()
         self._publish_error: BaseException | None = None
         # One receiver per maker, linked or not: when makers die the modulo rule re-links the live ones.
-        self.threads = [threading.Thread(target=self._receive_loop, args=(m,), name=f"experience-in-{m}", daemon=True)
-                        for m in range(top.makers)]
+        self._receivers = {m: threading.Thread(target=self._receive_loop, args=(m,), name=f"experience-in-{m}",
+                                               daemon=True) for m in range(top.makers)}
+        self.threads = list(self._receivers.values())
         if self.index == 0:
             dtype = self.sync_tensors[0].dtype
             self.weights = WeightChannel(groups.weights, groups.exchange, ctx.store,
@@ -121,6 +124,7 @@ class Trainer:
             while len(batches) < cfg.batches_per_step:
                 t0 = time.perf_counter()
                 item = self._next_batch()
+                self._used[item.header.maker] += item.header.samples
                 lag = self.version - item.header.version
                 data, stats = self._schema(self.top.maker_rank(item.header.maker)).unpack(item.payload, self.device)
                 stale = lag > cfg.stale_cap
@@ -194,8 +198,10 @@ class Trainer:
 
         consumed = env_steps - resumed_env_steps  # this job's makers produced only this job's samples
         self._save(env_steps)
-        totals = reduce_metrics({"dropped_shutdown": self._drain(), "dropped_stale": dropped_stale},
-                                self.groups.trainer_host, sums=["dropped_shutdown", "dropped_stale"])
+        drained = self._drain()
+        used = {f"used/{m}": float(n) for m, n in enumerate(self._used)}
+        totals = reduce_metrics({"dropped_shutdown": drained, "dropped_stale": dropped_stale, **used},
+                                self.groups.trainer_host, sums=["dropped_shutdown", "dropped_stale", *used])
         if main:
             self._post(None)  # the publisher ends the weight stream after the last version
             for m in range(top.makers):
@@ -204,22 +210,25 @@ class Trainer:
                         self.credits.stop(top.maker_rank(m))
                     except Exception:  # gone in the meantime: nothing to stop
                         pass
-            produced = 0.0
+            produced = lost = 0.0
             for m in range(top.makers):
-                if m not in self.dead:
-                    key = f"ppo/produced/{m}"
+                if m not in self.dead:  # a live maker's count is final once it reports done after STOP
                     try:
-                        self.ctx.store.wait([key], timedelta(seconds=cfg.timeout_s))
+                        self.ctx.store.wait([done_key(m)], timedelta(seconds=cfg.timeout_s))
                     except RuntimeError:
-                        raise PeerLost(f"trainer 0: {describe(self.ctx, top.maker_rank(m), 'maker')} did not report "
-                                       f"its sample count within {cfg.timeout_s:.0f} s of the STOP credit") from None
-                    produced += float(self.ctx.store.get(key).decode())
+                        raise PeerLost(f"trainer 0: {describe(self.ctx, top.maker_rank(m), 'maker')} did not finish "
+                                       f"within {cfg.timeout_s:.0f} s of the STOP credit") from None
+                made = float(self.ctx.store.add(produced_key(m), 0))
+                produced += made
+                if m in self.dead:  # what a lost maker made and no trainer used died with it (or in flight)
+                    lost += made - totals[f"used/{m}"]
             row.update(samples_produced=produced, samples_consumed=consumed, dropped_shutdown=totals["dropped_shutdown"],
-                       dropped_stale=totals["dropped_stale"], makers_lost=float(len(self.dead)))
+                       dropped_stale=totals["dropped_stale"], lost_in_flight=lost, makers_lost=float(len(self.dead)))
             logger.log(row)
         logger.close()
-        for thread in self.threads:  # makers close their streams after the STOP credit
-            thread.join(timeout=cfg.timeout_s)
+        for m, thread in self._receivers.items():  # live makers close their streams after the STOP credit;
+            if m not in self.dead:                # a lost maker's receiver stays blocked: a daemon, not waited for
+                thread.join(timeout=cfg.timeout_s)
         return row
 
     # start-up, checkpoints, shutdown --------------------------------------------------------------
@@ -255,7 +264,9 @@ class Trainer:
         dropped = 0.0
         try:
             while self._pending:  # each wait is bounded by --timeout-s; makers that die are dropped
-                dropped += self._next_batch().header.samples
+                item = self._next_batch()
+                self._used[item.header.maker] += item.header.samples
+                dropped += item.header.samples
         except PeerLost as err:
             print(f"hpcrl.ppo: trainer {self.index}: gave up collecting the last rollouts: {err}", flush=True)
         return dropped
@@ -354,6 +365,7 @@ class Trainer:
             return
         self.dead.add(m)
         self.watch.forget(self.top.maker_rank(m))
+        self.ctx.store.set(dropped_key(m), "1")  # should it wake up (a freeze), it learns it and leaves
         if isinstance(self._failed.get(m), ChannelError):
             print(f"hpcrl.ppo: trainer {self.index}: dropping {describe(self.ctx, self.top.maker_rank(m), 'maker')}: "
                   f"{self._failed[m]}", flush=True)
