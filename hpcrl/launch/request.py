@@ -5,7 +5,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import pkgutil
-from dataclasses import dataclass
+import re
+import unicodedata
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import hpcrl
@@ -17,6 +19,31 @@ JOB_ID = "%j"  # placeholder in run_dir / folder, filled with the job id (Slurm'
 
 # Flags the launcher sets on the trainer itself; passing them as trainer arguments would be ambiguous.
 _OWNED_FLAGS = {"--run-dir": "run_dir", "--resume": "resume", "--nproc": "nodes / tasks_per_node"}
+
+# The launcher CLI's flag of each field (messages name both: Python callers know fields, shell users flags).
+FLAGS = {"algo": "ALGO", "trainer_args": "-- TRAINER ARGS", "nodes": "--nodes", "gpus_per_node": "--gpus-per-node",
+         "tasks_per_node": "--tasks-per-node", "partition": "--partition", "time_min": "--time",
+         "cpus_per_task": "--cpus-per-task", "run_dir": "--run-dir", "resume": "--resume", "folder": "--folder",
+         "signal_delay_s": "--signal-delay"}
+
+# Integer fields: (lowest valid value, what it counts); tasks_per_node may also be None.
+_COUNTS = {"nodes": (1, "nodes to allocate"), "gpus_per_node": (0, "GPUs per node; 0 = CPU ranks"),
+           "tasks_per_node": (1, "ranks per node; unset = one per GPU"), "time_min": (1, "minutes"),
+           "cpus_per_task": (1, "CPUs per rank"), "signal_delay_s": (1, "seconds before the time limit")}
+
+# Slurm partition names, or a comma-separated list of them.
+_PARTITION = re.compile(r"[A-Za-z0-9_.\-]+(?:,[A-Za-z0-9_.\-]+)*")
+
+
+def _control(ch: str) -> bool:
+    """Control, format, surrogate, private-use or unassigned characters, line and paragraph separators
+    (newline, carriage return, NUL, ESC, U+2028, ...): nothing a job field or argument ever needs."""
+    return unicodedata.category(ch).startswith(("C", "Zl", "Zp"))
+
+
+def _where(value: str) -> str:
+    bad = next(i for i, ch in enumerate(value) if _control(ch))
+    return f"{value[bad]!r} at position {bad}"
 
 
 def trainer_algos() -> list[str]:
@@ -73,13 +100,52 @@ class JobRequest:
     def run_dir_template(self) -> str:
         return self.run_dir.format(algo=self.algo)
 
+    def check_values(self) -> None:
+        """Each field on its own: types, ranges, and text that cannot break out of the batch script (no
+        newline or other control character anywhere; no shell-special character in the #SBATCH values).
+        :func:`hpcrl.launch.sbatch.slurm_parameters` runs it too, so no script is rendered from a bad request."""
+        for f in fields(self):  # every text field, present and future: one line, no control characters
+            value = getattr(self, f.name)
+            texts = value if isinstance(value, tuple) else (value,)
+            for text in texts:
+                if isinstance(text, str) and any(map(_control, text)):
+                    what = f"trainer argument {text!r}" if f.name == "trainer_args" else f"{f.name}={text!r}"
+                    raise LaunchError(f"{what} ({FLAGS[f.name]}) holds the control character {_where(text)}: "
+                                      "newlines and other control characters would end a line of the batch "
+                                      "script or of the trainer's command; remove them")
+        if not isinstance(self.algo, str) or not (self.algo.isascii() and self.algo.isidentifier()):
+            raise LaunchError(f"algo={self.algo!r}: no trainer 'python -m hpcrl.<algo>' has that name; choose one of "
+                              f"{trainer_algos()}")
+        if not isinstance(self.trainer_args, tuple) or not all(isinstance(a, str) for a in self.trainer_args):
+            raise LaunchError(f"trainer_args={self.trainer_args!r} ({FLAGS['trainer_args']}): must be a tuple of "
+                              "strings")
+        for name, (low, what) in _COUNTS.items():
+            value = getattr(self, name)
+            if value is None and name == "tasks_per_node":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise LaunchError(f"{name}={value!r} ({FLAGS[name]}): must be an integer >= {low} ({what}); "
+                                  f"pass {FLAGS[name]} {low} or more")
+        if not isinstance(self.resume, bool):
+            raise LaunchError(f"resume={self.resume!r} ({FLAGS['resume']}): must be True or False")
+        partition = self.partition
+        if partition is not None and not (isinstance(partition, str) and _PARTITION.fullmatch(partition)):
+            raise LaunchError(f"partition={self.partition!r} ({FLAGS['partition']}): must be a Slurm partition name "
+                              "(letters, digits, '_', '-', '.'; several joined by ','); `sinfo -s` lists them")
+        for name in ("folder", "run_dir"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise LaunchError(f"{name}={value!r} ({FLAGS[name]}): must be a non-empty path")
+        try:
+            self.run_dir.format(algo="")
+        except (KeyError, IndexError, ValueError) as err:
+            raise LaunchError(f"run_dir={self.run_dir!r} ({FLAGS['run_dir']}): {{algo}} is the only placeholder in "
+                              f"braces ({type(err).__name__}: {err}); write {{{{ and }}}} for literal braces") from None
+
     def check(self) -> None:
-        """Errors that need no cluster: sizes, the entry point, trainer arguments, the run directory."""
-        for name in ("nodes", "ntasks_per_node", "time_min", "cpus_per_task", "signal_delay_s"):
-            if getattr(self, name) < 1:
-                raise LaunchError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.gpus_per_node < 0:
-            raise LaunchError(f"gpus_per_node={self.gpus_per_node} must be >= 0")
+        """Errors that need no cluster: values (:meth:`check_values`), the entry point, trainer arguments,
+        the run directory."""
+        self.check_values()
         if self.gpus_per_node and self.ntasks_per_node != self.gpus_per_node:
             raise LaunchError(f"tasks_per_node={self.tasks_per_node} but gpus_per_node={self.gpus_per_node}: "
                               "one task (rank) per GPU; leave tasks_per_node unset")

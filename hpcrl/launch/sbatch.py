@@ -9,7 +9,12 @@ from typing import Any
 
 from submitit.slurm import slurm as submitit_slurm
 
-from .request import JobRequest
+from .errors import LaunchError
+from .request import FLAGS, JobRequest
+
+# sbatch reads an #SBATCH line like a shell word list: whitespace ends the value, quotes and backslashes are
+# removed, '#' starts a comment. The folder goes into "#SBATCH --output=FOLDER/..." unquoted.
+_SBATCH_SPECIAL = frozenset(" \t\"'\\#")
 
 
 def folder_path(request: JobRequest) -> Path:
@@ -18,7 +23,21 @@ def folder_path(request: JobRequest) -> Path:
 
 
 def slurm_parameters(request: JobRequest) -> dict[str, Any]:
-    """``SlurmExecutor.update_parameters`` arguments: one srun task per rank (per GPU when GPUs are asked)."""
+    """``SlurmExecutor.update_parameters`` arguments: one srun task per rank (per GPU when GPUs are asked).
+
+    Every value lands in a ``#SBATCH`` line (the folder in ``--output``/``--error``, also shell-quoted on the
+    srun line): :meth:`JobRequest.check_values` runs first, so a newline, a control character or a character
+    sbatch treats specially cannot end a line or start a command, whether or not the caller ran ``check()``.
+    The trainer arguments never enter the script: they travel pickled in the submitit task and reach the
+    trainer as an argv list, without a shell."""
+    request.check_values()
+    folder = str(folder_path(request))
+    special = sorted(set(folder) & _SBATCH_SPECIAL) + sorted({ch for ch in folder if ch.isspace()} - _SBATCH_SPECIAL)
+    if special:
+        raise LaunchError(f"folder={request.folder!r} ({FLAGS['folder']}): its absolute path {folder!r} holds "
+                          f"{''.join(special)!r}, which '#SBATCH --output=' cannot carry (sbatch splits the line on "
+                          "whitespace, strips quotes and backslashes, starts a comment at '#'); choose a --folder "
+                          "path without them")
     params: dict[str, Any] = {
         "job_name": request.job_name,
         "nodes": request.nodes,

@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
+import shlex
+import unicodedata
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, get_args
+
+GradSyncMode = Literal["flat", "view", "ddp"]
+MAX_SEED = 2**31 - 1
+"""Seeds are offset per rank and env (``seed * 1_000_003 + rank``, ``seed + rank * envs``): kept in int32."""
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""A week: longer is a hang, not a timeout (and ``timedelta`` overflows on inf)."""
+_DEVICE = re.compile(r"auto|cpu|cuda(?::\d+)?")
 
 
 @dataclass
@@ -13,54 +24,65 @@ class SACConfig:
 
     # -- run -----------------------------------------------------------------------------------------
     env: str = "pendulum"
-    """Environment name for hpcrl.envs.make_env ("pendulum", "cartpole_swingup", "gym:HalfCheetah-v5", ...)."""
+    """Environment name for hpcrl.envs.make_env ("pendulum", "cartpole_swingup", "gym:HalfCheetah-v5", ...);
+    non-empty, no whitespace or control characters."""
     num_envs: int = 64
-    """GLOBAL number of parallel envs; must divide by the world size."""
+    """GLOBAL number of parallel envs (>= 1); must divide by the world size."""
     total_env_steps: int = 100_000
-    """GLOBAL env transitions to collect (rounded up to a multiple of num_envs)."""
+    """GLOBAL env transitions to collect (>= 1; rounded up to a multiple of num_envs)."""
     run_dir: str = "runs/fastsac"
+    """Non-empty path without control characters."""
     resume: bool = False
     """Continue from the newest complete checkpoint in run_dir/checkpoints."""
     seed: int = 0
+    """In [0, 2**31 - 1]."""
     device: str = "auto"
     """"auto" = CUDA when a GPU is visible, else cpu; or "cuda", "cpu", "cuda:K". On CUDA a rank gets
     cuda:LOCAL_RANK under srun/torchrun (cuda:0 with one GPU per task) and cuda:(rank mod GPUs) under --nproc."""
     nproc: int = 1
-    """Spawn this many local ranks (NCCL on GPUs: at most one rank per GPU; gloo on CPU); 1 = run in this
+    """(>= 1) Spawn this many local ranks (NCCL on GPUs: at most one rank per GPU; gloo on CPU); 1 = run in this
     process (or one rank under srun/torchrun)."""
     threads: int = 1
-    """torch intra-op threads per rank (oversubscribing cores made updates 10-30x slower here)."""
+    """(>= 1) torch intra-op threads per rank (oversubscribing cores made updates 10-30x slower here)."""
     timeout_s: float = 300.0
-    """Timeout of every collective and rendezvous."""
+    """Timeout of every collective and rendezvous, in (0, 604800] seconds (at most a week)."""
 
     # -- data ----------------------------------------------------------------------------------------
     batch_size: int = 8192
-    """GLOBAL batch per update; every rank samples batch_size / world_size."""
+    """GLOBAL batch per update (>= 1); every rank samples batch_size / world_size."""
     buffer_size: int = 1024
-    """Replay capacity per env (transitions)."""
+    """Replay capacity per env (transitions); >= n_step."""
     n_step: int = 1
+    """n-step returns (>= 1)."""
     gamma: float = 0.97
+    """Discount, in (0, 1]."""
     learning_starts: int = 10
-    """Env steps (vector steps) before the first update."""
+    """Env steps (vector steps) before the first update (>= 0)."""
     random_steps: int = 0
-    """Env steps with uniformly random actions at the start (exploration warm-up)."""
+    """Env steps with uniformly random actions at the start (exploration warm-up; >= 0)."""
     obs_normalization: bool = True
 
     # -- updates -------------------------------------------------------------------------------------
     num_updates: int = 8
-    """Critic (+alpha) updates per env step."""
+    """Critic (+alpha) updates per env step (>= 1)."""
     policy_frequency: int = 4
-    """Actor update when (critic_step + 1) % policy_frequency == 0."""
+    """Actor update when (critic_step + 1) % policy_frequency == 0 (>= 1)."""
     tau: float = 0.125
+    """Soft target update rate, in (0, 1] (1 = copy the critic)."""
     critic_lr: float = 3e-4
+    """> 0 and finite (so are the other learning rates)."""
     actor_lr: float = 3e-4
+    """> 0 and finite."""
     alpha_lr: float = 3e-4
+    """Learning rate of log(alpha): > 0 and finite."""
     weight_decay: float = 1e-3
+    """AdamW weight decay of actor and critic, >= 0."""
     alpha_init: float = 1e-3
+    """Initial entropy temperature, > 0 (its log is learned)."""
     autotune_alpha: bool = True
     target_entropy_ratio: float = 0.0
-    """target entropy = -ratio * action_dim."""
-    grad_sync: Literal["flat", "view", "ddp"] = "flat"
+    """target entropy = -ratio * action_dim (any finite value)."""
+    grad_sync: GradSyncMode = "flat"
     bf16: bool = False
     """bf16 autocast for forward passes (parameters and optimiser state stay fp32)."""
     compile: bool = False
@@ -68,27 +90,92 @@ class SACConfig:
 
     # -- networks ------------------------------------------------------------------------------------
     actor_hidden: int = 512
+    """Width of the first hidden layer (then /2, /4): >= 4."""
     critic_hidden: int = 768
+    """Width of the first hidden layer (then /2, /4): >= 4."""
     num_q: int = 2
+    """Critic heads (>= 1)."""
     num_atoms: int = 101
+    """C51 atoms of each head's return distribution, >= 2."""
     v_min: float = -20.0
+    """Support of the return distribution: finite, v_min < v_max."""
     v_max: float = 20.0
+    """Finite, > v_min."""
     layer_norm: bool = True
     log_std_min: float = -5.0
+    """The actor's log-std range: finite, log_std_min < log_std_max."""
     log_std_max: float = 0.0
+    """Finite, > log_std_min."""
     reward_scale: float = 1.0
-    """Rewards are multiplied by this before storage (keeps returns inside [v_min, v_max])."""
+    """Rewards are multiplied by this before storage (keeps returns inside [v_min, v_max]); finite, not 0."""
 
     # -- bookkeeping ---------------------------------------------------------------------------------
     log_every: int = 10
-    """Env steps between metrics rows."""
+    """Env steps between metrics rows (>= 1)."""
     checkpoint_every: int = 500
     """Env steps between checkpoints (a multiple of log_every); 0 disables periodic checkpoints."""
     keep_checkpoints: int = 2
+    """Complete checkpoints kept in run_dir/checkpoints (>= 1)."""
     check_sync_every: int = 1000
     """Critic updates between cross-rank parameter checksums (0 disables)."""
     eval_episodes: int = 0
     """Deterministic evaluation episodes per env at the end (0 = none)."""
+
+    def check(self) -> None:
+        """Every value against its documented range, before any rank starts; ``ValueError`` with one line
+        naming the flag, the bad value, the valid range and a value that works (world-size dependent
+        checks, e.g. divisibility by the number of ranks, are :func:`hpcrl.sac.train.plan`'s)."""
+        c = _Check(self)
+        c.text("env", spaces=False)
+        c.integer("num_envs", 1, hint="parallel envs over all ranks")
+        c.integer("total_env_steps", 1, hint="env transitions to collect")
+        c.text("run_dir")
+        c.boolean("resume")
+        c.integer("seed", 0, MAX_SEED)
+        c.choice("device", _DEVICE.fullmatch, "auto, cpu, cuda or cuda:K")
+        c.integer("nproc", 1, hint="local ranks to spawn; 1 = this process")
+        c.integer("threads", 1, hint="torch threads per rank")
+        c.real("timeout_s", 0.0, MAX_TIMEOUT_S, lo_open=True, hint="seconds")
+        c.integer("batch_size", 1, hint="global batch per update")
+        c.integer("n_step", 1, hint="n-step returns")
+        c.integer("buffer_size", max(1, self.n_step),
+                  hint=f"replay transitions per env; not below --n-step {self.n_step}",
+                  fix=f"e.g. --buffer-size {max(self.n_step, SACConfig.buffer_size)}, or a smaller --n-step")
+        c.real("gamma", 0.0, 1.0, lo_open=True, hint="discount")
+        c.integer("learning_starts", 0, hint="env steps before the first update")
+        c.integer("random_steps", 0, hint="env steps with random actions")
+        c.boolean("obs_normalization")
+        c.integer("num_updates", 1, hint="critic updates per env step")
+        c.integer("policy_frequency", 1, hint="critic updates per actor update")
+        c.real("tau", 0.0, 1.0, lo_open=True, hint="soft target update rate")
+        for name in ("critic_lr", "actor_lr", "alpha_lr"):
+            c.real(name, 0.0, lo_open=True, hint="learning rate")
+        c.real("weight_decay", 0.0, hint="AdamW weight decay")
+        c.real("alpha_init", 0.0, lo_open=True, hint="initial entropy temperature; its log is learned")
+        c.boolean("autotune_alpha")
+        c.real("target_entropy_ratio", hint="target entropy = -ratio * action_dim")
+        c.choice("grad_sync", get_args(GradSyncMode).__contains__, ", ".join(get_args(GradSyncMode)))
+        c.boolean("bf16")
+        c.boolean("compile")
+        for name in ("actor_hidden", "critic_hidden"):
+            c.integer(name, 4, hint="hidden widths are it, /2 and /4")
+        c.integer("num_q", 1, hint="critic heads")
+        c.integer("num_atoms", 2, hint="atoms of the return distribution")
+        c.real("v_min")
+        c.real("v_max")
+        c.ordered("v_min", "v_max", "the critic's support of returns")
+        c.boolean("layer_norm")
+        c.real("log_std_min")
+        c.real("log_std_max")
+        c.ordered("log_std_min", "log_std_max", "the actor's log-std range")
+        c.real("reward_scale", hint="rewards are multiplied by it")
+        if self.reward_scale == 0:
+            c.fail("reward_scale", "finite and not 0 (0 erases every reward)", "e.g. --reward-scale 1")
+        c.integer("log_every", 1, hint="env steps between metrics rows")
+        c.integer("checkpoint_every", 0, hint="env steps between checkpoints; 0 = only at the end")
+        c.integer("keep_checkpoints", 1, hint="checkpoints kept")
+        c.integer("check_sync_every", 0, hint="critic updates between checksums; 0 = never")
+        c.integer("eval_episodes", 0, hint="evaluation episodes per env; 0 = none")
 
 
 PRESETS: dict[str, dict] = {
@@ -109,3 +196,90 @@ def preset(name: str, **overrides) -> SACConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return dataclasses.replace(SACConfig(), **{**PRESETS[name], **overrides})
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _show(value: Any) -> str:
+    """A value as one would type it after its flag (one line whatever it holds)."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    if isinstance(value, (bool, int, float)) or value is None:
+        return str(value)
+    return repr(value)
+
+
+class _Check:
+    """Range checks of one config; each failure is one line: flag, value, range, a value that works."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg, self.defaults = cfg, type(cfg)()
+
+    def fail(self, name: str, rule: str, fix: str | None = None) -> None:
+        if fix is None:
+            fix = f"e.g. {_flag(name)} {_example(getattr(self.defaults, name))} (the default)"
+        raise ValueError(f"{_flag(name)} {_show(getattr(self.cfg, name))}: must be {rule}; {fix}")
+
+    def integer(self, name: str, lo: int | None = None, hi: int | None = None, hint: str = "",
+                fix: str | None = None) -> None:
+        value = getattr(self.cfg, name)
+        rule = (f"in [{lo}, {hi}]" if hi is not None else f">= {lo}") if lo is not None else "an integer"
+        rule += f" ({hint})" if hint else ""
+        if not isinstance(value, int) or isinstance(value, bool):
+            self.fail(name, f"an integer {rule}" if lo is not None else rule, fix)
+        if (lo is not None and not value >= lo) or (hi is not None and not value <= hi):
+            self.fail(name, rule, fix)
+
+    def real(self, name: str, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
+             hi_open: bool = False, hint: str = "", fix: str | None = None) -> None:
+        value = getattr(self.cfg, name)
+        if lo is not None and hi is not None:
+            rule = f"in {'(' if lo_open else '['}{_show(lo)}, {_show(hi)}{')' if hi_open else ']'}"
+        elif lo is not None:
+            rule = f"{'>' if lo_open else '>='} {_show(lo)} and finite"
+        else:
+            rule = "a finite number"
+        rule += f" ({hint})" if hint else ""
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            self.fail(name, rule, fix)  # NaN and +-inf end here, before any comparison
+        low_ok = lo is None or (value > lo if lo_open else value >= lo)
+        high_ok = hi is None or (value < hi if hi_open else value <= hi)
+        if not (low_ok and high_ok):
+            self.fail(name, rule, fix)
+
+    def boolean(self, name: str) -> None:
+        if not isinstance(getattr(self.cfg, name), bool):
+            self.fail(name, "True or False", f"pass {_flag(name)} or --no-{_flag(name)[2:]}")
+
+    def text(self, name: str, *, spaces: bool = True) -> None:
+        value = getattr(self.cfg, name)
+        bad = "control characters" + ("" if spaces else " or whitespace")
+        if not isinstance(value, str) or not value.strip():
+            self.fail(name, "a non-empty string")
+        if any(_control(ch) or (not spaces and ch.isspace()) for ch in value):
+            self.fail(name, f"free of {bad}")
+
+    def choice(self, name: str, valid: Any, choices: str) -> None:
+        value = getattr(self.cfg, name)
+        if not isinstance(value, str) or not valid(value):
+            self.fail(name, f"one of {choices}")
+
+    def ordered(self, low: str, high: str, what: str) -> None:
+        lo, hi = getattr(self.cfg, low), getattr(self.cfg, high)
+        if not lo < hi:
+            d_lo, d_hi = getattr(self.defaults, low), getattr(self.defaults, high)
+            raise ValueError(f"{_flag(low)} {_show(lo)} {_flag(high)} {_show(hi)}: must be "
+                             f"{_flag(low)} < {_flag(high)} ({what}); "
+                             f"e.g. {_flag(low)} {_show(d_lo)} {_flag(high)} {_show(d_hi)} (the defaults)")
+
+
+def _example(value: Any) -> str:
+    return shlex.quote(value) if isinstance(value, str) else _show(value)
+
+
+def _control(ch: str) -> bool:
+    """Control, format, surrogate, private-use or unassigned characters, line and paragraph separators
+    (newline, NUL, ESC, U+2028, ...)."""
+    return unicodedata.category(ch).startswith(("C", "Zl", "Zp"))

@@ -1,0 +1,380 @@
+"""Bounded inputs, one exit code: every bad value is refused before any rank starts, in one line that
+names the flag, the bad value, the valid range and what to change; the CLIs exit 2 without a traceback.
+
+Most cases call the checks in-process (``SACConfig.check``, ``DetachedConfig.check``, ``JobRequest``
+through ``hpcrl.launch.__main__.main``); a handful run the real CLIs. The launcher cases also cover its
+batch script: no newline or control character in a field or a trainer argument can end a line of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpcrl.conventions import EXIT_BAD_CONFIG
+from hpcrl.launch import JobRequest, LaunchError, render
+from hpcrl.launch.__main__ import main as launch_main
+from hpcrl.ppo.config import MAX_CREDITS, MAX_LAG, DetachedConfig
+from hpcrl.sac.config import PRESETS, SACConfig, preset
+
+TESTS = Path(__file__).resolve().parent
+NAN, INF = float("nan"), float("inf")
+# until hpcrl.sac.train.plan / hpcrl.ppo.run.validate call cfg.check() (and turn its ValueError into their
+# ConfigError, exit 2), the CLIs accept these values; the marks come off once they do
+UNWIRED = pytest.mark.xfail(strict=True, reason="check() wired by train.plan / run.validate")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def one_line(message: str) -> str:
+    assert "\n" not in message.strip() and "Traceback" not in message, message
+    return message
+
+
+def assert_bad_cli(rc: int, stderr: str, *parts: str) -> None:
+    """Exit 2, one line on stderr, no traceback, and the line holds every part (flag, value, fix)."""
+    assert rc == EXIT_BAD_CONFIG, (rc, stderr[-3000:])
+    assert "Traceback" not in stderr, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr[-3000:]
+    for part in parts:
+        assert part in lines[0], (part, lines[0])
+
+
+def run_module(module: str, args: list[str], tmp_path: Path, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "SBATCH_", "SRUN_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")]))
+    try:
+        return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout,
+                              env=env, cwd=tmp_path)
+    except subprocess.TimeoutExpired as err:  # a bad value accepted: the run went ahead
+        raise AssertionError(f"python -m {module} {args} still running after {timeout} s") from err
+
+
+@pytest.fixture
+def no_launcher(monkeypatch):
+    """In-process CLI calls see a plain process (no launcher variables of an enclosing job)."""
+    for key in list(os.environ):
+        if key.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_")) or key in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                            "MASTER_ADDR", "MASTER_PORT"):
+            monkeypatch.delenv(key)
+
+
+# -- FastSAC: SACConfig.check() ----------------------------------------------------------------------------
+
+SAC_BAD = [
+    (dict(tau=5.0), "--tau 5: must be in (0, 1]"),
+    (dict(tau=0.0), "--tau 0: must be in (0, 1]"),
+    (dict(tau=NAN), "--tau nan: must be in (0, 1]"),
+    (dict(num_atoms=1), "--num-atoms 1: must be >= 2"),
+    (dict(v_min=20.0, v_max=20.0), "--v-min 20 --v-max 20: must be --v-min < --v-max"),
+    (dict(v_max=INF), "--v-max inf: must be a finite number"),
+    (dict(v_min=NAN), "--v-min nan: must be a finite number"),
+    (dict(gamma=0.0), "--gamma 0: must be in (0, 1]"),
+    (dict(gamma=1.5), "--gamma 1.5: must be in (0, 1]"),
+    (dict(critic_lr=0.0), "--critic-lr 0: must be > 0"),
+    (dict(actor_lr=-1e-3), "--actor-lr -0.001: must be > 0"),
+    (dict(alpha_lr=NAN), "--alpha-lr nan: must be > 0"),
+    (dict(alpha_init=0.0), "--alpha-init 0: must be > 0"),
+    (dict(weight_decay=-0.1), "--weight-decay -0.1: must be >= 0"),
+    (dict(nproc=0), "--nproc 0: must be >= 1"),
+    (dict(threads=0), "--threads 0: must be >= 1"),
+    (dict(timeout_s=0.0), "--timeout-s 0: must be in (0, 604800]"),
+    (dict(timeout_s=INF), "--timeout-s inf: must be in (0, 604800]"),
+    (dict(num_envs=0), "--num-envs 0: must be >= 1"),
+    (dict(batch_size=0), "--batch-size 0: must be >= 1"),
+    (dict(total_env_steps=0), "--total-env-steps 0: must be >= 1"),
+    (dict(n_step=0), "--n-step 0: must be >= 1"),
+    (dict(n_step=3, buffer_size=2), "--buffer-size 2: must be >= 3 (replay transitions per env; not below --n-step 3)"),
+    (dict(num_q=0), "--num-q 0: must be >= 1"),
+    (dict(actor_hidden=2), "--actor-hidden 2: must be >= 4"),
+    (dict(critic_hidden=0), "--critic-hidden 0: must be >= 4"),
+    (dict(log_std_min=1.0, log_std_max=0.0), "--log-std-min 1 --log-std-max 0: must be --log-std-min < --log-std-max"),
+    (dict(target_entropy_ratio=NAN), "--target-entropy-ratio nan: must be a finite number"),
+    (dict(reward_scale=0.0), "--reward-scale 0: must be finite and not 0"),
+    (dict(reward_scale=-INF), "--reward-scale -inf: must be a finite number"),
+    (dict(device="gpu"), "--device 'gpu': must be one of auto, cpu, cuda or cuda:K"),
+    (dict(device="cuda:x"), "--device 'cuda:x': must be one of auto, cpu, cuda or cuda:K"),
+    (dict(grad_sync="allreduce"), "--grad-sync 'allreduce': must be one of flat, view, ddp"),
+    (dict(env=""), "--env '': must be a non-empty string"),
+    (dict(env="pendulum\nrm -rf /"), "--env 'pendulum\\nrm -rf /': must be free of control characters"),
+    (dict(run_dir="runs/a\x00b"), "--run-dir 'runs/a\\x00b': must be free of control characters"),
+    (dict(seed=-1), "--seed -1: must be in [0, 2147483647]"),
+    (dict(learning_starts=-1), "--learning-starts -1: must be >= 0"),
+    (dict(random_steps=-5), "--random-steps -5: must be >= 0"),
+    (dict(num_updates=0), "--num-updates 0: must be >= 1"),
+    (dict(policy_frequency=0), "--policy-frequency 0: must be >= 1"),
+    (dict(log_every=0), "--log-every 0: must be >= 1"),
+    (dict(checkpoint_every=-1), "--checkpoint-every -1: must be >= 0"),
+    (dict(keep_checkpoints=0), "--keep-checkpoints 0: must be >= 1"),
+    (dict(check_sync_every=-1), "--check-sync-every -1: must be >= 0"),
+    (dict(eval_episodes=-1), "--eval-episodes -1: must be >= 0"),
+    (dict(num_envs=8.5), "--num-envs 8.5: must be an integer >= 1"),
+    (dict(resume="yes"), "--resume 'yes': must be True or False; pass --resume or --no-resume"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", SAC_BAD, ids=[next(iter(kw)) + f"={list(kw.values())[0]!r}"
+                                                             for kw, _ in SAC_BAD])
+def test_sac_check_refuses(overrides, message):
+    cfg = preset("pendulum", **overrides)
+    with pytest.raises(ValueError) as info:
+        cfg.check()
+    text = one_line(str(info.value))
+    assert text.startswith(message), text
+    assert "; " in text and ("e.g. " in text or "pass " in text or "lower " in text), text  # says what to change
+
+
+def test_sac_every_field_is_checked():
+    """A field added without a range check fails here: a value of the wrong type must be refused by name."""
+    for f in dataclasses.fields(SACConfig):
+        cfg = dataclasses.replace(SACConfig(), **{f.name: object()})
+        with pytest.raises(ValueError, match=f"^{_flag(f.name)} "):
+            cfg.check()
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_sac_presets_and_edges_pass(name):
+    preset(name).check()
+    SACConfig().check()
+    preset(name, tau=1.0, gamma=1.0, num_atoms=2, num_q=1, actor_hidden=4, n_step=5, buffer_size=5, device="cuda:3",
+           checkpoint_every=0, check_sync_every=0, learning_starts=0, reward_scale=-1.0, target_entropy_ratio=-2.0,
+           weight_decay=0.0, seed=2**31 - 1).check()
+
+
+# -- FastSAC CLI ---------------------------------------------------------------------------------------------
+
+# 4 envs x 1 vector step, no update: if a bad value were accepted, the run would end at once
+SAC_TINY = ["--preset", "pendulum", "--num-envs", "4", "--batch-size", "8", "--total-env-steps", "4",
+            "--learning-starts", "8", "--actor-hidden", "8", "--critic-hidden", "8", "--num-atoms", "5",
+            "--eval-episodes", "0", "--log-every", "1", "--checkpoint-every", "0", "--device", "cpu"]
+
+
+@pytest.fixture
+def cli_in_process(monkeypatch, no_launcher):
+    """Before spawning, the CLIs make the parent ignore the stop signals: not this test process."""
+    import signal
+
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
+
+
+@UNWIRED
+@pytest.mark.parametrize("args, parts", [
+    (["--tau", "5"], ["--tau 5", "(0, 1]"]),
+    (["--num-atoms", "1"], ["--num-atoms 1", ">= 2"]),
+    (["--alpha-init", "0"], ["--alpha-init 0", "> 0"]),
+])
+def test_sac_cli_in_process_exits_2_before_spawning(args, parts, monkeypatch, capsys, cli_in_process):
+    import hpcrl.sac.__main__ as sac_main
+
+    def spawned(*a, **kw):
+        raise AssertionError("ranks were spawned for a bad configuration")
+
+    monkeypatch.setattr(sac_main, "spawn", spawned)
+    rc = sac_main.main(SAC_TINY + ["--nproc", "2", *args])
+    assert_bad_cli(rc, capsys.readouterr().err, "hpcrl.sac: error:", *parts)
+
+
+@UNWIRED
+@pytest.mark.parametrize("args, parts", [
+    (["--nproc", "0"], ["--nproc 0", ">= 1"]),
+    (["--tau", "5"], ["--tau 5", "(0, 1]"]),
+])
+def test_sac_cli_exits_2(args, parts, tmp_path):
+    proc = run_module("hpcrl.sac", SAC_TINY + ["--run-dir", str(tmp_path / "run"), *args], tmp_path)
+    assert_bad_cli(proc.returncode, proc.stderr, "hpcrl.sac: error:", *parts)
+
+
+# -- detached PPO: DetachedConfig.check() --------------------------------------------------------------------
+
+PPO_BAD = [
+    (dict(lag=1_000_000), f"--lag 1000000: must be in [0, {MAX_LAG}]"),
+    (dict(lag=-1), f"--lag -1: must be in [0, {MAX_LAG}]"),
+    (dict(lag=3, max_lag=1), "--max-lag 1: must be >= 3"),
+    (dict(batches_per_step=0), "--batches-per-step 0: must be >= 1"),
+    (dict(lag=MAX_LAG, batches_per_step=100), f"--batches-per-step 100: must be <= {MAX_CREDITS // (MAX_LAG + 1)}"),
+    (dict(makers=0), "--makers 0: must be >= 1"),
+    (dict(trainers=0), "--trainers 0: must be >= 1"),
+    (dict(total_steps=0), "--total-steps 0: must be >= 1"),
+    (dict(bucket_mb=0.0), "--bucket-mb 0: must be >= 0.0001 and finite"),
+    (dict(bucket_mb=-1.0), "--bucket-mb -1: must be >= 0.0001 and finite"),
+    (dict(bucket_mb=NAN), "--bucket-mb nan: must be >= 0.0001 and finite"),
+    (dict(bucket_mb=INF), "--bucket-mb inf: must be >= 0.0001 and finite"),
+    (dict(heartbeat_timeout_s=0.0), "--heartbeat-timeout-s 0: must be >= 1"),
+    (dict(heartbeat_timeout_s=NAN), "--heartbeat-timeout-s nan: must be >= 1"),
+    (dict(heartbeat_timeout_s=200.0), "--heartbeat-timeout-s 200: must be <= --timeout-s 120"),
+    (dict(timeout_s=0.0), "--timeout-s 0: must be in (0, 604800]"),
+    (dict(timeout_s=-INF), "--timeout-s -inf: must be in (0, 604800]"),
+    (dict(threads=0), "--threads 0: must be >= 1"),
+    (dict(checkpoint_every=-1), "--checkpoint-every -1: must be >= 0"),
+    (dict(trainer_device="tpu"), "--trainer-device 'tpu': must be one of auto, cpu, cuda or cuda:K"),
+    (dict(maker_device="cuda:"), "--maker-device 'cuda:': must be one of auto, cpu, cuda or cuda:K"),
+    (dict(target_return=NAN), "--target-return nan: must be a finite number"),
+    (dict(seed=-1), "--seed -1: must be in [0, 2147483647]"),
+    (dict(workload=""), "--workload '': must be a non-empty string"),
+    (dict(workload="cartpole\n"), "--workload 'cartpole\\n': must be free of control characters"),
+    (dict(run_dir="runs/\x1b[2Jppo"), "--run-dir 'runs/\\x1b[2Jppo': must be free of control characters"),
+    (dict(workload_args={"num envs": "4"}), "--workload-args {'num envs': '4'}: must be pairs KEY VALUE"),
+    (dict(total_steps=True), "--total-steps True: must be an integer >= 1"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", PPO_BAD, ids=[next(iter(kw)) + f"={list(kw.values())[-1]!r}"
+                                                             for kw, _ in PPO_BAD])
+def test_ppo_check_refuses(overrides, message):
+    cfg = DetachedConfig(**overrides)
+    with pytest.raises(ValueError) as info:
+        cfg.check()
+    text = one_line(str(info.value))
+    assert text.startswith(message), text
+    assert "; " in text and ("e.g. " in text or "lower " in text), text
+
+
+def test_ppo_every_field_is_checked():
+    for f in dataclasses.fields(DetachedConfig):
+        cfg = dataclasses.replace(DetachedConfig(), **{f.name: object()})
+        with pytest.raises(ValueError, match=f"^{_flag(f.name)} "):
+            cfg.check()
+
+
+def test_ppo_defaults_and_edges_pass():
+    DetachedConfig().check()
+    DetachedConfig(lag=0, max_lag=0).check()
+    DetachedConfig(lag=MAX_LAG, batches_per_step=MAX_CREDITS // (MAX_LAG + 1), max_lag=10**6).check()
+    DetachedConfig(bucket_mb=1e-4, heartbeat_timeout_s=5, timeout_s=5, target_return=475.0, trainer_device="cuda:1",
+                   maker_device="cpu", workload="ppo_toy:ToyWorkload", workload_args={"rollout_s": 0.01}).check()
+
+
+# -- detached PPO CLI ----------------------------------------------------------------------------------------
+
+@UNWIRED
+@pytest.mark.parametrize("args, parts", [
+    (["--lag", "1000000"], ["--lag 1000000", "[0, 64]"]),
+    (["--bucket-mb", "0"], ["--bucket-mb 0", ">= 0.0001"]),
+    (["--heartbeat-timeout-s", "0"], ["--heartbeat-timeout-s 0", ">= 1"]),
+    (["--bucket-mb", "-1"], ["--bucket-mb -1", ">= 0.0001"]),
+])
+def test_ppo_cli_in_process_exits_2_before_spawning(args, parts, monkeypatch, capsys, cli_in_process):
+    import hpcrl.ppo.__main__ as ppo_main
+
+    def started(*a, **kw):
+        raise AssertionError("ranks were started for a bad configuration")
+
+    monkeypatch.setattr(ppo_main, "spawn", started)
+    monkeypatch.setattr(ppo_main, "train", started)
+    rc = ppo_main.main(["--trainer-device", "cpu", "--maker-device", "cpu", *args])
+    assert_bad_cli(rc, capsys.readouterr().err, "hpcrl.ppo: error:", *parts)
+
+
+def test_ppo_cli_bad_device_exits_2(tmp_path):
+    proc = run_module("hpcrl.ppo", ["--trainer-device", "tpu", "--run-dir", str(tmp_path / "run")], tmp_path)
+    assert_bad_cli(proc.returncode, proc.stderr, "hpcrl.ppo: error:", "--trainer-device 'tpu'", "cuda:K")
+
+
+@UNWIRED
+def test_ppo_cli_bad_batches_per_step_exits_2(tmp_path):
+    proc = run_module("hpcrl.ppo", ["--batches-per-step", "0", "--trainer-device", "cpu", "--maker-device", "cpu",
+                                    "--run-dir", str(tmp_path / "run")], tmp_path)
+    assert_bad_cli(proc.returncode, proc.stderr, "hpcrl.ppo: error:", "--batches-per-step 0", ">= 1")
+
+
+# -- launcher: JobRequest, the batch script, python -m hpcrl.launch -------------------------------------------
+
+LAUNCH_BAD = [
+    (["--nodes", "0"], ["nodes=0 (--nodes)", ">= 1", "pass --nodes 1 or more"]),
+    (["--gpus-per-node", "-1"], ["gpus_per_node=-1 (--gpus-per-node)", ">= 0"]),
+    (["--tasks-per-node", "0"], ["tasks_per_node=0 (--tasks-per-node)", ">= 1"]),
+    (["--time", "0"], ["time_min=0 (--time)", ">= 1"]),
+    (["--cpus-per-task", "0"], ["cpus_per_task=0 (--cpus-per-task)", ">= 1"]),
+    (["--signal-delay", "0"], ["signal_delay_s=0 (--signal-delay)", ">= 1"]),
+    (["--partition", "debug\n#SBATCH --uid=0"], ["partition='debug\\n#SBATCH --uid=0' (--partition)", "'\\n'",
+                                                 "remove them"]),
+    (["--partition", "debug\recho hi"], ["(--partition)", "'\\r'", "control character"]),
+    (["--partition", "debug gpu"], ["partition='debug gpu' (--partition)", "Slurm partition name", "sinfo"]),
+    (["--partition", "debug;touch${IFS}x"], ["(--partition)", "Slurm partition name"]),
+    (["--partition", "debug\u2028x"], ["(--partition)", "'\\u2028'", "control character"]),
+    (["--folder", "/tmp/logs\necho pwned"], ["folder='/tmp/logs\\necho pwned' (--folder)", "'\\n' at position 9"]),
+    (["--folder", "/tmp/my logs/%j"], ["(--folder)", "'/tmp/my logs/%j'", "' '", "#SBATCH --output="]),
+    (["--folder", "/tmp/logs#x"], ["(--folder)", "'#'", "starts a comment"]),
+    (["--folder", "/tmp/it's"], ["(--folder)", "\"'\"", "strips quotes"]),
+    (["--folder", "/tmp/a\\b"], ["(--folder)", "'\\\\'", "backslashes"]),
+    (["--folder", "/tmp/tab\tx"], ["(--folder)", "'\\t'", "control character"]),
+    (["--folder", ""], ["folder='' (--folder)", "non-empty path"]),
+    (["--run-dir", "/tmp/run\n-%j"], ["run_dir='/tmp/run\\n-%j' (--run-dir)", "control character"]),
+    (["--run-dir", "/tmp/{user}-%j"], ["(--run-dir)", "{algo} is the only placeholder", "{{ and }}"]),
+    (["--run-dir", "/tmp/{-%j"], ["(--run-dir)", "{algo} is the only placeholder"]),
+    (["--", "--env", "pendulum\nsrun rm -rf ~"], ["trainer argument 'pendulum\\nsrun rm -rf ~'",
+                                                  "control character"]),
+    (["--", "--env", "a\x00b"], ["trainer argument '", "'\\x00'"]),
+    (["--", "--tau", "\x1b[31m5"], ["trainer argument '", "'\\x1b'"]),
+]
+
+
+@pytest.mark.parametrize("args, parts", LAUNCH_BAD,
+                         ids=[repr(a[1] if len(a) > 1 else a[0])[:40] for a, _ in LAUNCH_BAD])
+def test_launch_cli_refuses(args, parts, tmp_path, capsys):
+    trainer = args[args.index("--"):] if "--" in args else []
+    own = args[:args.index("--")] if "--" in args else args
+    if "--run-dir" not in own:
+        own = own + ["--run-dir", str(tmp_path / "run-%j")]
+    if "--folder" not in own:
+        own = own + ["--folder", str(tmp_path / "logs" / "%j")]
+    rc = launch_main(["sac", *own, "--local", "--dry-run", *trainer])  # --local: no sinfo, same checks
+    assert_bad_cli(rc, capsys.readouterr().err, "hpcrl.launch: error:", *parts)
+    assert not (tmp_path / "logs").exists()
+
+
+def test_launch_algo_with_a_newline_is_refused(tmp_path, capsys):
+    rc = launch_main(["sac\nid", "--run-dir", str(tmp_path / "r"), "--folder", str(tmp_path / "l"), "--local",
+                      "--dry-run"])
+    assert_bad_cli(rc, capsys.readouterr().err, "algo='sac\\nid' (ALGO)", "control character")
+
+
+def test_launch_argparse_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        launch_main(["sac", "--nodes", "two", "--dry-run"])
+    assert info.value.code == EXIT_BAD_CONFIG
+    assert "argument --nodes: invalid int value: 'two'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(folder="/x\n#SBATCH --uid=0"), r"folder='/x\\n#SBATCH --uid=0' \(--folder\) holds the control character"),
+    (dict(partition="gpu\nsrun id"), r"partition='gpu\\nsrun id' \(--partition\)"),
+    (dict(folder="/shared/my logs"), r"'#SBATCH --output=' cannot carry"),
+    (dict(nodes=1.5), r"nodes=1.5 \(--nodes\): must be an integer >= 1"),
+    (dict(tasks_per_node=True), r"tasks_per_node=True \(--tasks-per-node\): must be an integer"),
+])
+def test_render_refuses_a_request_nobody_checked(fields, message):
+    """render() (and the Slurm executor's parameters) check the values themselves: no script from a bad request."""
+    with pytest.raises(LaunchError, match=message):
+        render(JobRequest(**fields))
+
+
+def test_trainer_arguments_never_enter_the_batch_script(tmp_path):
+    """They travel pickled in the submitit task and reach the trainer as argv, without a shell."""
+    odd = ("--env", "$(touch pwned)`id`;echo hi", "--run-name", "a b 'c' \"d\" #e")
+    request = JobRequest(trainer_args=odd, folder=str(tmp_path / "logs" / "%j"), run_dir=str(tmp_path / "r-%j"))
+    request.check()
+    script = render(request)
+    assert not any(arg in script for arg in odd[1::2])
+    assert all(line.startswith(("#", "export ", "srun ")) for line in script.splitlines() if line)
+
+
+@pytest.mark.parametrize("args, parts", [
+    (["--folder", "/tmp/logs\necho pwned"], ["(--folder)", "'\\n'"]),
+    (["--nodes", "0"], ["nodes=0 (--nodes)", ">= 1"]),
+    (["--", "--env", "x\ny"], ["trainer argument '", "control character"]),
+])
+def test_launch_cli_subprocess_exits_2(args, parts, tmp_path):
+    proc = run_module("hpcrl.launch", ["sac", "--dry-run", "--local", "--run-dir", str(tmp_path / "r-%j"), *args],
+                      tmp_path)
+    assert_bad_cli(proc.returncode, proc.stderr, "hpcrl.launch: error:", *parts)
+    assert proc.stdout == ""
