@@ -24,8 +24,8 @@ from hpcrl.sac.config import PRESETS, SACConfig, preset
 
 TESTS = Path(__file__).resolve().parent
 NAN, INF = float("nan"), float("inf")
-# until hpcrl.sac.train.plan / hpcrl.ppo.run.validate call cfg.check() (and turn its ValueError into their
-# ConfigError, exit 2), the CLIs accept these values; the marks come off once they do
+# until hpcrl.sac.train.plan / hpcrl.ppo.run.validate call cfg.check() (its ConfigError means exit 2), the
+# CLIs accept these values; the marks come off once they do
 UNWIRED = pytest.mark.xfail(strict=True, reason="check() wired by train.plan / run.validate")
 
 
@@ -128,6 +128,7 @@ def test_sac_check_refuses(overrides, message):
     cfg = preset("pendulum", **overrides)
     with pytest.raises(ValueError) as info:
         cfg.check()
+    assert type(info.value).__name__ == "ConfigError"  # the name the entry points map to exit 2
     text = one_line(str(info.value))
     assert text.startswith(message), text
     assert "; " in text and ("e.g. " in text or "pass " in text or "lower " in text), text  # says what to change
@@ -233,6 +234,7 @@ def test_ppo_check_refuses(overrides, message):
     cfg = DetachedConfig(**overrides)
     with pytest.raises(ValueError) as info:
         cfg.check()
+    assert type(info.value).__name__ == "ConfigError"
     text = one_line(str(info.value))
     assert text.startswith(message), text
     assert "; " in text and ("e.g. " in text or "lower " in text), text

@@ -37,6 +37,13 @@ def _literal(value: Any) -> Any:
         return value
 
 
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message (one line) says what to change. Raised by
+    ``check()``; the entry points exit 2 on it (matched by class name, as ``hpcrl.ppo.run.ConfigError``,
+    which may simply be this class)."""
+
+
 @dataclass
 class DetachedConfig:
     workload: str = "cartpole"
@@ -90,9 +97,9 @@ class DetachedConfig:
     """Overrides of the workload's PPO hyper-parameters (PPOConfig fields), e.g. ``--ppo-args lr 1e-3``."""
 
     def check(self) -> None:
-        """Every value against its documented range, before any rank starts; ``ValueError`` with one line
-        naming the flag, the bad value, the valid range and a value that works (the world size against
-        --trainers + --makers is :func:`hpcrl.ppo.run.validate`'s)."""
+        """Every value against its documented range, before any rank starts: :class:`ConfigError` (a
+        ValueError) with one line naming the flag, the bad value, the valid range and a value that works
+        (the world size against --trainers + --makers is :func:`hpcrl.ppo.run.validate`'s)."""
         c = _Check(self)
         c.text("workload", spaces=False)
         c.integer("makers", 1, hint="experience-maker ranks")
@@ -178,7 +185,7 @@ class _Check:
     def fail(self, name: str, rule: str, fix: str | None = None) -> None:
         if fix is None:
             fix = f"e.g. {_flag(name)} {_example(getattr(self.defaults, name))} (the default)"
-        raise ValueError(f"{_flag(name)} {_show(getattr(self.cfg, name))}: must be {rule}; {fix}")
+        raise ConfigError(f"{_flag(name)} {_show(getattr(self.cfg, name))}: must be {rule}; {fix}")
 
     def integer(self, name: str, lo: int | None = None, hi: int | None = None, hint: str = "",
                 fix: str | None = None) -> None:

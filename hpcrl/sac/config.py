@@ -18,6 +18,13 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 _DEVICE = re.compile(r"auto|cpu|cuda(?::\d+)?")
 
 
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message (one line) says what to change. Raised by
+    ``check()``; the entry points exit 2 on it (matched by class name, as ``hpcrl.sac.train.ConfigError``,
+    which may simply be this class)."""
+
+
 @dataclass
 class SACConfig:
     """Defaults follow holosoma's FastSACConfig (research/fastsac.md §2.1) unless a preset says otherwise."""
@@ -122,9 +129,10 @@ class SACConfig:
     """Deterministic evaluation episodes per env at the end (0 = none)."""
 
     def check(self) -> None:
-        """Every value against its documented range, before any rank starts; ``ValueError`` with one line
-        naming the flag, the bad value, the valid range and a value that works (world-size dependent
-        checks, e.g. divisibility by the number of ranks, are :func:`hpcrl.sac.train.plan`'s)."""
+        """Every value against its documented range, before any rank starts: :class:`ConfigError` (a
+        ValueError) with one line naming the flag, the bad value, the valid range and a value that works
+        (world-size dependent checks, e.g. divisibility by the number of ranks, are
+        :func:`hpcrl.sac.train.plan`'s)."""
         c = _Check(self)
         c.text("env", spaces=False)
         c.integer("num_envs", 1, hint="parallel envs over all ranks")
@@ -220,7 +228,7 @@ class _Check:
     def fail(self, name: str, rule: str, fix: str | None = None) -> None:
         if fix is None:
             fix = f"e.g. {_flag(name)} {_example(getattr(self.defaults, name))} (the default)"
-        raise ValueError(f"{_flag(name)} {_show(getattr(self.cfg, name))}: must be {rule}; {fix}")
+        raise ConfigError(f"{_flag(name)} {_show(getattr(self.cfg, name))}: must be {rule}; {fix}")
 
     def integer(self, name: str, lo: int | None = None, hi: int | None = None, hint: str = "",
                 fix: str | None = None) -> None:
@@ -270,7 +278,7 @@ class _Check:
         lo, hi = getattr(self.cfg, low), getattr(self.cfg, high)
         if not lo < hi:
             d_lo, d_hi = getattr(self.defaults, low), getattr(self.defaults, high)
-            raise ValueError(f"{_flag(low)} {_show(lo)} {_flag(high)} {_show(hi)}: must be "
+            raise ConfigError(f"{_flag(low)} {_show(lo)} {_flag(high)} {_show(hi)}: must be "
                              f"{_flag(low)} < {_flag(high)} ({what}); "
                              f"e.g. {_flag(low)} {_show(d_lo)} {_flag(high)} {_show(d_hi)} (the defaults)")
 
