@@ -1,4 +1,4 @@
-"""Nested dicts of tensors and scalars <-> HDF5 groups (h5py), and atomic file writes."""
+"""Nested dicts of tensors and scalars <-> HDF5 groups (h5py), and atomic file writes (private modes)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import Any, Iterator
 import h5py
 import numpy as np
 import torch
+
+from hpcrl.rundir import file_mode
 
 _NONE = "__none__"
 
@@ -55,8 +57,10 @@ def read_tree(group: h5py.Group) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary sibling path; on success fsync it and rename it over ``path``.
+def atomic_path(path: str | os.PathLike, mode: int | None = None) -> Iterator[Path]:
+    """Yield a temporary sibling path; on success give it ``mode`` (default
+    :func:`hpcrl.rundir.file_mode`: 0600, or 0640 with ``HPCRL_SHARED_RUN_DIR=1``), fsync it and
+    rename it over ``path``.
 
     A crash or exception before the rename leaves any previous file at ``path`` untouched.
     """
@@ -64,6 +68,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     try:
         yield tmp
+        os.chmod(tmp, file_mode() if mode is None else mode)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

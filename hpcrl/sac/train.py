@@ -7,16 +7,18 @@ from rank 0 at start and after a resume; normaliser statistics are reduced once 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 
-from hpcrl import checkpoint
+from hpcrl import checkpoint, rundir
 from hpcrl.comm import (DistContext, StopRequest, all_reduce_sum_, barrier, broadcast_, check_parameters_in_sync,
                         hosts, init_distributed, reduce_metrics, shutdown)
 from hpcrl.envs import EpisodeStats, make_env
@@ -30,6 +32,34 @@ from .normalizer import ObsNormalizer
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message says what to change."""
+
+
+class RunDirConfigError(ConfigError, rundir.RunDirError):
+    """The run directory refused the run (in use by another run, a checkpoint of another run, nothing to
+    resume, no usable checkpoint): a ConfigError for the CLI (exit 2), a RunDirError for launchers."""
+
+
+@contextlib.contextmanager
+def _run_dir_errors() -> Iterator[None]:
+    try:
+        yield
+    except rundir.RunDirError as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise RunDirConfigError(str(err)) from None
+
+
+# SACConfig fields a resume may change: how long it runs, where and how fast, how often it logs,
+# checkpoints and checks. Every other field, with the world size, is the run's identity: a
+# checkpoint resumes only into the run that wrote it (the first differing field is named).
+RESUMABLE_FIELDS = frozenset({"total_env_steps", "run_dir", "resume", "resume_missing", "device", "nproc", "threads",
+                              "timeout_s", "grad_sync", "bf16", "compile", "log_every", "checkpoint_every",
+                              "keep_checkpoints", "check_sync_every", "eval_episodes"})
+
+
+def run_identity(cfg: SACConfig, world_size: int) -> dict[str, Any]:
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in RESUMABLE_FIELDS}
+    return {"world_size": world_size, "seed": fields.pop("seed"), **fields}
 
 
 @dataclass(frozen=True)
@@ -77,6 +107,15 @@ def train(cfg: SACConfig) -> dict[str, float]:
     torch.set_num_threads(cfg.threads)
     ctx = init_distributed(timeout_s=cfg.timeout_s, device=cfg.device)
     layout = plan(cfg, ctx.world_size)
+    with _run_dir_errors():  # before any rank touches the run dir; refused: exit 2 on every rank
+        lock = rundir.claim(cfg.run_dir, ctx)  # rank 0 holds it for the life of the run
+    try:
+        return _train(cfg, stop, ctx, layout)
+    finally:
+        lock.release()
+
+
+def _train(cfg: SACConfig, stop: StopRequest, ctx: DistContext, layout: Layout) -> dict[str, float]:
     device = ctx.device
     rank, world = ctx.rank, ctx.world_size
     # Planes (hpcrl.comm.planes): gradients, parameters, normaliser statistics and checksums on the
@@ -112,9 +151,11 @@ def train(cfg: SACConfig) -> dict[str, float]:
     obs = env.reset(seed=env_seed)
     low, high = env.action_low, env.action_high
 
-    resume_from = checkpoint.latest(cfg.run_dir) if cfg.resume else None
-    if resume_from is not None:
-        learner, mine = checkpoint.load(resume_from, rank, world, device)
+    run_dir = Path(cfg.run_dir)
+    resumed = _resume(cfg, ctx) if cfg.resume else None
+    resume_from = resumed.path if resumed is not None else None
+    if resumed is not None:
+        learner, mine = resumed.learner, resumed.rank_state
         agent.load_learner_state(learner["agent"])
         normalizer.load_state_dict(learner["normalizer"])
         replay.load_state_dict(mine["replay"])
@@ -122,15 +163,16 @@ def train(cfg: SACConfig) -> dict[str, float]:
         stats.load_state_dict(mine["episode_stats"])
         generator.set_state(mine["generator"])
         obs = mine["obs"].to(device)
+    elif rank == 0 and (removed := checkpoint.clear(run_dir)):  # a fresh start: the run dir is this run's now
+        print(f"hpcrl.sac: fresh start in {run_dir}: removed {len(removed)} checkpoint(s) of the run that used it "
+              f"before (newest {removed[0].name}); pass --resume to continue a run instead", flush=True)
     broadcast_([t.data for t in agent.broadcast_tensors()] + [normalizer.count, normalizer.mean, normalizer.m2], data)
 
-    run_dir = Path(cfg.run_dir)
     if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
         resolved = {**dataclasses.asdict(cfg), "world_size": world, "envs_per_rank": layout.envs_per_rank,
                     "batch_per_rank": layout.batch_per_rank, "iterations": layout.iterations,
                     "launcher": ctx.source, "hosts": hosts(ctx)}
-        (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
+        rundir.write_text(run_dir / "config.json", json.dumps(resolved, indent=2))
         print(f"hpcrl.sac: {world} rank(s) via {ctx.source}, device {device}; global num_envs={cfg.num_envs} "
               f"({layout.envs_per_rank}/rank), global batch={cfg.batch_size} ({layout.batch_per_rank}/rank), "
               f"{layout.iterations} env steps x {cfg.num_envs} envs = {layout.iterations * cfg.num_envs} "
@@ -212,12 +254,28 @@ def _log_row(agent: FastSAC, stats: EpisodeStats, window: dict[str, list[torch.T
             "sps": round(iters * cfg.num_envs / max(seconds, 1e-9), 1)}
 
 
+def _resume(cfg: SACConfig, ctx: DistContext) -> checkpoint.Restored | None:
+    """The newest checkpoint every rank can load (collective); None only with ``--resume-missing fresh``."""
+    with _run_dir_errors():
+        found = checkpoint.restore(cfg.run_dir, ctx.rank, ctx.world_size, ctx.device,
+                                   identity=run_identity(cfg, ctx.world_size), agree=checkpoint.store_agree(ctx))
+        if found is not None:
+            return found
+        what = checkpoint.nothing_to_resume(cfg.run_dir)
+        if getattr(cfg, "resume_missing", "error") != "fresh":
+            raise rundir.RunDirError(f"--resume: {what}; run without --resume to start fresh, or pass "
+                                     "--resume-missing fresh to start fresh whenever there is nothing to resume")
+        if ctx.rank == 0:
+            print(f"hpcrl.sac: --resume: {what}; starting fresh (--resume-missing fresh)", flush=True)
+        return None
+
+
 def _save(cfg, ctx, agent, normalizer, replay, env, stats, generator, obs, sync_barrier) -> None:
     learner = {"agent": agent.learner_state(), "normalizer": normalizer.state_dict()} if ctx.rank == 0 else None
     rank_state = {"replay": replay.state_dict(), "env": env.state_dict(), "episode_stats": stats.state_dict(),
                   "generator": generator.get_state(), "obs": obs}
     checkpoint.save(cfg.run_dir, agent.counters.iteration, ctx.rank, ctx.world_size, learner, rank_state,
-                    sync_barrier, keep=cfg.keep_checkpoints)
+                    sync_barrier, keep=cfg.keep_checkpoints, identity=run_identity(cfg, ctx.world_size))
 
 
 @torch.no_grad()
