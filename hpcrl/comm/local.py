@@ -4,27 +4,78 @@ The parent hosts the rendezvous store on a loopback port the OS picked (no "find
 hope nobody takes it" race) and tells the children, as torchrun's agent does, so every child is a
 plain store client and rank 0 may leave first. Each child runs ``fn(*args)``, which calls
 :func:`hpcrl.comm.init_distributed` like any entry point.
+
+The parent supervises like an agent:
+
+- **Stop signals are forwarded.** SIGTERM and SIGUSR2 sent to the parent (the pid a user, systemd
+  or docker sees) go to every live rank; SIGINT (Ctrl-C) goes to them as SIGTERM, and the ranks
+  ignore the terminal's own SIGINT, so Ctrl-C means "checkpoint and stop" too. A second SIGINT
+  kills the ranks at once (no checkpoint) and raises :class:`KeyboardInterrupt`. A stop signal that
+  reaches a rank before its function installed a handler (during start-up) is held and delivered to
+  that handler; one that arrives after the function returned is ignored, so a late signal never
+  turns a finished rank into a failure.
+- **No orphans.** A rank dies with its parent (Linux: ``PR_SET_PDEATHSIG``): a SIGKILLed parent
+  does not leave ranks training. The death signal follows the parent *thread* that started the
+  ranks: call :func:`spawn` from a thread that outlives them (normally the main thread).
+- **Scratch directories** (``hpcrl-spawn-<host>-<pid>-<start>-*`` in the temp dir) are removed on
+  every exit the parent lives through; those of dead parents (SIGKILL, power loss) are swept by the
+  next :func:`spawn` on the same host.
+- **Failures are attributed** to the rank whose exit the parent observed first (ties: a rank killed
+  by a signal before one that raised, then the earlier exception), with its signal name, exit code
+  or the exception's last line, not to a peer that died of it later.
+- **Configuration errors** raised inside a rank (an exception whose class, or a base class, is named
+  in :data:`CONFIG_ERROR_NAMES`) come back as :class:`SpawnConfigError` carrying the rank's one-line
+  message, so entry points exit 2 without a traceback however many ranks hit it.
+- **Expendable ranks** (``expendable=``) may fail without stopping the others (detached PPO's
+  makers): their failure is a warning line on stderr, and part of the error if the run fails.
 """
 
 from __future__ import annotations
 
+import ctypes
+import json
 import multiprocessing.connection
+import multiprocessing.resource_tracker
 import os
 import pickle
+import re
+import shutil
+import signal
+import socket
+import sys
 import tempfile
+import threading
 import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["SpawnError", "spawn"]
+__all__ = ["CONFIG_ERROR_NAMES", "FORWARD_SIGNALS", "SpawnConfigError", "SpawnError", "is_config_error", "spawn"]
 
-_KILL_GRACE_S = 3.0
+_KILL_GRACE_S = 3.0  # SIGTERM -> SIGKILL when spawn stops ranks itself
+_EXPENDABLE_GRACE_S = 30.0  # expendable ranks still running this long after the others finished are stopped
+_HOLD_S = 5.0  # a stop signal held for the rank function's own handler is delivered by default after this
+_PREFIX = "hpcrl-spawn-"
+
+FORWARD_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)
+"""What :func:`spawn` forwards to its ranks by default (SIGINT as SIGTERM)."""
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)  # what the ranks' StopRequest handles
+
+CONFIG_ERROR_NAMES = frozenset({"ConfigError", "DistSetupError", "RunDirError"})
+"""Exception class names that mean "this configuration cannot run" (``hpcrl.sac.train.ConfigError``,
+``hpcrl.ppo.run.ConfigError``, ``hpcrl.comm.DistSetupError``, ``hpcrl.rundir.RunDirError``) and their
+subclasses. Matched by name along the class's MRO, so this module imports none of them."""
+
+
+def is_config_error(err: BaseException) -> bool:
+    """True when ``err`` is a configuration error (see :data:`CONFIG_ERROR_NAMES`): exit 2, one line."""
+    return any(cls.__name__ in CONFIG_ERROR_NAMES for cls in type(err).__mro__)
 
 
 class SpawnError(RuntimeError):
@@ -36,52 +87,342 @@ class SpawnError(RuntimeError):
         self.exitcode = exitcode
 
 
-def _child(fn: Callable[..., Any], args: Sequence[Any], env: dict[str, str], num_threads: int | None, tmp: str) -> None:
+class SpawnConfigError(SpawnError):
+    """A rank raised a configuration error; ``str(err)`` is its one-line message, ``type_name`` its class."""
+
+    def __init__(self, message: str, rank: int | None, exitcode: int | None, type_name: str = ""):
+        super().__init__(message, rank, exitcode)
+        self.type_name = type_name
+
+
+# -- the child --------------------------------------------------------------------------------------
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux), then make sure the parent
+    did not die before we asked (we would have been re-parented, and nobody would ever kill us)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+class _Hold:
+    """Stop signals that arrive before the rank function installed its own handler (imports, start-up):
+    held, then re-sent to this process as soon as the handler is another one (polled from a thread,
+    started only when something is held). A function that never installs one gets a held signal with
+    the default action ``_HOLD_S`` after it arrived."""
+
+    def __init__(self, signals: Sequence[int]) -> None:
+        self.signals = tuple(signals)
+        self.pending: dict[int, float] = {}  # signal -> when it arrived
+        self.expired: set[int] = set()
+        self.done, self.wake = threading.Event(), threading.Event()
+        self.thread: threading.Thread | None = None
+        self.handler = self._handle  # one bound-method object: getsignal() returns this very object
+        for sig in self.signals:
+            signal.signal(sig, self.handler)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        if signum in self.expired:  # held too long: the default action after all
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.pending.setdefault(signum, time.monotonic())
+        self.wake.set()
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._deliver, name="hpcrl-spawn-hold", daemon=True)
+            self.thread.start()
+
+    def _deliver(self) -> None:
+        while not self.done.is_set():
+            if not self.pending:
+                self.wake.wait()
+                self.wake.clear()
+                continue
+            for sig, since in list(self.pending.items()):
+                if signal.getsignal(sig) is not self.handler:
+                    del self.pending[sig]
+                    os.kill(os.getpid(), sig)
+                elif time.monotonic() - since > _HOLD_S:
+                    del self.pending[sig]
+                    self.expired.add(sig)
+                    os.kill(os.getpid(), sig)
+            self.done.wait(0.01)
+
+    def close(self) -> None:
+        self.done.set()
+        self.wake.set()
+
+
+def _quiet(signals: Sequence[int]) -> None:
+    """The function is done: stop signals no longer mean anything here. SIG_IGN, because the
+    interpreter resets Python-level handlers to SIG_DFL while it exits, and a signal then would
+    kill a rank that finished its work."""
+    for sig in signals:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _child(fn: Callable[..., Any], args: Sequence[Any], env: dict[str, str], num_threads: int | None, tmp: str,
+           parent_pid: int, hold: Sequence[int], ignore_sigint: bool, unblock: Sequence[int]) -> None:
+    _die_with_parent(parent_pid)
     os.environ.update(env)
     rank = env["RANK"]
+    held = _Hold(hold)
+    if ignore_sigint:  # the parent turns Ctrl-C into SIGTERM for us; the terminal's own SIGINT is noise
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if unblock:  # the parent blocked them while starting us, so none could kill us during the imports
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, unblock)
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     try:
         result = fn(*args)
-    except Exception:
+    except Exception as err:
+        _quiet(_STOP_SIGNALS)
         # A file, not a queue: a queue's feeder thread can deadlock a child that exits right after.
-        Path(tmp, f"error-{rank}").write_text(f"{time.time()}\n{traceback.format_exc()}")
+        lines = traceback.format_exception_only(type(err), err)
+        record = {"time": time.time(), "type": f"{type(err).__module__}.{type(err).__qualname__}",
+                  "config": is_config_error(err), "message": str(err),
+                  "last": (lines[-1] if lines else repr(err)).strip(), "traceback": traceback.format_exc()}
+        _write_atomic(Path(tmp, f"error-{rank}"), json.dumps(record).encode())
         raise SystemExit(1) from None
-    with open(Path(tmp, f"result-{rank}"), "wb") as f:
-        pickle.dump(result, f)
+    finally:
+        held.close()
+    _quiet(_STOP_SIGNALS)
+    _write_atomic(Path(tmp, f"result-{rank}"), pickle.dumps(result))
 
 
-def _stop(procs: list[mp.Process]) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
+# -- scratch directories ----------------------------------------------------------------------------
+def _host_tag() -> str:
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:40] or "host"
+
+
+def _proc_start(pid: int) -> str:
+    """The process's start time in clock ticks since boot ("0" where /proc is not available)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "0"
+    return stat.rsplit(")", 1)[-1].split()[19]  # field 22, counted after the "(comm)" field
+
+
+def _owner_alive(pid: int, start: str) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return start == "0" or _proc_start(pid) in ("0", start)  # a reused pid is another process
+
+
+_SCRATCH = re.compile(re.escape(_PREFIX) + r"(?P<host>.+)-(?P<pid>\d+)-(?P<start>\d+)-[A-Za-z0-9_]+")
+
+
+def sweep_scratch(root: str | None = None) -> list[str]:
+    """Remove this user's scratch directories left on this host by parents that are gone; return them."""
+    root = root or tempfile.gettempdir()
+    host, uid, removed = _host_tag(), os.getuid(), []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _SCRATCH.fullmatch(entry.name)
+        if not m or m["host"] != host:
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != uid:
+                continue
+        except OSError:
+            continue
+        if not _owner_alive(int(m["pid"]), m["start"]):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
+def _scratch_dir() -> str:
+    sweep_scratch()
+    pid = os.getpid()
+    return tempfile.mkdtemp(prefix=f"{_PREFIX}{_host_tag()}-{pid}-{_proc_start(pid)}-")
+
+
+# -- the parent -------------------------------------------------------------------------------------
+def _signame(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class _Forwarder:
+    """The parent's handlers for the forwarded signals (installed only from the main thread)."""
+
+    def __init__(self, signals: Sequence[int], procs: list, live: set[int]) -> None:
+        self.signals = tuple(dict.fromkeys(int(s) for s in signals))
+        self.procs, self.live = procs, live
+        self.previous: dict[int, Any] = {}
+        self.requested: str = ""  # the first forwarded signal's name
+        self.interrupts = 0
+        self.killed = False
+
+    @property
+    def active(self) -> bool:
+        return bool(self.previous)
+
+    def install(self) -> None:
+        if not self.signals or threading.current_thread() is not threading.main_thread():
+            return
+        for sig in self.signals:
+            self.previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, prev in self.previous.items():
+            signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+        self.previous = {}
+
+    def _send(self, sig: int) -> None:
+        for r in list(self.live):  # exits not yet observed: at worst a zombie, never a reused pid
+            pid = self.procs[r].pid
+            if pid:
+                try:
+                    os.kill(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        if signum == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts > 1:
+                self._send(signal.SIGKILL)
+                if not self.killed:
+                    self.killed = True
+                    raise KeyboardInterrupt
+                return
+            os.write(2, b"hpcrl: interrupted: the ranks stop at their next step boundary (checkpoint, exit 75); "
+                        b"interrupt again to kill them without a checkpoint\n")
+        self.requested = self.requested or _signame(signum)
+        self._send(signal.SIGTERM if signum == signal.SIGINT else signum)
+
+
+def _read_error(tmp: str, rank: int) -> dict | None:
+    try:
+        return json.loads(Path(tmp, f"error-{rank}").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _how(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    return f"killed by {_signame(-code)}" if code < 0 else f"exit code {code}"
+
+
+class _Exits:
+    """What the parent saw: exits in the order it observed them, the ranks it stopped itself."""
+
+    def __init__(self, procs: list, tmp: str, fwd: _Forwarder) -> None:
+        self.procs, self.tmp, self.fwd = procs, tmp, fwd
+        self.order: list[int] = []
+        self.stopped: set[int] = set()  # terminated / killed by spawn (after a failure, timeout, grace)
+
+    def succeeded(self, rank: int) -> bool:
+        # The result file is written last (atomically): its rank finished, whatever killed it afterwards.
+        return Path(self.tmp, f"result-{rank}").exists()
+
+    def observe(self, batch: list[int]) -> list[int]:
+        """Record ranks whose sentinels fired together, in the order their failures most likely happened:
+        killed by a signal (no record: a peer's exception is usually its consequence), then by exception time."""
+        def key(r: int) -> tuple:
+            rec = _read_error(self.tmp, r)
+            code = self.procs[r].exitcode
+            if self.succeeded(r):
+                return (2, 0.0, r)
+            if rec is None and code is not None and code < 0:
+                return (0, 0.0, r)
+            return (1, float(rec["time"]) if rec else float("inf"), r)
+
+        batch = sorted(batch, key=key)
+        self.order += batch
+        return batch
+
+    def describe(self, rank: int) -> str:
+        """"killed by SIGKILL" / "exit code 1: ValueError: boom" / "stopped by spawn"."""
+        code = self.procs[rank].exitcode
+        rec = _read_error(self.tmp, rank)
+        if rec is not None:
+            return f"{_how(code)}: {rec['last']}"
+        if rank in self.stopped:
+            return "stopped by spawn"
+        if code == 0:
+            return "exit code 0 without returning a result"
+        if code is not None and code < 0 and self.fwd.requested and -code in (signal.SIGTERM, signal.SIGUSR2):
+            return f"{_how(code)}, forwarded on {self.fwd.requested}: it does not handle stop signals"
+        return _how(code)
+
+    def first(self, rank: int, lost: Collection[int] = ()) -> int:
+        """``rank`` (the first failure observed), unless it raised and another rank raised earlier: that one
+        (it may still have been exiting). Exception times compare; a signal death has none, so it stands."""
+        mine = _read_error(self.tmp, rank)
+        if mine is None:
+            return rank
+        records = {r: rec for r in range(len(self.procs)) if r not in lost and (rec := _read_error(self.tmp, r))}
+        return min(records, key=lambda r: (float(records[r]["time"]), r))
+
+    def failure(self, rank: int, lost: Sequence[int] = ()) -> SpawnError:
+        rec = _read_error(self.tmp, rank)
+        code = self.procs[rank].exitcode
+        if rec is not None and rec.get("config"):
+            return SpawnConfigError(rec["message"] or rec["last"], rank, code, rec.get("type", ""))
+        text = f"rank {rank} failed first ({self.describe(rank)})"
+        earlier = [r for r in lost if r != rank]
+        if earlier:
+            text += "; earlier, expendable " + ", ".join(f"rank {r} ({self.describe(r)})" for r in earlier)
+        later = [r for r in self.order if r != rank and r not in earlier and not self.succeeded(r)]
+        later += [r for r in range(len(self.procs))
+                  if r not in self.order and r != rank and r not in earlier and not self.succeeded(r)]
+        if later:
+            text += "; then " + ", ".join(f"rank {r} ({self.describe(r)})" for r in later)
+        detail = rec["traceback"] if rec is not None else "no traceback recorded; see the rank's stderr"
+        return SpawnError(f"{text}:\n{detail}".rstrip(), rank, code)
+
+
+def _stop(procs: list, ranks: Collection[int], exits: _Exits | None = None) -> None:
+    """SIGTERM the still-running ``ranks``, SIGKILL those left after the grace period; reap them all."""
+    alive = [r for r in ranks if procs[r].pid and procs[r].exitcode is None and procs[r].is_alive()]
+    for r in alive:
+        procs[r].terminate()
+        if exits is not None:
+            exits.stopped.add(r)
     deadline = time.monotonic() + _KILL_GRACE_S
+    for r in alive:
+        procs[r].join(max(0.0, deadline - time.monotonic()))
+        if procs[r].is_alive():
+            procs[r].kill()
     for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
+        if p.pid:
             p.join()
 
 
-def _failure(procs: list[mp.Process], tmp: str) -> SpawnError:
-    """The earliest recorded failure is the cause; later ones are usually peers losing it."""
-    errors = {}
-    for rank in range(len(procs)):
-        path = Path(tmp, f"error-{rank}")
-        if path.exists():
-            stamp, _, text = path.read_text().partition("\n")
-            errors[rank] = (float(stamp), text)
-    failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-    if errors:
-        rank = min(errors, key=lambda r: errors[r][0])
-        detail = errors[rank][1]
-    else:  # died before or outside fn (start-up error, signal): its stderr has the details
-        rank, detail = failed[0], "no traceback recorded; see the rank's stderr"
-    code = procs[rank].exitcode
-    how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-    others = [r for r in failed if r != rank]
-    also = f" (also failed: {', '.join(f'rank {r}' for r in others)})" if others else ""
-    return SpawnError(f"rank {rank} failed ({how}){also}:\n{detail}".rstrip(), rank, code)
+def _take(running: set[int]) -> set[int]:
+    """Empty ``running`` (the signal forwarder's list: no signal to a pid once it may be reaped), return its ranks."""
+    ranks = set(running)
+    running.clear()
+    return ranks
+
+
+def _warn(message: str) -> None:
+    print(f"hpcrl.comm.spawn: warning: {message}", file=sys.stderr, flush=True)
 
 
 def spawn(
@@ -92,24 +433,57 @@ def spawn(
     timeout_s: float | None = None,
     num_threads: int | None = 1,
     env: dict[str, str] | None = None,
+    forward_signals: Sequence[int] = FORWARD_SIGNALS,
+    expendable: Collection[int] = (),
 ) -> list[Any]:
     """Run ``fn(*args)`` in ``nproc`` fresh processes as ranks 0..nproc-1; return their results.
 
     ``fn`` must be importable (module level: the "spawn" start method pickles it by name) and its
     result picklable. Each child gets ``MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK`` (plus
     ``env``) and ``torch.set_num_threads(num_threads)`` unless ``num_threads`` is None: N ranks
-    with all-core thread pools oversubscribe a small machine badly. When a rank fails, the others
-    are killed and :class:`SpawnError` names the rank and carries its traceback; past
-    ``timeout_s`` all are killed and the still-running ranks are named.
+    with all-core thread pools oversubscribe a small machine badly.
+
+    ``forward_signals`` (default SIGTERM, SIGUSR2, SIGINT; ``()`` to leave signals alone) are
+    forwarded to the live ranks while they run (see the module doc; SIGINT as SIGTERM, a second one
+    kills the ranks and raises :class:`KeyboardInterrupt`); the previous handlers are restored on
+    return. Forwarding needs the main thread and is skipped elsewhere.
+
+    When a rank fails, the others are stopped and :class:`SpawnError` names the rank that failed
+    first and carries its traceback (:class:`SpawnConfigError` when it raised a configuration
+    error); past ``timeout_s`` all are stopped and the still-running ranks are named. A failing rank
+    in ``expendable`` is reported (a warning line) and the others go on; its result is None. Expendable
+    ranks still running ``_EXPENDABLE_GRACE_S`` after every other rank returned are stopped (result None).
+    A configuration error stops the run whichever rank raised it.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
-    store = dist.TCPStore("127.0.0.1", 0, nproc, True, timedelta(seconds=60), wait_for_workers=False)
+    expendable = frozenset(int(r) for r in expendable)
+    if not expendable <= set(range(nproc)):
+        raise ValueError(f"expendable ranks {sorted(expendable - set(range(nproc)))} outside 0..{nproc - 1}")
+    essential = set(range(nproc)) - expendable
     ctx = mp.get_context("spawn")
+    procs: list = []
+    running: set[int] = set()
+    fwd = _Forwarder(forward_signals, procs, running)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    with tempfile.TemporaryDirectory(prefix="hpcrl-spawn-") as tmp:
-        procs: list[mp.Process] = []
+    tmp: str | None = None
+    exits: _Exits | None = None
+    try:
+        fwd.install()
+        blocked = fwd.signals if fwd.active and hasattr(signal, "pthread_sigmask") else ()
+        # what the ranks hold for their StopRequest: the forwarded stop signals (SIGINT arrives as SIGTERM)
+        ignore_sigint = fwd.active and signal.SIGINT in fwd.signals
+        hold = tuple(s for s in _STOP_SIGNALS if fwd.active and (s in fwd.signals or (s == signal.SIGTERM and ignore_sigint)))
+        # Forwarded signals wait (pending) until every rank exists; the children inherit the mask and
+        # unblock them once their handlers are in place, so a signal during start-up stops them too.
+        if blocked:  # its first launch unblocks SIGINT and SIGTERM in this thread (bpo-33613): launch it now
+            multiprocessing.resource_tracker.ensure_running()
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, blocked) if blocked else None
         try:
+            store = dist.TCPStore("127.0.0.1", 0, nproc, True, timedelta(seconds=60), wait_for_workers=False)
+            tmp = _scratch_dir()
+            exits = _Exits(procs, tmp, fwd)
+            unblock = tuple(s for s in blocked if old_mask is None or s not in old_mask)
             for rank in range(nproc):
                 child_env = {
                     "MASTER_ADDR": "127.0.0.1",
@@ -122,26 +496,62 @@ def spawn(
                     "HPCRL_LAUNCHER": "local",  # torchrun-style variables, but the run reports "local"
                     **(env or {}),
                 }
-                p = ctx.Process(target=_child, args=(fn, tuple(args), child_env, num_threads, tmp), name=f"rank{rank}")
-                p.start()
+                p = ctx.Process(target=_child, name=f"rank{rank}",
+                                args=(fn, tuple(args), child_env, num_threads, tmp, os.getpid(), hold, ignore_sigint,
+                                      unblock))
                 procs.append(p)
-            running = set(range(nproc))
-            while running:
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                ready = multiprocessing.connection.wait([procs[r].sentinel for r in running], remaining)
-                if not ready:
+                p.start()
+                running.add(rank)
+        finally:
+            if old_mask is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)  # pending signals are forwarded now
+        lost: list[int] = []  # expendable ranks that failed
+        grace_end: float | None = None
+        while running:
+            if grace_end is None and essential and not (essential & running):
+                grace_end = time.monotonic() + _EXPENDABLE_GRACE_S
+            ends = [t for t in (deadline, grace_end) if t is not None]
+            remaining = None if not ends else max(0.0, min(ends) - time.monotonic())
+            ready = multiprocessing.connection.wait([procs[r].sentinel for r in running], remaining)
+            if not ready:
+                if deadline is not None and time.monotonic() >= deadline:
                     names = ", ".join(f"rank {r}" for r in sorted(running))
+                    _stop(procs, _take(running), exits)
                     raise SpawnError(f"timed out after {timeout_s:g} s; still running: {names}", None, None)
-                for r in list(running):
-                    if procs[r].sentinel in ready:
-                        procs[r].join()
-                        running.discard(r)
-                        if procs[r].exitcode != 0:
-                            raise _failure(procs, tmp)
-            results = []
-            for rank in range(nproc):
+                if grace_end is not None and time.monotonic() >= grace_end:
+                    late = sorted(running)
+                    _stop(procs, _take(running), exits)
+                    _warn(f"expendable rank(s) {', '.join(map(str, late))} still running {_EXPENDABLE_GRACE_S:g} s "
+                          "after the others finished: stopped")
+                continue
+            batch = [r for r in running if procs[r].sentinel in ready]
+            for r in batch:
+                running.discard(r)  # first: the signal forwarder must not signal a pid once it is reaped
+                procs[r].join()
+            for r in exits.observe(batch):
+                if exits.succeeded(r):
+                    continue
+                rec = _read_error(tmp, r)
+                if r in expendable and not (rec is not None and rec.get("config")):
+                    lost.append(r)
+                    _warn(f"rank {r} failed ({exits.describe(r)}); it is expendable, the others go on without it")
+                    continue
+                _stop(procs, _take(running), exits)
+                raise exits.failure(exits.first(r, lost), lost)
+        results = []
+        for rank in range(nproc):
+            try:
                 with open(Path(tmp, f"result-{rank}"), "rb") as f:
                     results.append(pickle.load(f))
-            return results
-        finally:
-            _stop(procs)
+            except FileNotFoundError:
+                if rank not in expendable:
+                    raise SpawnError(f"rank {rank} failed first ({exits.describe(rank)})", rank,
+                                     procs[rank].exitcode) from None
+                results.append(None)
+        return results
+    finally:
+        running.clear()
+        _stop(procs, range(len(procs)), exits)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        fwd.restore()

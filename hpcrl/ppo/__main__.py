@@ -2,8 +2,14 @@
 
 Without a launcher it spawns ``makers + trainers`` local ranks (gloo). Under ``srun``/``torchrun``
 each task takes its role from its rank: trainers ``[0, T)``, makers after.
-Exit codes: 0 done, 2 bad configuration, 1 a rank failed (the message names it), 75 stopped by
-SIGUSR2/SIGTERM after the trainers wrote a checkpoint (resume with ``--resume``).
+Exit codes: 0 done, 2 bad configuration (one line, whichever rank found it), 1 a rank failed (the
+message names the rank that failed first), 75 stopped by SIGUSR2/SIGTERM after the trainers wrote a
+checkpoint (resume with ``--resume``), 130 interrupted twice.
+
+Spawned locally, the parent forwards SIGTERM/SIGUSR2 to the ranks, and Ctrl-C as SIGTERM (a second
+Ctrl-C kills them without a checkpoint); the ranks die with the parent. A maker that dies is
+dropped and the run goes on, as under a launcher (a warning line names it); a trainer that dies
+stops the run.
 """
 
 from __future__ import annotations
@@ -13,13 +19,16 @@ import sys
 
 import tyro
 
-from hpcrl.comm import DistSetupError, SpawnError, StopRequest, check_local_gpus, cuda_count, detect_launch, spawn
+from hpcrl.comm import SpawnError, check_local_gpus, cuda_count, detect_launch, spawn
 from hpcrl.comm.devices import resolve_kind
+from hpcrl.comm.local import SpawnConfigError, is_config_error
 from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_STOPPED
 
 from .config import DetachedConfig
 from .liveness import PeerLost
-from .run import ConfigError, build_workload, train, validate
+from .run import build_workload, train, validate
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C twice
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,18 +42,29 @@ def main(argv: list[str] | None = None) -> int:
             validate(cfg, cfg.makers + cfg.trainers)
             # Spawned ranks get cuda:(rank mod GPUs); makers may share GPUs, trainers (one NCCL group) may not.
             check_local_gpus(cfg.trainers, cfg.trainer_device, cuda_count(), "--trainer-device", "--trainers")
-            for sig in StopRequest.SIGNALS:  # the ranks handle them; the parent only waits
+            # spawn forwards stop signals to the ranks while they run and restores these afterwards.
+            for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
                 signal.signal(sig, signal.SIG_IGN)
-            rows = spawn(train, cfg.makers + cfg.trainers, args=(cfg,), timeout_s=None, num_threads=cfg.threads)
+            world = cfg.makers + cfg.trainers
+            rows = spawn(train, world, args=(cfg,), timeout_s=None, num_threads=cfg.threads,
+                         expendable=range(cfg.trainers, world))  # trainers drop dead makers and go on
         else:
             rows = [train(cfg)]
-    except (ConfigError, DistSetupError) as err:
+    except SpawnConfigError as err:  # a rank found it: one line, however many ranks did
         print(f"hpcrl.ppo: error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     except (SpawnError, PeerLost) as err:
         print(f"hpcrl.ppo: error: {err}", file=sys.stderr)
         return EXIT_FAILED
-    return EXIT_STOPPED if any(row.get("preempted") for row in rows) else 0
+    except KeyboardInterrupt:
+        print("hpcrl.ppo: interrupted: stopped without a checkpoint", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as err:  # ConfigError, DistSetupError, RunDirError: exit 2, one line
+        if not is_config_error(err):
+            raise
+        print(f"hpcrl.ppo: error: {err}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    return EXIT_STOPPED if any(row and row.get("preempted") for row in rows) else 0
 
 
 if __name__ == "__main__":

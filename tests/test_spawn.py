@@ -1,0 +1,280 @@
+"""hpcrl.comm.spawn as a supervisor, with real processes: stop signals forwarded from the parent,
+no orphans, scratch directories swept, late signals harmless, failures named by the rank that
+failed first, configuration errors as one line (exit 2), expendable ranks (PPO makers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hpcrl import checkpoint
+from hpcrl.comm import SpawnError, init_distributed, shutdown, spawn
+from hpcrl.comm import local
+from hpcrl.comm.local import SpawnConfigError
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))  # this module must be importable in the spawned ranks
+
+pytestmark = pytest.mark.timeout(90)
+
+TINY = ["--preset", "pendulum", "--num-envs", "4", "--batch-size", "32", "--actor-hidden", "32",
+        "--critic-hidden", "32", "--num-atoms", "21", "--learning-starts", "4", "--random-steps", "4",
+        "--num-updates", "2", "--log-every", "5", "--eval-episodes", "0"]
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+def _env(tmp: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    scratch = tmp / "scratch"
+    scratch.mkdir(exist_ok=True)
+    env.update(TMPDIR=str(scratch), PYTHONPATH=os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def _cli(module: str, args: list[str], tmp: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", module, *args], env=_env(tmp), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _rows(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait_for(cond, proc: subprocess.Popen | None, timeout: float = 60, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        if proc is not None and proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"exited {proc.returncode} before {what}:\n{out[-2000:]}\n{err[-3000:]}")
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _ranks_of(parent: int) -> list[int]:
+    """The spawned ranks (children running multiprocessing's spawn_main) of ``parent``, in start order."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[-1].split()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat[1]) == parent and b"spawn_main" in cmdline:
+            found.append((int(stat[19]), int(entry.name)))
+    return [pid for _, pid in sorted(found)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _scratch_dirs(tmp: Path) -> list[str]:
+    return [p.name for p in (tmp / "scratch").glob("hpcrl-spawn-*")]
+
+
+# -- rank functions (module level: the ranks import them by name) ------------------------------------
+def _stop_aware(pid_dir: str) -> str:
+    """Like a trainer: a SIGTERM handler that asks to stop; returns how it ended."""
+    asked: list[int] = []
+    signal.signal(signal.SIGTERM, lambda s, f: asked.append(s))
+    Path(pid_dir, f"rank-{os.environ['RANK']}").write_text(str(os.getpid()))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if asked:
+            return "stopped"
+        time.sleep(0.01)
+    return "finished"
+
+
+def _collective_loop(pid_dir: str) -> None:
+    ctx = init_distributed(timeout_s=30)
+    Path(pid_dir, f"rank-{ctx.rank}").write_text(str(os.getpid()))
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline:
+        dist.all_reduce(torch.ones(1), group=ctx.host_plane.group)
+        time.sleep(0.01)
+    shutdown()
+
+
+def _returns_rank() -> int:
+    return int(os.environ["RANK"])
+
+
+def _wait_pids(pid_dir: Path, n: int, timeout: float = 60) -> list[int]:
+    _wait_for(lambda: len(list(pid_dir.glob("rank-*"))) == n, None, timeout, f"{n} ranks")
+    time.sleep(0.1)
+    return [int((pid_dir / f"rank-{r}").read_text()) for r in range(n)]
+
+
+# -- stop signals -----------------------------------------------------------------------------------
+def test_sigterm_to_the_parent_checkpoints_and_exits_75(tmp_path):
+    run = tmp_path / "run"
+    proc = _cli("hpcrl.sac", [*TINY, "--nproc", "2", "--total-env-steps", "100000", "--checkpoint-every", "0",
+                              "--run-dir", str(run)], tmp_path)
+    try:
+        _wait_for(lambda: len(_rows(run)) >= 2, proc, what="two metrics rows")
+        os.kill(proc.pid, signal.SIGTERM)  # the pid a user, systemd or docker sees; not the group
+        out, err = _finish(proc)
+    finally:
+        _finish(proc, 1)
+    assert proc.returncode == 75, err[-3000:]
+    assert "stop requested (SIGTERM)" in out
+    stopped_at = _rows(run)[-1]["env_steps"]
+    assert checkpoint.latest(run).name.endswith(f"{stopped_at // 4:012d}")
+    assert _scratch_dirs(tmp_path) == []
+
+
+def test_sigint_becomes_a_stop_and_a_second_one_kills(tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    timer = threading.Thread(target=lambda: (_wait_pids(pids, 2), os.kill(os.getpid(), signal.SIGINT)))
+    timer.start()
+    assert spawn(_stop_aware, 2, args=(str(pids),), timeout_s=60) == ["stopped", "stopped"]  # SIGINT -> SIGTERM
+    timer.join()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+    for p in pids.iterdir():
+        p.unlink()
+
+    def twice() -> None:
+        ranks = _wait_pids(pids, 2)
+        for r in ranks:  # the terminal's Ctrl-C reaches the whole group: the ranks ignore it
+            os.kill(r, signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    timer = threading.Thread(target=twice)
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        timer.start()
+        spawn(_never_stops, 2, args=(str(pids),), timeout_s=60)
+    timer.join()
+    assert time.monotonic() - t0 < 30
+    assert not any(_alive(int(p.read_text())) for p in pids.iterdir())
+
+
+def _never_stops(pid_dir: str) -> None:
+    signal.signal(signal.SIGTERM, lambda s, f: None)  # asked to stop, but keeps going
+    Path(pid_dir, f"rank-{os.environ['RANK']}").write_text(str(os.getpid()))
+    time.sleep(40)
+
+
+def test_stop_signals_after_the_last_step_leave_a_finished_run_at_0(tmp_path):
+    run = tmp_path / "run"
+    proc = _cli("hpcrl.sac", [*TINY, "--nproc", "2", "--total-env-steps", "80", "--checkpoint-every", "0",
+                              "--run-dir", str(run)], tmp_path)
+    try:
+        _wait_for(lambda: any(r["env_steps"] == 80 for r in _rows(run)), proc, what="the last row")
+        while proc.poll() is None:  # a storm of stop signals through shutdown and exit, to every process
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                break
+            time.sleep(0.01)
+        out, err = _finish(proc)
+    finally:
+        _finish(proc, 1)
+    assert proc.returncode == 0, err[-3000:]
+    assert "stop requested" not in out
+    assert _scratch_dirs(tmp_path) == []
+
+
+# -- orphans, scratch -------------------------------------------------------------------------------
+def test_sigkilled_parent_takes_its_ranks_and_its_scratch_dir_is_swept(tmp_path, monkeypatch):
+    proc = _cli("hpcrl.sac", [*TINY, "--nproc", "2", "--total-env-steps", "100000", "--checkpoint-every", "0",
+                              "--run-dir", str(tmp_path / "run")], tmp_path)
+    try:
+        _wait_for(lambda: len(_ranks_of(proc.pid)) == 2, proc, what="two ranks")
+        ranks = _ranks_of(proc.pid)
+        assert len(_scratch_dirs(tmp_path)) == 1
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        _wait_for(lambda: not any(_alive(p) for p in ranks), None, 10, "the orphaned ranks to die")
+    finally:
+        _finish(proc, 1)
+    assert len(_scratch_dirs(tmp_path)) == 1  # a SIGKILLed parent cannot clean up ...
+    live = tmp_path / "scratch" / f"hpcrl-spawn-{local._host_tag()}-{os.getpid()}-{local._proc_start(os.getpid())}-x"
+    live.mkdir()  # ... but a live owner's directory is kept
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "scratch"))
+    assert spawn(_returns_rank, 1, timeout_s=60) == [0]  # ... the next spawn sweeps the dead one
+    assert _scratch_dirs(tmp_path) == [live.name]
+
+
+# -- failures ---------------------------------------------------------------------------------------
+def test_the_rank_that_failed_first_is_named(tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    killer = threading.Thread(target=lambda: os.kill(_wait_pids(pids, 3)[0], signal.SIGKILL))
+    killer.start()
+    with pytest.raises(SpawnError) as err:
+        spawn(_collective_loop, 3, args=(str(pids),), timeout_s=80)
+    killer.join()
+    message = str(err.value)
+    assert message.startswith("rank 0 failed first (killed by SIGKILL)"), message
+    assert err.value.rank == 0 and err.value.exitcode == -signal.SIGKILL
+    assert not isinstance(err.value, SpawnConfigError)
+
+
+@pytest.mark.parametrize("case", ["unknown gym id", "run dir is a file"])
+def test_config_errors_in_the_ranks_exit_2_with_one_line(tmp_path, case):
+    (tmp_path / "file").write_text("not a directory")
+    args = ["--env", "gym:NoSuchEnv-v0", "--run-dir", str(tmp_path / "run")] if case == "unknown gym id" else \
+        ["--run-dir", str(tmp_path / "file")]
+    proc = _cli("hpcrl.sac", [*TINY, "--nproc", "2", "--total-env-steps", "80", *args], tmp_path)
+    _, err = _finish(proc, 60)
+    assert proc.returncode == 2, err[-3000:]
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if "error" in line.lower()]
+    assert len(lines) == 1 and lines[0].startswith("hpcrl.sac: error: "), err
+    assert ("NoSuchEnv" if case == "unknown gym id" else "file") in lines[0]
+    assert _scratch_dirs(tmp_path) == []
+
+
+def test_a_dead_maker_is_dropped_under_local_spawn(tmp_path):
+    run = tmp_path / "run"
+    proc = _cli("hpcrl.ppo", ["--workload", "ppo_toy:ToyWorkload", "--makers", "2", "--trainers", "1",
+                              "--total-steps", "40", "--workload-args", "rollout_s", "0.05",
+                              "--heartbeat-timeout-s", "3", "--run-dir", str(run)], tmp_path)
+    try:
+        _wait_for(lambda: len(_rows(run)) >= 3, proc, what="three metrics rows")
+        ranks = _ranks_of(proc.pid)
+        assert len(ranks) == 3
+        os.kill(ranks[2], signal.SIGKILL)  # rank 2: maker 1
+        out, err = _finish(proc, 80)
+    finally:
+        _finish(proc, 1)
+    assert proc.returncode == 0, err[-3000:]
+    final = _rows(run)[-1]
+    assert final["policy_version"] == 40 and final["makers_lost"] == 1
+    assert "rank 2 failed (killed by SIGKILL); it is expendable" in err
