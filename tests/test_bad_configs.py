@@ -26,7 +26,6 @@ TESTS = Path(__file__).resolve().parent
 NAN, INF = float("nan"), float("inf")
 # until hpcrl.sac.train.plan / hpcrl.ppo.run.validate call cfg.check() (its ConfigError means exit 2), the
 # CLIs accept these values; the marks come off once they do
-UNWIRED = pytest.mark.xfail(strict=True, reason="check() wired by train.plan / run.validate")
 
 
 def _flag(name: str) -> str:
@@ -167,7 +166,6 @@ def cli_in_process(monkeypatch, no_launcher):
     monkeypatch.setattr(signal, "signal", lambda *args: None)
 
 
-@UNWIRED
 @pytest.mark.parametrize("args, parts", [
     (["--tau", "5"], ["--tau 5", "(0, 1]"]),
     (["--num-atoms", "1"], ["--num-atoms 1", ">= 2"]),
@@ -184,7 +182,6 @@ def test_sac_cli_in_process_exits_2_before_spawning(args, parts, monkeypatch, ca
     assert_bad_cli(rc, capsys.readouterr().err, "hpcrl.sac: error:", *parts)
 
 
-@UNWIRED
 @pytest.mark.parametrize("args, parts", [
     (["--nproc", "0"], ["--nproc 0", ">= 1"]),
     (["--tau", "5"], ["--tau 5", "(0, 1]"]),
@@ -257,7 +254,6 @@ def test_ppo_defaults_and_edges_pass():
 
 # -- detached PPO CLI ----------------------------------------------------------------------------------------
 
-@UNWIRED
 @pytest.mark.parametrize("args, parts", [
     (["--lag", "1000000"], ["--lag 1000000", "[0, 64]"]),
     (["--bucket-mb", "0"], ["--bucket-mb 0", ">= 0.0001"]),
@@ -281,7 +277,6 @@ def test_ppo_cli_bad_device_exits_2(tmp_path):
     assert_bad_cli(proc.returncode, proc.stderr, "hpcrl.ppo: error:", "--trainer-device 'tpu'", "cuda:K")
 
 
-@UNWIRED
 def test_ppo_cli_bad_batches_per_step_exits_2(tmp_path):
     proc = run_module("hpcrl.ppo", ["--batches-per-step", "0", "--trainer-device", "cpu", "--maker-device", "cpu",
                                     "--run-dir", str(tmp_path / "run")], tmp_path)

@@ -20,7 +20,7 @@ from .devices import check_local_gpus, cuda_count, rank_device
 from .env import LaunchInfo, detect_launch
 from .planes import IDLE_TIMEOUT, Plane, abort, new_plane, new_planes, strict_planes
 from .grad_sync import GradSync, Mode
-from .local import SpawnError, spawn
+from .local import SpawnConfigError, SpawnError, spawn
 from .nodelist import expand_nodelist, first_host
 from .stop import EXIT_STOPPED, StopRequest
 from .reduce import RankDivergenceError, all_reduce_sum_, broadcast_, check_parameters_in_sync, reduce_metrics
@@ -45,6 +45,7 @@ __all__ = [
     "Mode",
     "RankDivergenceError",
     "Source",
+    "SpawnConfigError",
     "SpawnError",
     "all_reduce_sum_",
     "barrier",

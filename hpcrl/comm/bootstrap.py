@@ -193,5 +193,7 @@ def shutdown(timeout_s: float | None = None, gone: Sequence[int] = ()) -> None:
         except RuntimeError:
             who = "the store is gone; not every rank may have"
         warnings.warn(f"hpcrl.comm.shutdown on rank {ctx.rank}: {who} reach shutdown ({err})")
-    if dist.is_initialized():
+    if dist.is_initialized() and not gone:
+        # With ranks gone, operations towards them may still be pending inside the groups: tearing the
+        # groups down under them can abort the process; the process exit releases them instead.
         dist.destroy_process_group()

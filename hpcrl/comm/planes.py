@@ -123,9 +123,9 @@ def abort(plane: Plane) -> None:
     """Give up on a plane whose collectives can no longer complete (a member died): abort its
     communicator so pending operations are dropped, not left to NCCL's watchdog (which would take the
     whole process down when they time out). Never use the plane afterwards."""
-    if plane.group is None:
+    if plane.group is None or plane.backend != "nccl":  # gloo has no watchdog: abandoned ops just error
         return
     try:
         dist.distributed_c10d._abort_process_group(plane.group)
-    except Exception:  # best effort: gloo has no watchdog, an abandoned gloo op only errors on its own
+    except Exception:  # best effort
         pass

@@ -103,7 +103,8 @@ class TrainerTask(Checkpointable):
         # a job requeued by Slurm itself (preemption, node failure) never passed through checkpoint()
         resume = self.resume or int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0
         cmd = [sys.executable, "-m", self.module, *self.trainer_args, "--run-dir", run_dir]
-        self._trainer = _Trainer(cmd + (["--resume"] if resume else []), rank_environment(job))
+        # a requeue before the first checkpoint committed finds nothing to resume: that run starts over
+        self._trainer = _Trainer(cmd + (["--resume", "--resume-missing", "fresh"] if resume else []), rank_environment(job))
         code = self._trainer.wait()
         if code in RESUMABLE:
             # Stopped for a requeue: leave no result, the rerun writes it. Task 0's requeue happens in

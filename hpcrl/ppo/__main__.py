@@ -14,6 +14,7 @@ stops the run.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -67,5 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_STOPPED if any(row and row.get("preempted") for row in rows) else 0
 
 
+def _exit(code: int) -> None:
+    """Leave without interpreter teardown. After a maker or trainer was lost, a receive thread may still
+    be blocked on it inside gloo, and cannot be cancelled; tearing the process groups down under it at
+    interpreter exit can abort the process (rc -6) after a run that succeeded. Everything that matters
+    (metrics, checkpoints, TensorBoard) is closed and flushed by then."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())

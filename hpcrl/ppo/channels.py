@@ -336,8 +336,13 @@ class WeightChannel:
             except Exception:
                 if publisher:
                     return False
-                if self.store.check([self.FALLBACK_KEY]):
-                    return False
+                # A member of the weight plane died (gloo fails pending ops of the whole group): the
+                # publisher notices within the heartbeat timeout and falls back; wait for its word.
+                give_up = time.monotonic() + self.timeout_s
+                while time.monotonic() < give_up:
+                    if self.store.check([self.FALLBACK_KEY]):
+                        return False
+                    time.sleep(_LOOK_S)
                 raise
             now = time.monotonic()
             if now >= next_look:  # the liveness / store look is rarer than the poll: M makers share one store

@@ -80,6 +80,9 @@ class DetachedConfig:
     run_dir: str = "runs/ppo"
     """Non-empty path without control characters."""
     resume: bool = False
+    resume_missing: str = "error"
+    """With --resume and no usable checkpoint in run_dir: "error" refuses (exit 2), "fresh" starts a new run
+    and says so (what the sbatch scripts pass: a job requeued before its first checkpoint starts over)."""
     timeout_s: float = 120.0
     """Longest wait for anything (experience, credits, weights, collectives) before failing with a named peer;
     in (0, 604800] seconds (at most a week)."""
@@ -125,6 +128,8 @@ class DetachedConfig:
         c.integer("seed", 0, MAX_SEED)
         c.text("run_dir")
         c.boolean("resume")
+        if self.resume_missing not in ("error", "fresh"):
+            c.fail("resume_missing", "one of error, fresh")
         c.real("timeout_s", 0.0, MAX_TIMEOUT_S, lo_open=True, hint="seconds")
         c.real("heartbeat_timeout_s", 1.0, hint="seconds; two heartbeats are 1 s")
         if not self.heartbeat_timeout_s <= self.timeout_s:

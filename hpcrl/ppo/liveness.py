@@ -1,8 +1,9 @@
 """Heartbeats through the rendezvous store: counters, not timestamps, so clocks never matter.
 
-Heartbeats and watchers talk to the store through their own client (:func:`liveness_store`) whose
-timeout is the heartbeat timeout: a frozen store host (trainer 0 when no launcher hosts the store)
-is noticed within that time, instead of the store's default timeout.
+Heartbeats and watchers talk to the store through their own client (:func:`liveness_store`), and
+every watcher query runs under a deadline (:func:`bounded`): a store client's replies are read
+without a timeout, so a frozen store host (trainer 0 when no launcher hosts the store) would block
+the caller forever; instead it is noticed within the heartbeat timeout.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from hpcrl.comm import DistContext, host_of
+from hpcrl.comm import DistContext, host_of, hosts
 
 
 class PeerLost(RuntimeError):
@@ -21,7 +22,11 @@ class PeerLost(RuntimeError):
 
 
 class Dropped(RuntimeError):
-    """This maker was declared lost by the trainers (it froze past the heartbeat timeout)."""
+    """This maker was declared lost by the trainers (it froze past the heartbeat timeout), or the run
+    finished while it was away."""
+
+
+FINISHED_KEY = "ppo/finished"  # set by trainer 0 before the STOP credits
 
 
 # Store keys of a maker's life: samples it handed to its sender (counted as they leave, so a lost
@@ -38,9 +43,17 @@ def done_key(m: int) -> str:
     return f"ppo/done/{m}"
 
 
+_HOSTS: dict[int, str] = {}  # rank -> host, read once at start: naming a peer must not need the store
+
+
+def remember_hosts(ctx: DistContext) -> None:
+    _HOSTS.clear()
+    _HOSTS.update(enumerate(hosts(ctx)))
+
+
 def describe(ctx: DistContext, rank: int, role: str) -> str:
     """``"maker rank 3 (node7)"``: how errors name a peer."""
-    host = host_of(ctx, rank)
+    host = _HOSTS.get(rank) or host_of(ctx, rank)
     return f"{role} rank {rank}" + (f" ({host})" if host else "")
 
 
@@ -49,6 +62,32 @@ def liveness_store(store: dist.Store, timeout_s: float) -> dist.Store:
     client = store.clone()
     client.set_timeout(timedelta(seconds=timeout_s))
     return client
+
+
+class StoreUnresponsive(RuntimeError):
+    """The rendezvous store did not answer within the deadline (its host froze or is gone)."""
+
+
+def bounded(fn, timeout_s: float):
+    """``fn()`` on a daemon thread, its result within ``timeout_s`` or StoreUnresponsive. A call that
+    never returns leaves only that daemon thread behind (blocked in a socket read)."""
+    box: list = []
+
+    def call() -> None:
+        try:
+            box.append((True, fn()))
+        except BaseException as err:  # re-raised on the caller's thread
+            box.append((False, err))
+
+    worker = threading.Thread(target=call, name="store-query", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if not box:
+        raise StoreUnresponsive(f"the rendezvous store did not answer within {timeout_s:g} s")
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
 
 
 class Heartbeat:
@@ -69,6 +108,7 @@ class Heartbeat:
 
     def stop(self) -> None:
         self._stop.set()
+        self._thread.join(timeout=2 * self._interval + 1.0)  # not inside a store call when the process exits
 
 
 class Watcher:
@@ -80,9 +120,12 @@ class Watcher:
         self._last = {r: (-1, now) for r in ranks}
 
     def dead(self) -> list[int]:
+        """Ranks whose heartbeat stalled; raises StoreUnresponsive when the store itself does not answer."""
+        ranks = list(self._last)
+        counts = bounded(lambda: [self._store.add(f"hb/{r}", 0) for r in ranks], self._timeout)
         now, out = time.monotonic(), []
-        for rank, (count, since) in self._last.items():
-            current = self._store.add(f"hb/{rank}", 0)
+        for rank, current in zip(ranks, counts):
+            count, since = self._last[rank]
             if current != count:
                 self._last[rank] = (current, now)
             elif now - since > self._timeout:

@@ -22,7 +22,7 @@ from .channels import Credit, CreditChannel, ExperienceChannel, Header, Schema, 
 from .config import DetachedConfig
 from .events import Events, RolloutDone
 from .groups import Groups
-from .liveness import Dropped, PeerLost, Watcher, describe, done_key, dropped_key, liveness_store, produced_key
+from .liveness import FINISHED_KEY, Dropped, PeerLost, Watcher, bounded, describe, done_key, dropped_key, liveness_store, produced_key
 from .topology import Topology
 from .workload import Workload
 
@@ -84,8 +84,12 @@ class Maker:
     def run(self) -> dict[str, float]:
         try:
             return self._loop()
-        except Dropped as err:  # woke up after a freeze: the run went on without us; leave quietly
+        except Dropped as err:  # woke up after a freeze: the run went on (or ended) without us; leave quietly
             print(f"hpcrl.ppo: {err}", flush=True)
+            try:
+                bounded(lambda: self.ctx.store.set(done_key(self.index), "1"), self.cfg.heartbeat_timeout_s)
+            except Exception:  # the trainers are gone already
+                pass
             return {"produced": float(self._produced), "dropped": 1.0}
 
     def _loop(self) -> dict[str, float]:
@@ -115,7 +119,7 @@ class Maker:
             header = Header(self.index, credit.credit_id, seq, self.version, samples, payload.numel())
             self._hand_over((credit.trainer, header, payload))  # trainer index == its rank
             self._produced += samples
-            self.live.add(produced_key(self.index), samples)  # counted as it leaves: lost makers' count too
+            self._count(samples)
             seq += 1
             wall = time.time() - prev_end  # monotonic instants as wall-clock times, for the event
             self.events(RolloutDone(wall + prev_end, self.index, self.version, wall + wait_start, wall + t_collect,
@@ -125,6 +129,15 @@ class Maker:
         for thread in self._threads:
             thread.join(timeout=self.cfg.timeout_s)
         return {"produced": float(self._produced), "batches": float(seq), "wait_s": waiting_s}
+
+    def _count(self, samples: int) -> None:
+        """Samples counted in the store as they leave, so a lost maker's count outlives it."""
+        try:
+            bounded(lambda: self.live.add(produced_key(self.index), samples), self.cfg.heartbeat_timeout_s)
+        except Exception as err:  # unresponsive or gone: the store lives with trainer 0 (or the launcher)
+            self._check_trainers("the store")  # names a dead trainer if that is what happened
+            raise PeerLost(f"maker {self.index}: lost the rendezvous store hosted by "
+                           f"{describe(self.ctx, 0, 'trainer')}: {err}") from None
 
     def _hand_over(self, item) -> None:
         """To the sender thread (a queue of two: back-pressure), failing if the sender has died."""
@@ -199,21 +212,28 @@ class Maker:
             if self.version >= min_version:
                 return
             with self._shadow.lock:
-                if self._shadow.error is not None:
-                    raise PeerLost(f"maker {self.index}: weight stream from "
-                                   f"{describe(self.ctx, 0, 'trainer')} broke: {self._shadow.error}")
-                self._shadow.arrived.wait(timeout=0.5)
-            self._check_trainers(f"weights v{min_version}")
+                broken = self._shadow.error
+                if broken is None:
+                    self._shadow.arrived.wait(timeout=0.5)
+            self._check_trainers(f"weights v{min_version}")  # first: dropped while frozen explains a broken stream
+            if broken is not None:
+                raise PeerLost(f"maker {self.index}: weight stream from {describe(self.ctx, 0, 'trainer')} broke: "
+                               f"{broken}")
             if time.monotonic() > deadline:
                 raise PeerLost(f"maker {self.index}: no weights v{min_version} from "
                                f"{describe(self.ctx, 0, 'trainer')} within {self.cfg.timeout_s:.0f} s")
 
     def _check_trainers(self, waiting_for: str) -> None:
         try:
-            if self.live.check([dropped_key(self.index)]):
+            dropped, finished = bounded(lambda: (self.live.check([dropped_key(self.index)]),
+                                                 self.live.check([FINISHED_KEY])), self.cfg.heartbeat_timeout_s)
+            if dropped:
                 raise Dropped(f"maker {self.index}: the trainers dropped this maker (its heartbeat stalled for more "
                               f"than {self.cfg.heartbeat_timeout_s:g} s, e.g. while frozen); its rollouts were "
                               "given to the others, so it stops here")
+            if finished:
+                raise Dropped(f"maker {self.index}: the run finished while this maker waited for {waiting_for}; "
+                              "stopping")
             dead = self.watch.dead()
         except Dropped:
             raise

@@ -7,23 +7,20 @@ import importlib
 
 import torch
 
+from hpcrl import checkpoint, rundir
 from hpcrl.comm import StopRequest, detect_launch, init_distributed, shutdown
 from hpcrl.conventions import ppo_role
 
-from .config import DetachedConfig
+from .config import ConfigError, DetachedConfig
 from .events import Events, ignore
 from .groups import make_groups
-from .liveness import Heartbeat, liveness_store
+from .liveness import Heartbeat, liveness_store, remember_hosts
 from .maker import Maker
 from .topology import Topology
-from .trainer import Trainer
+from .trainer import Trainer, run_identity
 from .workload import PPOConfig
 
 __all__ = ["ConfigError", "build_workload", "train", "validate"]
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message says what to change."""
 
 
 def build_workload(cfg: DetachedConfig):
@@ -47,6 +44,7 @@ def build_workload(cfg: DetachedConfig):
 
 
 def validate(cfg: DetachedConfig, world_size: int) -> Topology:
+    cfg.check()  # every field's range (ConfigError naming the flag)
     top = Topology(cfg.trainers, cfg.makers)
     if world_size != top.world_size:
         raise ConfigError(f"--trainers {cfg.trainers} + --makers {cfg.makers} = {top.world_size} ranks, but the "
@@ -59,10 +57,22 @@ def validate(cfg: DetachedConfig, world_size: int) -> Topology:
     return top
 
 
+def check_resumable(cfg: DetachedConfig, top: Topology) -> None:
+    """``--resume`` checks every rank makes before any loads (manifests only, one verdict everywhere):
+    another run's checkpoint, or nothing to resume, is a :class:`hpcrl.rundir.RunDirError` on every
+    rank (exit 2), not a trainer failure the makers learn about later."""
+    if checkpoint.preflight(cfg.run_dir, top.trainers, identity=run_identity(cfg, top.trainers)) is None \
+            and getattr(cfg, "resume_missing", "error") != "fresh":
+        raise rundir.RunDirError(f"--resume: {checkpoint.nothing_to_resume(cfg.run_dir)}; run without --resume to "
+                                 "start fresh, or pass --resume-missing fresh to start fresh whenever there is "
+                                 "nothing to resume")
+
+
 def train(cfg: DetachedConfig, events: Events = ignore) -> dict[str, float]:
     """Run one rank (its role from its rank: trainers ``[0, T)``, makers after); ``events`` sees what
     happens (:mod:`hpcrl.ppo.events`). Returns the trainer's final row, or the maker's totals."""
     stop = StopRequest.install()  # makers only record it: trainers decide, then send STOP credits
+    cfg.check()  # before anything starts: a bad --threads or device would fail less clearly below
     torch.set_num_threads(cfg.threads)
     try:
         role = ppo_role(detect_launch().rank, cfg.trainers, cfg.makers)
@@ -74,18 +84,27 @@ def train(cfg: DetachedConfig, events: Events = ignore) -> dict[str, float]:
                            world_device_plane=False)
     top = validate(cfg, ctx.world_size)
     workload, ppo = build_workload(cfg)
-    groups = make_groups(ctx, top)  # every rank, same order: a torch.distributed rule
-    beat = Heartbeat(liveness_store(ctx.store, cfg.heartbeat_timeout_s), ctx.rank)
+    # Every rank, before anything touches the run dir: trainer 0 (global rank 0) holds its lock for the
+    # life of the run; a refusal (in use, another run's checkpoint, nothing to resume) is exit 2 everywhere.
+    lock = rundir.claim(cfg.run_dir, ctx)
     try:
-        if role == "maker":
-            out = Maker(ctx, top, cfg, workload, groups, events).run()
-            gone: list[int] = []
-        else:
-            trainer = Trainer(ctx, top, cfg, workload, ppo, groups, stop, events)
-            out = trainer.run()
-            gone = [top.maker_rank(m) for m in trainer.dead]
+        if cfg.resume:
+            check_resumable(cfg, top)
+        groups = make_groups(ctx, top)  # every rank, same order: a torch.distributed rule
+        remember_hosts(ctx)
+        beat = Heartbeat(liveness_store(ctx.store, cfg.heartbeat_timeout_s), ctx.rank)
+        try:
+            if role == "maker":
+                out = Maker(ctx, top, cfg, workload, groups, events).run()
+                gone: list[int] = []
+            else:
+                trainer = Trainer(ctx, top, cfg, workload, ppo, groups, stop, events)
+                out = trainer.run()
+                gone = [top.maker_rank(m) for m in trainer.dead]
+        finally:
+            beat.stop()
+        shutdown(gone=gone)  # trainer 0 waits for the live ranks only: a lost maker never reaches it
     finally:
-        beat.stop()
-    shutdown(gone=gone)  # trainer 0 waits for the live ranks only: a lost maker never reaches it
+        lock.release()
     return out
 

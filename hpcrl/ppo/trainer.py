@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from hpcrl import checkpoint, ops
+from hpcrl import checkpoint, ops, rundir
 from hpcrl.comm import IDLE_TIMEOUT, DistContext, GradSync, StopRequest, barrier, hosts, reduce_metrics
 from hpcrl.metrics import RunLogger
 
@@ -28,13 +28,24 @@ from .channels import ChannelError, Credit, CreditChannel, ExperienceChannel, He
 from .config import DetachedConfig
 from .events import BatchReceived, Events, RowLogged, WeightsPublished
 from .groups import Groups, staging_note
-from .liveness import PeerLost, Watcher, describe, done_key, dropped_key, liveness_store, produced_key
+from .liveness import FINISHED_KEY, PeerLost, Watcher, describe, done_key, dropped_key, liveness_store, produced_key
 from .topology import Topology
 from .workload import PPOConfig, Workload
 
 __all__ = ["Trainer"]
 
-MIN_RECENT_EPISODES = 20  # episode_return_recent: mean over the latest steps that finished this many
+MIN_RECENT_EPISODES = 20
+_LOOK_S = 0.5  # how often the trainer reads the peers' heartbeats while waiting for experience  # episode_return_recent: mean over the latest steps that finished this many
+
+
+# DetachedConfig fields a resume may not change; with the number of trainers (the checkpoint's world)
+# they are the run's identity. Everything else (steps, lag, makers, devices, timeouts, checkpoint
+# cadence) may change between the jobs of one run dir.
+IDENTITY_FIELDS = ("seed", "workload", "workload_args", "ppo_args")
+
+
+def run_identity(cfg: DetachedConfig, trainers: int) -> dict:
+    return {"trainers": trainers, **{name: getattr(cfg, name) for name in IDENTITY_FIELDS}}
 
 
 @dataclass
@@ -77,6 +88,7 @@ class Trainer:
         self._arrived: dict[int, Received] = {}
         self._next_credit_id = 0
         self._draining = False
+        self._next_look = 0.0
         self.publish_ms = float("nan")
         # A one-slot mailbox, not a queue: a busy publisher must not pile up model copies (GPU memory).
         self._mailbox: list = []  # [] empty, [(version, flat)] a snapshot, [None] end of stream
@@ -100,8 +112,9 @@ class Trainer:
         cfg, top, main = self.cfg, self.top, self.index == 0
         run_dir = Path(cfg.run_dir)
         env_steps = 0.0
-        if cfg.resume and (ck := checkpoint.latest(run_dir)) is not None:
-            learner_state, mine = checkpoint.load(ck, self.index, top.trainers, self.device)
+        found = self._restore() if cfg.resume else None
+        if found is not None:
+            learner_state, mine = found.learner, found.rank_state
             self.model.load_state_dict(learner_state["model"])
             self.learner.load_state_dict(learner_state["learner"])
             self.version = int(learner_state["version"])
@@ -109,6 +122,9 @@ class Trainer:
             self.generator.set_state(mine["generator"])
             if self.version > 0:
                 self._publish()  # makers start from the initial weights: bring them to the resumed version
+        elif main and (removed := checkpoint.clear(run_dir)):  # a fresh start: the run dir is this run's now
+            print(f"hpcrl.ppo: fresh start in {run_dir}: removed {len(removed)} checkpoint(s) of the run that used "
+                  f"it before (newest {removed[0].name}); pass --resume to continue a run instead", flush=True)
         if main:
             self._write_config(run_dir)
         resumed_env_steps = env_steps
@@ -204,6 +220,7 @@ class Trainer:
                                 self.groups.trainer_host, sums=["dropped_shutdown", "dropped_stale", *used])
         if main:
             self._post(None)  # the publisher ends the weight stream after the last version
+            self.ctx.store.set(FINISHED_KEY, "1")  # a maker that missed the end (frozen) learns it here
             for m in range(top.makers):
                 if m not in self.dead:
                     try:
@@ -226,17 +243,34 @@ class Trainer:
                        dropped_stale=totals["dropped_stale"], lost_in_flight=lost, makers_lost=float(len(self.dead)))
             logger.log(row)
         logger.close()
+        deadline = time.monotonic() + cfg.heartbeat_timeout_s + 5.0  # one deadline, not one per maker
         for m, thread in self._receivers.items():  # live makers close their streams after the STOP credit;
             if m not in self.dead:                # a lost maker's receiver stays blocked: a daemon, not waited for
-                thread.join(timeout=cfg.timeout_s)
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
         return row
 
     # start-up, checkpoints, shutdown --------------------------------------------------------------
+    def _restore(self) -> checkpoint.Restored | None:
+        """The newest checkpoint every trainer can load (collective over the trainers; an unusable newer
+        one is reported and skipped); None with ``--resume-missing fresh`` and nothing to resume."""
+        cfg, top = self.cfg, self.top
+        found = checkpoint.restore(cfg.run_dir, self.index, top.trainers, self.device,
+                                   identity=run_identity(cfg, top.trainers),
+                                   agree=checkpoint.store_agree(self.ctx, ranks=list(range(top.trainers)),
+                                                                name="ppo/ckpt-restore"))
+        if found is None:
+            what = checkpoint.nothing_to_resume(cfg.run_dir)
+            if getattr(cfg, "resume_missing", "error") != "fresh":
+                raise rundir.RunDirError(f"--resume: {what}; run without --resume to start fresh, or pass "
+                                         "--resume-missing fresh")
+            if self.index == 0:
+                print(f"hpcrl.ppo: --resume: {what}; starting fresh (--resume-missing fresh)", flush=True)
+        return found
+
     def _write_config(self, run_dir: Path) -> None:
         cfg, top = self.cfg, self.top
-        run_dir.mkdir(parents=True, exist_ok=True)
         names = hosts(self.ctx)
-        (run_dir / "config.json").write_text(json.dumps(
+        rundir.write_text(run_dir / "config.json", json.dumps(
             {**dataclasses.asdict(cfg), "world_size": self.ctx.world_size, "launcher": self.ctx.source,
              "hosts": {"trainers": names[: top.trainers], "makers": names[top.trainers :]},
              "planes": {"trainers": self.groups.trainer_device.backend, "weights": self.groups.weights.backend}},
@@ -256,7 +290,8 @@ class Trainer:
         learner = ({"model": self.model.state_dict(), "learner": self.learner.state_dict(), "version": self.version,
                     "env_steps": env_steps} if self.index == 0 else None)
         checkpoint.save(self.cfg.run_dir, self.version, self.index, self.top.trainers, learner,
-                        {"generator": self.generator.get_state()}, trainer_barrier)
+                        {"generator": self.generator.get_state()}, trainer_barrier,
+                        identity=run_identity(self.cfg, self.top.trainers))
 
     def _drain(self) -> float:
         """Collect every outstanding rollout (or give up on dead makers); count them as dropped at shutdown."""
@@ -408,6 +443,9 @@ class Trainer:
         """The batch of the oldest outstanding credit (later arrivals wait): lag stays <= the bound."""
         deadline = time.monotonic() + self.cfg.timeout_s
         while True:
+            if time.monotonic() >= self._next_look:  # also while experience flows: a frozen maker is dropped
+                self._next_look = time.monotonic() + _LOOK_S
+                self._check_peers()
             if self._pending and self._pending[0] in self._arrived:
                 credit = self._pending.popleft()
                 item = self._arrived.pop(credit)

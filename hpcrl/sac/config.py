@@ -41,6 +41,9 @@ class SACConfig:
     """Non-empty path without control characters."""
     resume: bool = False
     """Continue from the newest complete checkpoint in run_dir/checkpoints."""
+    resume_missing: str = "error"
+    """With --resume and no usable checkpoint in run_dir: "error" refuses (exit 2), "fresh" starts a new run
+    and says so (what the sbatch scripts pass: a job requeued before its first checkpoint starts over)."""
     seed: int = 0
     """In [0, 2**31 - 1]."""
     device: str = "auto"
@@ -139,6 +142,7 @@ class SACConfig:
         c.integer("total_env_steps", 1, hint="env transitions to collect")
         c.text("run_dir")
         c.boolean("resume")
+        c.choice("resume_missing", {"error", "fresh"}.__contains__, "error, fresh")
         c.integer("seed", 0, MAX_SEED)
         c.choice("device", _DEVICE.fullmatch, "auto, cpu, cuda or cuda:K")
         c.integer("nproc", 1, hint="local ranks to spawn; 1 = this process")

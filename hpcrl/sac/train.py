@@ -26,12 +26,8 @@ from hpcrl.metrics import RunLogger
 from hpcrl.replay import ReplayShard
 
 from .agent import FastSAC, UpdateNoise
-from .config import SACConfig
+from .config import ConfigError, SACConfig
 from .normalizer import ObsNormalizer
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message says what to change."""
 
 
 class RunDirConfigError(ConfigError, rundir.RunDirError):
@@ -78,6 +74,7 @@ def _nearest_multiples(value: int, world: int) -> str:
 
 
 def plan(cfg: SACConfig, world_size: int) -> Layout:
+    cfg.check()  # every field's range first (one line naming the flag)
     """Validate the global sizes against the world size (DESIGN.md, FastSAC contract 2)."""
     for name in ("num_envs", "batch_size", "total_env_steps", "num_updates", "policy_frequency", "buffer_size",
                  "n_step", "log_every"):
@@ -104,6 +101,7 @@ def plan(cfg: SACConfig, world_size: int) -> Layout:
 def train(cfg: SACConfig) -> dict[str, float]:
     """Run (or resume) one rank of a FastSAC job; returns the final metrics row (all ranks)."""
     stop = StopRequest.install()  # first: a USR2 during start-up must stop cleanly too, not kill the rank
+    cfg.check()  # before anything starts: a bad --threads or --device would fail less clearly below
     torch.set_num_threads(cfg.threads)
     ctx = init_distributed(timeout_s=cfg.timeout_s, device=cfg.device)
     layout = plan(cfg, ctx.world_size)
