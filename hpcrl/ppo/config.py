@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import ast
 import math
-import re
-import shlex
-import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from hpcrl.config_check import DEVICE, MAX_SEED, MAX_TIMEOUT_S, Check, ConfigError, flag, show
 from hpcrl.conventions import DEFAULT_MAKERS, DEFAULT_TRAINERS
 
 MAX_LAG = 64
@@ -21,11 +19,6 @@ MAX_CREDITS = 1024
 """Largest (lag + 1) x batches_per_step: experience batches in flight per trainer."""
 MIN_BUCKET_MB = 1e-4
 """Smallest --bucket-mb (about 100 bytes): below it a publish becomes one broadcast per few values (0 hung)."""
-MAX_SEED = 2**31 - 1
-"""Seeds are offset per maker and trainer (``seed + 1000 * index + 2``): kept in int32."""
-MAX_TIMEOUT_S = 7 * 24 * 3600.0
-"""A week: longer is a hang, not a timeout (and ``timedelta`` overflows on inf)."""
-_DEVICE = re.compile(r"auto|cpu|cuda(?::\d+)?")
 
 
 def _literal(value: Any) -> Any:
@@ -36,12 +29,6 @@ def _literal(value: Any) -> Any:
     except (ValueError, SyntaxError):
         return value
 
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message (one line) says what to change. Raised by
-    ``check()``; the entry points exit 2 on it (matched by class name, as ``hpcrl.ppo.run.ConfigError``,
-    which may simply be this class)."""
 
 
 @dataclass
@@ -103,12 +90,12 @@ class DetachedConfig:
         """Every value against its documented range, before any rank starts: :class:`ConfigError` (a
         ValueError) with one line naming the flag, the bad value, the valid range and a value that works
         (the world size against --trainers + --makers is :func:`hpcrl.ppo.run.validate`'s)."""
-        c = _Check(self)
+        c = Check(self)
         c.text("workload", spaces=False)
         c.integer("makers", 1, hint="experience-maker ranks")
         c.integer("trainers", 1, hint="trainer ranks")
         for name in ("trainer_device", "maker_device"):
-            if not isinstance(getattr(self, name), str) or not _DEVICE.fullmatch(getattr(self, name)):
+            if not isinstance(getattr(self, name), str) or not DEVICE.fullmatch(getattr(self, name)):
                 c.fail(name, "one of auto, cpu, cuda or cuda:K")
         c.integer("lag", 0, MAX_LAG, hint="staleness in policy versions; each one keeps more experience in flight")
         if self.max_lag is not None:
@@ -133,14 +120,14 @@ class DetachedConfig:
         c.real("timeout_s", 0.0, MAX_TIMEOUT_S, lo_open=True, hint="seconds")
         c.real("heartbeat_timeout_s", 1.0, hint="seconds; two heartbeats are 1 s")
         if not self.heartbeat_timeout_s <= self.timeout_s:
-            c.fail("heartbeat_timeout_s", f"<= --timeout-s {_show(self.timeout_s)} (a dead peer is named by its "
+            c.fail("heartbeat_timeout_s", f"<= --timeout-s {show(self.timeout_s)} (a dead peer is named by its "
                    "heartbeat before a wait gives up)", "lower it or raise --timeout-s")
         c.integer("threads", 1, hint="torch threads per rank")
         c.integer("checkpoint_every", 0, hint="PPO updates between checkpoints; 0 = only at the end")
         for name in ("workload_args", "ppo_args"):
             value = getattr(self, name)
             if not isinstance(value, dict) or not all(isinstance(k, str) and k.isidentifier() for k in value):
-                c.fail(name, "pairs KEY VALUE with identifier keys", f"e.g. {_flag(name)} num_envs 16")
+                c.fail(name, "pairs KEY VALUE with identifier keys", f"e.g. {flag(name)} num_envs 16")
 
     def workload_kwargs(self) -> dict[str, Any]:
         return {k: _literal(v) for k, v in self.workload_args.items()}
@@ -155,78 +142,3 @@ class DetachedConfig:
     @property
     def stale_cap(self) -> int:
         return self.lag if self.max_lag is None else self.max_lag
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _show(value: Any) -> str:
-    """A value as one would type it after its flag (one line whatever it holds)."""
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer() and abs(value) < 1e15:
-        return str(int(value))
-    if isinstance(value, (bool, int, float)) or value is None:
-        return str(value)
-    return repr(value)
-
-
-def _example(value: Any) -> str:
-    return shlex.quote(value) if isinstance(value, str) else _show(value)
-
-
-def _control(ch: str) -> bool:
-    """Control, format, surrogate, private-use or unassigned characters, line and paragraph separators
-    (newline, NUL, ESC, U+2028, ...)."""
-    return unicodedata.category(ch).startswith(("C", "Zl", "Zp"))
-
-
-class _Check:
-    """Range checks of one config; each failure is one line: flag, value, range, a value that works.
-    (The same helper as hpcrl.sac.config's: the two trainers share no module.)"""
-
-    def __init__(self, cfg: Any) -> None:
-        self.cfg, self.defaults = cfg, type(cfg)()
-
-    def fail(self, name: str, rule: str, fix: str | None = None) -> None:
-        if fix is None:
-            fix = f"e.g. {_flag(name)} {_example(getattr(self.defaults, name))} (the default)"
-        raise ConfigError(f"{_flag(name)} {_show(getattr(self.cfg, name))}: must be {rule}; {fix}")
-
-    def integer(self, name: str, lo: int | None = None, hi: int | None = None, hint: str = "",
-                fix: str | None = None) -> None:
-        value = getattr(self.cfg, name)
-        rule = (f"in [{lo}, {hi}]" if hi is not None else f">= {lo}") if lo is not None else "an integer"
-        rule += f" ({hint})" if hint else ""
-        if not isinstance(value, int) or isinstance(value, bool):
-            self.fail(name, f"an integer {rule}" if lo is not None else rule, fix)
-        if (lo is not None and not value >= lo) or (hi is not None and not value <= hi):
-            self.fail(name, rule, fix)
-
-    def real(self, name: str, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
-             hi_open: bool = False, hint: str = "", fix: str | None = None) -> None:
-        value = getattr(self.cfg, name)
-        if lo is not None and hi is not None:
-            rule = f"in {'(' if lo_open else '['}{_show(lo)}, {_show(hi)}{')' if hi_open else ']'}"
-        elif lo is not None:
-            rule = f"{'>' if lo_open else '>='} {_show(lo)} and finite"
-        else:
-            rule = "a finite number"
-        rule += f" ({hint})" if hint else ""
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-            self.fail(name, rule, fix)  # NaN and +-inf end here, before any comparison
-        low_ok = lo is None or (value > lo if lo_open else value >= lo)
-        high_ok = hi is None or (value < hi if hi_open else value <= hi)
-        if not (low_ok and high_ok):
-            self.fail(name, rule, fix)
-
-    def boolean(self, name: str) -> None:
-        if not isinstance(getattr(self.cfg, name), bool):
-            self.fail(name, "True or False", f"pass {_flag(name)} or --no-{_flag(name)[2:]}")
-
-    def text(self, name: str, *, spaces: bool = True) -> None:
-        value = getattr(self.cfg, name)
-        bad = "control characters" + ("" if spaces else " or whitespace")
-        if not isinstance(value, str) or not value.strip():
-            self.fail(name, "a non-empty string")
-        if any(_control(ch) or (not spaces and ch.isspace()) for ch in value):
-            self.fail(name, f"free of {bad}")

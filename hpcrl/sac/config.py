@@ -3,26 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
-import shlex
-import unicodedata
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
+
+from hpcrl.config_check import DEVICE, MAX_SEED, MAX_TIMEOUT_S, Check, ConfigError
 
 GradSyncMode = Literal["flat", "view", "ddp"]
-MAX_SEED = 2**31 - 1
-"""Seeds are offset per rank and env (``seed * 1_000_003 + rank``, ``seed + rank * envs``): kept in int32."""
-MAX_TIMEOUT_S = 7 * 24 * 3600.0
-"""A week: longer is a hang, not a timeout (and ``timedelta`` overflows on inf)."""
-_DEVICE = re.compile(r"auto|cpu|cuda(?::\d+)?")
 
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message (one line) says what to change. Raised by
-    ``check()``; the entry points exit 2 on it (matched by class name, as ``hpcrl.sac.train.ConfigError``,
-    which may simply be this class)."""
 
 
 @dataclass
@@ -136,7 +123,7 @@ class SACConfig:
         ValueError) with one line naming the flag, the bad value, the valid range and a value that works
         (world-size dependent checks, e.g. divisibility by the number of ranks, are
         :func:`hpcrl.sac.train.plan`'s)."""
-        c = _Check(self)
+        c = Check(self)
         c.text("env", spaces=False)
         c.integer("num_envs", 1, hint="parallel envs over all ranks")
         c.integer("total_env_steps", 1, hint="env transitions to collect")
@@ -144,7 +131,7 @@ class SACConfig:
         c.boolean("resume")
         c.choice("resume_missing", {"error", "fresh"}.__contains__, "error, fresh")
         c.integer("seed", 0, MAX_SEED)
-        c.choice("device", _DEVICE.fullmatch, "auto, cpu, cuda or cuda:K")
+        c.choice("device", DEVICE.fullmatch, "auto, cpu, cuda or cuda:K")
         c.integer("nproc", 1, hint="local ranks to spawn; 1 = this process")
         c.integer("threads", 1, hint="torch threads per rank")
         c.real("timeout_s", 0.0, MAX_TIMEOUT_S, lo_open=True, hint="seconds")
@@ -208,90 +195,3 @@ def preset(name: str, **overrides) -> SACConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return dataclasses.replace(SACConfig(), **{**PRESETS[name], **overrides})
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _show(value: Any) -> str:
-    """A value as one would type it after its flag (one line whatever it holds)."""
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer() and abs(value) < 1e15:
-        return str(int(value))
-    if isinstance(value, (bool, int, float)) or value is None:
-        return str(value)
-    return repr(value)
-
-
-class _Check:
-    """Range checks of one config; each failure is one line: flag, value, range, a value that works."""
-
-    def __init__(self, cfg: Any) -> None:
-        self.cfg, self.defaults = cfg, type(cfg)()
-
-    def fail(self, name: str, rule: str, fix: str | None = None) -> None:
-        if fix is None:
-            fix = f"e.g. {_flag(name)} {_example(getattr(self.defaults, name))} (the default)"
-        raise ConfigError(f"{_flag(name)} {_show(getattr(self.cfg, name))}: must be {rule}; {fix}")
-
-    def integer(self, name: str, lo: int | None = None, hi: int | None = None, hint: str = "",
-                fix: str | None = None) -> None:
-        value = getattr(self.cfg, name)
-        rule = (f"in [{lo}, {hi}]" if hi is not None else f">= {lo}") if lo is not None else "an integer"
-        rule += f" ({hint})" if hint else ""
-        if not isinstance(value, int) or isinstance(value, bool):
-            self.fail(name, f"an integer {rule}" if lo is not None else rule, fix)
-        if (lo is not None and not value >= lo) or (hi is not None and not value <= hi):
-            self.fail(name, rule, fix)
-
-    def real(self, name: str, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
-             hi_open: bool = False, hint: str = "", fix: str | None = None) -> None:
-        value = getattr(self.cfg, name)
-        if lo is not None and hi is not None:
-            rule = f"in {'(' if lo_open else '['}{_show(lo)}, {_show(hi)}{')' if hi_open else ']'}"
-        elif lo is not None:
-            rule = f"{'>' if lo_open else '>='} {_show(lo)} and finite"
-        else:
-            rule = "a finite number"
-        rule += f" ({hint})" if hint else ""
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-            self.fail(name, rule, fix)  # NaN and +-inf end here, before any comparison
-        low_ok = lo is None or (value > lo if lo_open else value >= lo)
-        high_ok = hi is None or (value < hi if hi_open else value <= hi)
-        if not (low_ok and high_ok):
-            self.fail(name, rule, fix)
-
-    def boolean(self, name: str) -> None:
-        if not isinstance(getattr(self.cfg, name), bool):
-            self.fail(name, "True or False", f"pass {_flag(name)} or --no-{_flag(name)[2:]}")
-
-    def text(self, name: str, *, spaces: bool = True) -> None:
-        value = getattr(self.cfg, name)
-        bad = "control characters" + ("" if spaces else " or whitespace")
-        if not isinstance(value, str) or not value.strip():
-            self.fail(name, "a non-empty string")
-        if any(_control(ch) or (not spaces and ch.isspace()) for ch in value):
-            self.fail(name, f"free of {bad}")
-
-    def choice(self, name: str, valid: Any, choices: str) -> None:
-        value = getattr(self.cfg, name)
-        if not isinstance(value, str) or not valid(value):
-            self.fail(name, f"one of {choices}")
-
-    def ordered(self, low: str, high: str, what: str) -> None:
-        lo, hi = getattr(self.cfg, low), getattr(self.cfg, high)
-        if not lo < hi:
-            d_lo, d_hi = getattr(self.defaults, low), getattr(self.defaults, high)
-            raise ConfigError(f"{_flag(low)} {_show(lo)} {_flag(high)} {_show(hi)}: must be "
-                             f"{_flag(low)} < {_flag(high)} ({what}); "
-                             f"e.g. {_flag(low)} {_show(d_lo)} {_flag(high)} {_show(d_hi)} (the defaults)")
-
-
-def _example(value: Any) -> str:
-    return shlex.quote(value) if isinstance(value, str) else _show(value)
-
-
-def _control(ch: str) -> bool:
-    """Control, format, surrogate, private-use or unassigned characters, line and paragraph separators
-    (newline, NUL, ESC, U+2028, ...)."""
-    return unicodedata.category(ch).startswith(("C", "Zl", "Zp"))
