@@ -411,9 +411,12 @@ def main() -> None:
     info = machine_info(device, torch.get_num_threads())
     info["hpcrl_backend"] = ops.backend()
     info["hpcrl_with_cuda"] = ops.with_cuda()
+    # Built with -fopenmp: without it the CPU kernels ignore --threads (at::parallel_for runs serially).
+    info["hpcrl_openmp"] = bool(getattr(getattr(ops, "_C", None), "openmp", False))
     print(f"hpcrl kernels benchmark: {info['cpu_model']} ({info['cpu_count']} cpus), torch {info['torch']}, "
-          f"threads {info['torch_threads']}, device {device}, hpcrl backend {info['hpcrl_backend']}, "
-          f"load {info['loadavg_start']}, {'quick' if args.quick else 'full'}")
+          f"threads {info['torch_threads']}, device {device}, hpcrl backend {info['hpcrl_backend']} "
+          f"(openmp {'on' if info['hpcrl_openmp'] else 'off'}), load {info['loadavg_start']}, "
+          f"{'quick' if args.quick else 'full'}")
 
     check_grad_ops(device)
     meter = OtherLoad()

@@ -143,6 +143,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("with_cuda") = false;
 #endif
+  // True when built with -fopenmp (setup.py): only then does at::parallel_for in cpu/*.cpp use the
+  // threads torch.set_num_threads asks for; every translation unit gets the same flags.
+#ifdef _OPENMP
+  m.attr("openmp") = true;
+#else
+  m.attr("openmp") = false;
+#endif
   m.def("flatten", &hpcrl::flatten, "Pack same-dtype contiguous tensors into one 1-D tensor", py::arg("tensors"),
         py::arg("out") = py::none());
   m.def("unflatten_", &hpcrl::unflatten_, "Scatter a flat tensor back into tensors, times scale", py::arg("flat"),

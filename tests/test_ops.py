@@ -2,6 +2,7 @@
 
 import os
 import random
+import sys
 import warnings
 
 import pytest
@@ -60,6 +61,64 @@ def test_large_tensors_cross_parallel_chunks():
     ops.unflatten_(flat, back, 0.25)
     for a, b in zip(back, ts):
         assert torch.equal(a, b * 0.25)
+
+
+@pytest.fixture
+def restore_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def test_built_with_openmp():
+    # Without -fopenmp, at::parallel_for compiles to a plain loop: 1 thread whatever set_num_threads says.
+    if ops.backend() != "extension":
+        pytest.skip("reference ops")
+    if not sys.platform.startswith("linux") or "OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("setup.py adds -fopenmp only where torch's ATen backend is OpenMP and the compiler takes it")
+    assert ops._C.openmp, "hpcrl._C was built without -fopenmp (see setup.py openmp_flags)"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_scaled_unflatten_half_types_every_bit_pattern(dtype, threads, restore_threads):
+    # The vectorized fp16 (F16C) / bf16 conversions must give the scalar c10 conversion's bits for every
+    # input, NaN / inf / subnormal included; 2 threads split the 2^16 values across the tensors.
+    torch.set_num_threads(threads)
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    flat = torch.cat([every] * 12)  # 1.5 MiB: above the parallel grain
+    sizes = [1, 1001, 7, 2**17 + 3, 0, flat.numel() - (1 + 1001 + 7 + 2**17 + 3)]
+    for scale in (0.5, 1 / 3, 3e4, -1.7e-3):
+        mine = [torch.empty(n, dtype=dtype) for n in sizes]
+        ref = [torch.empty(n, dtype=dtype) for n in sizes]
+        ops.unflatten_(flat, mine, scale)
+        reference.unflatten_(flat, ref, scale)
+        a, b = torch.cat(mine), torch.cat(ref)
+        both_nan = a.float().isnan() & b.float().isnan()
+        assert torch.equal(a.float().isnan(), b.float().isnan())
+        assert torch.equal(a.view(torch.int16)[~both_nan], b.view(torch.int16)[~both_nan]), scale
+
+
+@pytest.mark.parametrize("n_step", [1, 3])
+def test_replay_gather_two_threads_matches_reference(n_step, restore_threads):
+    # Each thread's share prefetches rows ahead of the one it copies; the results must not depend on it.
+    from hpcrl.replay import ReplayShard
+
+    g = torch.Generator().manual_seed(0)
+    E, C, D, A = 16, 50, 8, 3
+    shard = ReplayShard(E, C, obs_dim=D, action_dim=A, n_step=n_step, gamma=0.9)
+    for _ in range(C + 13):  # wrapped
+        u = torch.rand(E, generator=g)
+        shard.add(torch.randn(E, D, generator=g), torch.randn(E, A, generator=g), torch.randn(E, generator=g),
+                  torch.randn(E, D, generator=g), u < 0.1, (u >= 0.1) & (u < 0.15))
+    env = torch.randint(E, (5000,), generator=g)  # above the 1024-row grain: split across threads
+    slot = torch.randint(C, (5000,), generator=g)
+    ref = reference.replay_gather(shard.obs, shard.action, shard.reward, shard.flags, shard.final_ref,
+                                  shard.final_pool, shard.head_next_obs, env, slot, shard.ptr, n_step, 0.9)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for a, b in zip(shard.gather(env, slot), ref):
+            assert torch.equal(a, b)
 
 
 def test_empty_list_and_zero_size():

