@@ -1,8 +1,8 @@
 """CleanRL-style single-file FastSAC learner: the baseline of benchmarks/sac_throughput.py.
 
 This is the FastSAC a user would write without hpcrl, in the style of CleanRL's
-``sac_continuous_action.py`` and holosoma's ``fast_sac`` (research/fastsac.md §1, §5.3), with the SAME
-networks, losses and update schedule as ``hpcrl.sac.FastSAC``:
+``sac_continuous_action.py`` and holosoma's ``fast_sac`` (docs/holosoma.md#the-learner,
+#data-parallelism), with the SAME networks, losses and update schedule as ``hpcrl.sac.FastSAC``:
 
 * actor: LayerNorm+SiLU trunk (H, H/2, H/4), zero-initialised mean / log-std heads, log-std squashed
   into [log_std_min, log_std_max], tanh-squashed Gaussian through ``torch.distributions.Normal``

@@ -69,7 +69,7 @@ def _cost(doc: dict[str, Any]) -> list[str]:
                 f"{_t(r['gpu_compute_s'])}/update: {r['gpu_compute_source']}; critic+alpha {_bytes(r['critic_bytes'])}, "
                 f"actor {_bytes(r['actor_bytes'])} fp32 every {r['policy_frequency']} updates)", "",
             "Link parameters: benchmarks/links.json (NVLink ring busBW 370 GB/s, IB NDR 40 GB/s/GPU; sources: "
-            "peers.md section 2f).", "",
+            "docs/links.md).", "",
             "| GPUs | scenario | exposed comm / update | updates/s per rank | samples/s (all ranks) | efficiency |",
             "|---:|---|---:|---:|---:|---:|"]
     for p in r["projection"]:

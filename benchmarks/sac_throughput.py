@@ -76,7 +76,8 @@ def learner_config(name: str, batch: int) -> tuple[SACConfig, int, int]:
     if name == "pendulum":
         return preset("pendulum", batch_size=batch), 3, 1
     if name == "holosoma":
-        return preset("holosoma", batch_size=batch), 100, 29  # G1-like dims (research/fastsac.md §1.2)
+        # G1-like dims: docs/holosoma.md#problem-size-of-holosomas-humanoid-tasks
+        return preset("holosoma", batch_size=batch), 100, 29
     raise ValueError(name)
 
 

@@ -17,7 +17,7 @@
 # slurmdbd because submitit reads job states from `sacct`. MPI steps: `srun --mpi=pmi2` with the
 # venv's mpich wheel (checked: 2 ranks on 2 nodes), `srun --mpi=pmix` with Debian's Open MPI.
 # No systemd here: every daemon is started directly and daemonises itself.
-# Recipe and every pitfall behind the settings: shared/research/slurm_local.md.
+# Recipe and every pitfall behind the settings: docs/slurm_local.md.
 set -euo pipefail
 
 ACTION=${1:-start}

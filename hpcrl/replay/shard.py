@@ -14,7 +14,7 @@ C = ``capacity`` slots per env, E = ``num_envs``. Every observation is stored on
 observation of slot t is ``obs[t + 1]``, except for the newest transition (``head_next_obs``) and for
 transitions that ended an episode (their true final observation, which the env replaced by a reset
 observation, lives in ``final_pool``). That is about half the memory of storing obs and next_obs
-(research/fastsac.md §9.6). The contract this relies on: for envs that did not finish, the ``obs``
+(docs/holosoma.md#replay-storage). The contract this relies on: for envs that did not finish, the ``obs``
 passed to the next ``add`` equals this ``next_obs`` (true of every auto-resetting vector env).
 """
 

@@ -1,4 +1,4 @@
-"""FastSAC losses as pure functions (research/fastsac.md §1.3), so tests can hit them directly."""
+"""FastSAC losses as pure functions (docs/holosoma.md#losses), so tests can hit them directly."""
 
 from __future__ import annotations
 

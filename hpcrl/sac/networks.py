@@ -1,4 +1,4 @@
-"""FastSAC networks (holosoma semantics, research/fastsac.md §1.1-1.2).
+"""FastSAC networks (holosoma semantics: docs/holosoma.md#actor, #critic-a-distributional-ensemble).
 
 Actor: LayerNorm+SiLU trunk (H, H/2, H/4), zero-initialised mean and log-std heads, log-std squashed
 into [log_std_min, log_std_max], tanh-squashed Gaussian scaled to the action box.
