@@ -8,12 +8,16 @@ checkpoint are dropped atomically (:func:`truncate_rows`; a torn last line is re
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
+from hpcrl.config_check import ConfigError
+from hpcrl.progress import early_stop_line, fit, progress_fields, summary_line
 from hpcrl.rundir import file_mode, make_dir, write_text
 
 
@@ -47,20 +51,46 @@ def truncate_rows(path: Path, resume_env_steps: int, key: str = "env_steps") -> 
     return len(kept)
 
 
+def finite_row(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with every non-finite float (NaN: a window in which no episode ended; inf) as None, so
+    metrics.jsonl is strict JSON (``null``; every row keeps the same keys)."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+
+
 class RunLogger:
+    """Rank 0's sink of metrics rows: metrics.jsonl (strict JSON, NaN as ``null``), TensorBoard, optional
+    Weights & Biases (same rows), and the progress display on stderr.
+
+    Progress: on a terminal, one line per row that fits its width (whole fields dropped, never cut),
+    overwritten in place, eval rows kept; elsewhere (files, Slurm logs) one full line per row at most
+    every ``progress_every_s`` seconds (plus the last row and every eval row), no carriage returns.
+    End a run with :meth:`finish` (the summary line) or :meth:`early_stop` (says why it stopped).
+    """
+
     def __init__(self, run_dir: str | Path, enabled: bool, total_env_steps: int, resume_env_steps: int = 0,
-                 tensorboard: bool = True, progress_every_s: float = 10.0, progress_key: str = "env_steps") -> None:
+                 tensorboard: bool = True, progress_every_s: float = 10.0, progress_key: str = "env_steps", *,
+                 stream: TextIO | None = None, width: int | None = None, wandb_project: str | None = None,
+                 wandb_mode: str = "online", wandb_config: dict[str, Any] | None = None) -> None:
         self.enabled = enabled
         self.total = total_env_steps
         self._progress_key = progress_key  # the row field that runs from 0 to `total`
         self.start = time.time()
         self._last_print = 0.0
-        self._tty = sys.stderr.isatty()
+        self._stream = stream if stream is not None else sys.stderr
+        self._tty = width is not None or self._stream.isatty()
+        self._width = width  # None on a terminal: its current width, read per line (it may be resized)
+        self._open_line = False  # a tty line without its newline yet
         self._progress_every_s = progress_every_s
+        self._last_return: float | None = None
+        self._return_age = 0
+        self._first: tuple[float, float] | None = None  # (time, progress value) of this process's first row
+        self._resumed = bool(resume_env_steps)
         self._writer = None
+        self._wandb = None
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
         if not enabled:
             return
-        self.path = Path(run_dir) / "metrics.jsonl"
         make_dir(self.path.parent)
         if resume_env_steps and self.path.exists():
             truncate_rows(self.path, resume_env_steps)
@@ -76,36 +106,103 @@ class RunLogger:
                 # purge_step: TensorBoard hides the events of this step on from earlier writers of the
                 # directory (the replayed steps after a resume; everything of the previous run on a fresh start)
                 self._writer = SummaryWriter(str(make_dir(Path(run_dir) / "tb")), purge_step=resume_env_steps)
+        if wandb_project:
+            self._wandb = open_wandb(self.run_dir, wandb_project, wandb_mode, wandb_config or {},
+                                     resume=bool(resume_env_steps))
 
     def log(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        row = {"time": round(time.time() - self.start, 3), **row}
-        self._file.write(json.dumps(row) + "\n")
+        row = finite_row({"time": round(time.time() - self.start, 3), **row})
+        self._file.write(json.dumps(row, allow_nan=False) + "\n")
+        numbers = {k: v for k, v in row.items()
+                   if k not in ("time", "env_steps") and isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._writer is not None:
-            for key, value in row.items():
-                if key not in ("time", "env_steps") and isinstance(value, (int, float)):
-                    self._writer.add_scalar(key, value, row["env_steps"])
+            for key, value in numbers.items():
+                self._writer.add_scalar(key, value, row["env_steps"])
+        if self._wandb is not None:
+            self._wandb.log({**numbers, "env_steps": row["env_steps"]}, step=int(row["env_steps"]))
         self._progress(row)
 
     def _progress(self, row: dict[str, Any]) -> None:
         now = time.time()
-        done = row[self._progress_key] >= self.total
-        if not self._tty and not done and now - self._last_print < self._progress_every_s:
+        if isinstance(row.get("episode_return"), (int, float)):
+            self._last_return, self._return_age = float(row["episode_return"]), 0
+        elif self._last_return is not None and "eval_return" not in row:
+            self._return_age += 1
+        at = row.get(self._progress_key) or 0
+        if self._first is None:
+            # a resumed run's first row is not at 0: its rate is measured from that row, not from 0
+            self._first = (now, float(at)) if self._resumed else (self.start, 0.0)
+        done = at >= self.total
+        keep = done or "eval_return" in row  # lines worth keeping on screen and in logs
+        if not self._tty and not keep and now - self._last_print < self._progress_every_s:
             return
         self._last_print = now
-        pct = 100.0 * row[self._progress_key] / max(self.total, 1)
-        fields = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                          for k, v in row.items() if k not in ("time",))
-        line = f"[{pct:5.1f}%] {fields}"
+        t0, v0 = self._first
+        rate = (at - v0) / (now - t0) if now > t0 and at > v0 else None
+        fields = progress_fields(row, key=self._progress_key, total=self.total, elapsed_s=now - self.start,
+                                 rate=rate, last_return=self._last_return, return_age=self._return_age)
         if self._tty:
-            print("\r" + line[:200].ljust(200), end="\n" if done else "", file=sys.stderr, flush=True)
+            line = fit(fields, self._columns())
+            self._stream.write("\r\x1b[K" + line + ("\n" if keep else ""))
+            self._open_line = not keep
         else:
-            print(line, file=sys.stderr, flush=True)
+            self._stream.write(fit(fields, None) + "\n")
+        self._stream.flush()
+
+    def _columns(self) -> int:
+        return self._width if self._width is not None else max(20, shutil.get_terminal_size().columns - 1)
+
+    def _say(self, line: str) -> None:
+        if self._open_line:
+            self._stream.write("\n")
+            self._open_line = False
+        self._stream.write(line + "\n")
+        self._stream.flush()
+
+    def finish(self, results: dict[str, Any] | None = None, paths: dict[str, Any] | None = None) -> None:
+        """Print the summary line (``done in 1m02s: eval_return=..., checkpoint DIR, metrics FILE``); rank 0
+        only (a no-op elsewhere). ``paths`` defaults to the metrics file."""
+        if not self.enabled:
+            return
+        paths = {**(paths or {}), "metrics": self.path}
+        self._say("hpcrl: " + summary_line(time.time() - self.start, results or {}, paths))
+
+    def early_stop(self, reason: str, at: Any) -> None:
+        """Print that the run stopped before its budget and why, e.g. ``early_stop("episode_return_recent
+        480.2 >= --target-return 475", at=row["updates"])``; call :meth:`finish` after it."""
+        if not self.enabled:
+            return
+        self._say("hpcrl: " + early_stop_line(reason, key=self._progress_key, at=at, total=self.total,
+                                               elapsed_s=time.time() - self.start))
 
     def close(self) -> None:
         if not self.enabled:
             return
+        if self._open_line:
+            self._say("")
         self._file.close()
         if self._writer is not None:
             self._writer.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+def open_wandb(run_dir: Path, project: str, mode: str, config: dict[str, Any], resume: bool) -> Any:
+    """A W&B run for this run dir (imported here: wandb is an optional extra). Its id is kept in
+    ``RUN_DIR/wandb_id`` so a ``--resume`` continues the same W&B run instead of starting another."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError(f"--wandb-project {project}: wandb is not installed; pip install 'hpcrl[wandb]' "
+                          "(or pip install wandb), or drop --wandb-project") from None
+    id_file = run_dir / "wandb_id"
+    run_id = id_file.read_text().strip() if resume and id_file.exists() else wandb.util.generate_id()
+    write_text(id_file, run_id)
+    return wandb.init(project=project, mode=mode, id=run_id, resume="allow", config=config,
+                      dir=os.environ.get("WANDB_DIR") or str(run_dir), name=run_dir.name)
