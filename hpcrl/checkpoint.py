@@ -47,6 +47,7 @@ FORMAT_VERSION = 1  # of the HDF5 rank files
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 LEARNER = "learner.pt"
+TRASH = ".trash-"  # prefix of a checkpoint directory being deleted (never counts, swept by the next save)
 _STEP_DIR = re.compile(rf"^{PREFIX}(\d+)$")
 _CHUNK = 1 << 20  # 1 MiB reads: ~3 GB/s here (16 MiB buffers were slower)
 
@@ -148,14 +149,29 @@ def save(run_dir: str | os.PathLike, step: int, rank: int, world_size: int, lear
     return final
 
 
+def _discard(path: Path) -> None:
+    """Delete a checkpoint directory so that a kill at any moment leaves either all of it or nothing
+    that counts: renamed out of the ``step_*`` namespace first (atomic), then removed. An rmtree in
+    place, killed half way, would leave a committed-looking directory without its manifest."""
+    trash = path.with_name(f"{TRASH}{path.name}")
+    try:
+        path.rename(trash)
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
 def _prune(root: Path, step: int, keep: int) -> None:
+    for p in root.iterdir():  # left by a run killed while discarding
+        if p.name.startswith(TRASH):
+            shutil.rmtree(p, ignore_errors=True)
     dirs = sorted((p for p in root.iterdir() if _step_of(p) >= 0), key=_step_of)
     for p in dirs:
         if _step_of(p) > step:
-            shutil.rmtree(p, ignore_errors=True)
+            _discard(p)
     older = [p for p in dirs if _step_of(p) <= step]
     for p in older[:-keep] if keep > 0 else []:
-        shutil.rmtree(p, ignore_errors=True)
+        _discard(p)
 
 
 def clear(run_dir: str | os.PathLike) -> list[Path]:
@@ -167,7 +183,7 @@ def clear(run_dir: str | os.PathLike) -> list[Path]:
         return []
     gone = committed(run_dir)
     for p in root.iterdir():
-        if p.is_dir() and (_step_of(p) >= 0 or p.name.startswith(f".tmp-{PREFIX}")):
+        if p.is_dir() and (_step_of(p) >= 0 or p.name.startswith((f".tmp-{PREFIX}", TRASH))):
             shutil.rmtree(p, ignore_errors=True)
     try:
         root.rmdir()  # no checkpoints/ left: the sbatch scripts pass --resume only when it exists
@@ -394,22 +410,32 @@ def restore(run_dir: str | os.PathLike, rank: int, world_size: int, device: torc
                           "--run-dir")
 
 
+_MAX_REASON_CHARS = 4096  # a reason is one error line; longer store values are cut before use
+
+
 def store_agree(ctx: Any, ranks: list[int] | None = None, name: str = "ckpt-restore") -> Agree:
     """An ``agree`` for :func:`restore` over the rendezvous store of ``ctx`` (``ranks``: the ranks that
     call restore, default the world): every rank posts its reason, waits for the others (a barrier
     that names who is missing) and reads them all."""
     from hpcrl.comm import barrier
 
-    members = list(range(ctx.world_size)) if ranks is None else sorted(ranks)
+    members = list(range(ctx.world_size)) if ranks is None else sorted(set(ranks))
+    if not members or not all(0 <= r < ctx.world_size for r in members) or ctx.rank not in members:
+        raise ValueError(f"store_agree: ranks {members} must be ranks of the world (0..{ctx.world_size - 1}) and "
+                         f"include this rank ({ctx.rank})")
     counter = itertools.count()
 
     def agree(reason: str) -> dict[int, str]:
         if not getattr(ctx, "is_distributed", False) or ctx.store is None or len(members) < 2:
             return {ctx.rank: reason} if reason else {}
         gen = next(counter)
-        ctx.store.set(f"{name}/{gen}/{ctx.rank}", reason)
+        # Through the job's SignedStore: a reason written by a process without the job secret (an
+        # impostor "rank") fails the barrier or this read, naming its key, instead of steering the restore.
+        ctx.store.set(f"{name}/{gen}/{ctx.rank}", reason[:_MAX_REASON_CHARS])
         barrier(ctx, name, ranks=members)
-        got = {r: ctx.store.get(f"{name}/{gen}/{r}").decode() for r in members}
+        keys = [f"{name}/{gen}/{r}" for r in members]
+        got = {r: bytes(v[: _MAX_REASON_CHARS * 4]).decode(errors="replace")[:_MAX_REASON_CHARS]
+               for r, v in zip(members, ctx.store.multi_get(keys))}
         return {r: why for r, why in got.items() if why}
 
     return agree

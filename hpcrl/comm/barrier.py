@@ -11,6 +11,7 @@ from datetime import timedelta
 from typing import Sequence
 
 from .context import DistContext
+from .secret import UntrustedKeyError, UntrustedPeerError
 
 __all__ = ["BarrierTimeoutError", "barrier", "host_of", "hosts", "register_host"]
 
@@ -54,6 +55,19 @@ def _describe(ctx: DistContext, ranks: list[int]) -> str:
     return ", ".join(f"rank {r}" + (f" ({h})" if (h := host_of(ctx, r)) else "") for r in ranks)
 
 
+def _unsigned(ctx: DistContext, keys: list[str], members: list[int]) -> str:
+    """"rank 3 (node2) wrote a key that does not verify with this rank's job secret" for every such rank."""
+    bad = []
+    for k, r in zip(keys, members):
+        try:
+            ctx.store.get(k)  # type: ignore[union-attr]
+        except UntrustedKeyError:
+            bad.append(r)
+    who = _describe(ctx, bad) if bad else "a peer"
+    return (f"{who} wrote a barrier key that does not verify with this rank's job secret (it lacks the secret, has "
+            "another one, or is an impostor in its place; if every peer is named, this rank's secret is the odd one)")
+
+
 def barrier(ctx: DistContext, name: str, timeout_s: float | None = None, ranks: Sequence[int] | None = None) -> None:
     """Wait until every rank of ``ranks`` (default: the world) has called ``barrier(ctx, name, ...,
     ranks)``: a no-op for one rank. On the store, not on a plane: it names who is missing.
@@ -81,6 +95,9 @@ def barrier(ctx: DistContext, name: str, timeout_s: float | None = None, ranks: 
     timeout = ctx.timeout if timeout_s is None else timedelta(seconds=timeout_s)
     try:
         store.wait([key(gen, r) for r in members], timeout)
+    except UntrustedKeyError as err:  # a rank (or an impostor in its place) without the job secret
+        raise UntrustedPeerError(f"barrier {name!r} on rank {ctx.rank} ({ctx.hostname}): "
+                                 f"{_unsigned(ctx, [key(gen, r) for r in members], members)}. {err}") from None
     except RuntimeError as err:  # DistStoreError on timeout, DistNetworkError if the store is gone
         where = f"barrier {name!r} on rank {ctx.rank} of {len(members)} ({ctx.hostname})"
         try:

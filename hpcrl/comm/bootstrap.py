@@ -3,7 +3,8 @@ barrier -> default group -> the two planes (:mod:`hpcrl.comm.planes`).
 
 The rendezvous store is created here (not by ``init_process_group``) so that a missing peer is
 caught by :func:`hpcrl.comm.barrier`, which names it, before gloo/NCCL start their opaque
-full-mesh connect.
+full-mesh connect. ``ctx.store`` is a :class:`hpcrl.comm.secret.SignedStore`: values signed with the
+job secret, every rank proving it at the init barrier (see ``docs/trust.md``).
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .barrier import barrier, register_host
+from .barrier import barrier, host_of, register_host
 from .context import DistContext, DistSetupError, Source
 from .devices import cuda_count, rank_device
 from .env import LaunchInfo, detect_launch
 from .planes import STRICT_BACKEND, Plane, register_strict_backend, strict_planes
+from .secret import JOIN_KEY, SignedStore, check_join, load_secret, new_secret, no_secret_policy
 
 __all__ = ["init_distributed", "shutdown", "current"]
 
@@ -47,36 +49,51 @@ def _tcp_store(addr: str, port: int, info: LaunchInfo, is_master: bool, timeout:
         ) from err
 
 
-def _mpi_store(info: LaunchInfo, timeout: timedelta) -> dist.TCPStore:
-    """Rank 0 opens the store on a free port and broadcasts its address over MPI."""
+def _mpi_store(info: LaunchInfo, timeout: timedelta, secret: bytes | None) -> tuple[dist.TCPStore, bytes]:
+    """Rank 0 opens the store on a free port and broadcasts its address over MPI, and the job secret:
+    MPI's own channel is the launcher's, so MPI ranks need no secret from the environment."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    payload: tuple[str, int, str] | None = None
+    payload: tuple[str, int, str, bytes] | None = None
     store = None
     if info.rank == 0:
         addr = os.environ.get("MASTER_ADDR") or socket.gethostname()
         port = int(os.environ.get("MASTER_PORT", "0"))  # 0: the OS picks a free port, no race
         try:
             store = _tcp_store(addr, port, info, True, timeout)
-            payload = (addr, store.port, "")
+            payload = (addr, store.port, "", secret or new_secret().encode())
         except DistSetupError as err:
-            payload = ("", 0, str(err))  # tell the others instead of leaving them in bcast
-    addr, port, error = comm.bcast(payload, root=0)
+            payload = ("", 0, str(err), b"")  # tell the others instead of leaving them in bcast
+    addr, port, error, job_secret = comm.bcast(payload, root=0)
     if error:
         raise DistSetupError(error if info.rank == 0 else f"rank 0 failed to open the store: {error}")
-    return store if store is not None else _tcp_store(addr, port, info, False, timeout)
+    return (store if store is not None else _tcp_store(addr, port, info, False, timeout)), job_secret
 
 
-def _refuse_shared_gpus(ctx: DistContext, gpu_key: str, dev: torch.device) -> None:
+_MAX_DEVICE_VALUE = 512  # "1|host|uuid": a longer value is not one a rank wrote
+
+
+def _devices(store: SignedStore, world: int) -> list[tuple[bool, str]]:
+    """Every rank's (is CUDA, "host/uuid") as published before the init barrier, bounds-checked."""
+    keys = [f"device/{r}" for r in range(world)]
+    out = []
+    for key, raw in zip(keys, store.multi_get(keys)):
+        parts = raw[:_MAX_DEVICE_VALUE + 1].decode(errors="replace").split("|")
+        if len(raw) > _MAX_DEVICE_VALUE or len(parts) != 3 or parts[0] not in ("0", "1"):
+            raise DistSetupError(f"store key {key!r}: malformed device record {raw[:80]!r} (expected "
+                                 "'0|host|' or '1|host|gpu-uuid'); is another program using this rendezvous port?")
+        out.append((parts[0] == "1", f"{parts[1]}/{parts[2]}"))
+    return out
+
+
+def _refuse_shared_gpus(ctx: DistContext, devices: list[tuple[bool, str]], dev: torch.device) -> None:
     """Two ranks of one NCCL communicator on one physical GPU (told apart by UUID: with one GPU per task
-    every task says cuda:0) is refused by NCCL with an opaque error; every rank raises a clear one here."""
-    assert ctx.store is not None
-    shared = int(ctx.store.add(gpu_key, 0)) > 1
-    if shared:
-        ctx.store.add("gpu_shared", 1)
-    barrier(ctx, "gpu-check")
-    if int(ctx.store.add("gpu_shared", 0)):
+    every task says cuda:0) is refused by NCCL with an opaque error; every rank raises a clear one here.
+    Every rank sees the same list (published before the init barrier), so all reach the same verdict."""
+    gpus = [gpu for _, gpu in devices]
+    if len(set(gpus)) < len(gpus):
+        shared = gpus.count(gpus[ctx.rank]) > 1
         where = f"this rank's GPU ({dev} on {ctx.hostname}) is" if shared else "a GPU of this job is"
         raise DistSetupError(f"rank {ctx.rank}: {where} used by two ranks; NCCL needs one GPU per rank: bind one "
                              "GPU per task (srun --gpus-per-task=1), start at most one task per GPU, or use --device cpu")
@@ -117,26 +134,31 @@ def init_distributed(
                               Plane.local("host"), Plane.local("device", dev))
         return _active
 
+    secret = load_secret()
     if info.source == "mpi":
-        raw = _mpi_store(info, timeout)
+        raw, secret = _mpi_store(info, timeout, secret)
     else:
+        if secret is None:
+            no_secret_policy(os.environ, info.rank, info.source)
         assert info.master_addr is not None and info.master_port is not None
         is_master = info.rank == 0 and not info.store_hosted_elsewhere
         raw = _tcp_store(info.master_addr, info.master_port, info, is_master, timeout)
     # Keys of an earlier torchrun attempt may still sit in the launcher's store: namespace by attempt.
     base = dist.PrefixStore(f"attempt{info.restart}", raw)
-    store = dist.PrefixStore("hpcrl", base)
+    # The attempt and world size enter every signature: a value cannot be replayed into another attempt.
+    store = SignedStore(dist.PrefixStore("hpcrl", base), secret, f"attempt{info.restart}/world{info.world_size}")
     probe = DistContext(info.rank, info.world_size, info.local_rank, dev, None, True, info.source, timeout,
-                        info.hostname, store=store)
+                        info.hostname, store=store)  # type: ignore[arg-type]
+    store.set(JOIN_KEY.format(rank=info.rank), "hmac-sha256" if store.signed else "none")
     register_host(probe)
-    store.add("cuda_ranks", int(dev.type == "cuda"))
-    gpu_key = f"gpu/{info.hostname}/{torch.cuda.get_device_properties(dev).uuid}" if dev.type == "cuda" else ""
-    if gpu_key:
-        store.add(gpu_key, 1)
+    uuid = torch.cuda.get_device_properties(dev).uuid if dev.type == "cuda" else ""
+    store.set(f"device/{info.rank}", f"{int(dev.type == 'cuda')}|{info.hostname}|{uuid}")
     barrier(probe, "init")  # a missing peer is named here, not reported as a gloo connect timeout
-    all_cuda = world_device_plane and int(store.add("cuda_ranks", 0)) == info.world_size
+    check_join(store, info.rank, info.world_size, lambda r: f"rank {r}" + (f" ({h})" if (h := host_of(probe, r)) else ""))
+    devices = _devices(store, info.world_size)
+    all_cuda = world_device_plane and all(cuda for cuda, _ in devices)
     if all_cuda:
-        _refuse_shared_gpus(probe, gpu_key, dev)
+        _refuse_shared_gpus(probe, devices, dev)
     backend = backend or ("nccl" if all_cuda else "gloo")
     # A world mixing CPU and GPU ranks (detached PPO) gets a CPU gloo device plane; its roles make their own.
     plane_device = dev if backend == "nccl" or all_cuda else torch.device("cpu")
@@ -157,7 +179,7 @@ def init_distributed(
     device_group = dist.new_group(timeout=timeout, backend=backend) if strict else dist.group.WORLD
     device_plane = Plane("device", plane_device, ranks, device_group, backend)
     _active = DistContext(info.rank, info.world_size, info.local_rank, dev, backend, True, info.source, timeout,
-                          info.hostname, host_plane, device_plane, store=store,
+                          info.hostname, host_plane, device_plane, store=store,  # type: ignore[arg-type]
                           barrier_generations=probe.barrier_generations)
     return _active
 

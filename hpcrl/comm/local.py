@@ -2,7 +2,12 @@
 
 The parent hosts the rendezvous store on a loopback port the OS picked (no "find a free port, then
 hope nobody takes it" race) and tells the children, as torchrun's agent does, so every child is a
-plain store client and rank 0 may leave first. Each child runs ``fn(*args)``, which calls
+plain store client and rank 0 may leave first. Nothing listens beyond loopback: torch's TCPStore
+server binds every interface whatever host it is given, so the parent binds the socket to
+127.0.0.1 itself and hands it over (``master_listen_fd``), and gloo's pair listeners are pinned to
+the loopback interface (``GLOO_SOCKET_IFNAME``). Each run gets a fresh job secret
+(``HPCRL_JOB_SECRET``, only in the ranks' environments), so another local user who finds the
+loopback port cannot write keys the ranks act on (see ``docs/trust.md``). Each child runs ``fn(*args)``, which calls
 :func:`hpcrl.comm.init_distributed` like any entry point.
 
 The parent supervises like an agent:
@@ -54,6 +59,8 @@ from typing import Any, Callable, Collection, Sequence
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from .secret import SECRET_ENV, new_secret
 
 __all__ = ["CONFIG_ERROR_NAMES", "FORWARD_SIGNALS", "SpawnConfigError", "SpawnError", "is_config_error", "spawn"]
 
@@ -425,6 +432,32 @@ def _warn(message: str) -> None:
     print(f"hpcrl.comm.spawn: warning: {message}", file=sys.stderr, flush=True)
 
 
+def _loopback_store(nproc: int) -> dist.TCPStore:
+    """A store server listening on 127.0.0.1 only. TCPStore(host=...) would bind every interface
+    (its server ignores the host), so the socket is bound here and handed over; the store owns it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1024)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    fd = sock.detach()
+    try:
+        return dist.TCPStore("127.0.0.1", port, nproc, True, timedelta(seconds=60), wait_for_workers=False,
+                             master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _loopback_interface() -> str:
+    """The loopback interface's name ("lo" on Linux, "lo0" on BSD / macOS)."""
+    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    return next((n for n in ("lo", "lo0") if n in names), "lo")
+
+
 def spawn(
     fn: Callable[..., Any],
     nproc: int,
@@ -480,7 +513,8 @@ def spawn(
             multiprocessing.resource_tracker.ensure_running()
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, blocked) if blocked else None
         try:
-            store = dist.TCPStore("127.0.0.1", 0, nproc, True, timedelta(seconds=60), wait_for_workers=False)
+            store = _loopback_store(nproc)
+            secret = new_secret()
             tmp = _scratch_dir()
             exits = _Exits(procs, tmp, fwd)
             unblock = tuple(s for s in blocked if old_mask is None or s not in old_mask)
@@ -494,6 +528,8 @@ def spawn(
                     "WORLD_SIZE": str(nproc),
                     "LOCAL_WORLD_SIZE": str(nproc),
                     "HPCRL_LAUNCHER": "local",  # torchrun-style variables, but the run reports "local"
+                    "GLOO_SOCKET_IFNAME": _loopback_interface(),  # gloo listens where the hostname resolves
+                    SECRET_ENV: secret,
                     **(env or {}),
                 }
                 p = ctx.Process(target=_child, name=f"rank{rank}",

@@ -42,6 +42,7 @@ __all__ = ["ChannelError", "Credit", "CreditChannel", "ExperienceChannel", "Head
 TAG_CREDIT, TAG_HEADER, TAG_PAYLOAD, TAG_WEIGHTS = 11, 12, 13, 14
 END = -1  # in a credit's trainer field, a header's maker field, a weight header's version: stream ends
 MAX_PAYLOAD_BYTES = 1 << 34  # 16 GiB: a schema announcing more per batch is refused, never allocated
+MAX_SCHEMA_CHARS = 1 << 16  # a schema's JSON: a few fields and stats
 # Completion poll of a pending broadcast (is_completed(): a flag read), backing off from 0.2 ms: to 1 ms
 # while a transfer is in flight, to 5 ms while a maker idles until the next version's header.
 _POLL_MIN_S, _POLL_BUSY_S, _POLL_IDLE_S = 0.0002, 0.001, 0.005
@@ -72,12 +73,27 @@ class Schema:
         return json.dumps({"fields": self.fields, "stats": self.stats})
 
     @classmethod
-    def from_json(cls, text: str) -> "Schema":
-        d = json.loads(text)
-        schema = cls(tuple((k, tuple(int(x) for x in s), t) for k, s, t in d["fields"]), tuple(d["stats"]))
+    def from_json(cls, text: str, source: str = "the store", max_bytes: int = MAX_PAYLOAD_BYTES) -> "Schema":
+        """Parse a schema a peer published (``source`` names it in errors), refusing anything malformed
+        or announcing batches over ``max_bytes`` before any buffer is sized from it."""
+        if len(text) > MAX_SCHEMA_CHARS:
+            raise ChannelError(f"experience schema from {source} refused: {len(text)} characters "
+                               f"(limit {MAX_SCHEMA_CHARS})")
+        try:
+            d = json.loads(text)
+            schema = cls(tuple((str(k), tuple(int(x) for x in s), str(t)) for k, s, t in d["fields"]),
+                         tuple(str(x) for x in d["stats"]))
+        except (ValueError, TypeError, KeyError) as err:
+            raise ChannelError(f"experience schema from {source} refused: malformed ({type(err).__name__}: "
+                               f"{err})") from None
         for name, shape, dtype in schema.fields:
-            if not isinstance(getattr(torch, dtype, None), torch.dtype) or any(x < 0 for x in shape):
-                raise ChannelError(f"experience schema field {name!r}: bad dtype {dtype!r} or shape {shape}")
+            if (not isinstance(getattr(torch, dtype, None), torch.dtype) or dtype.startswith("_")
+                    or len(shape) > 16 or any(not 0 <= x <= max_bytes for x in shape)):
+                raise ChannelError(f"experience schema from {source}: field {name!r}: bad dtype {dtype!r} or "
+                                   f"shape {shape}")
+        if schema.nbytes > max_bytes:
+            raise ChannelError(f"experience schema from {source} refused: {schema.nbytes} bytes per batch "
+                               f"(limit {max_bytes})")
         return schema
 
     def _sizes(self) -> list[int]:

@@ -90,21 +90,40 @@ def bounded(fn, timeout_s: float):
     return value
 
 
+MAX_BEAT = 1 << 62  # a heartbeat count beyond this is not one a rank wrote (0.5 s beats: ~10^11 years)
+
+
+def heartbeat_key(rank: int) -> str:
+    return f"hb/{rank}"
+
+
 class Heartbeat:
-    """Background thread bumping ``hb/<rank>`` every ``interval_s``."""
+    """Background thread publishing ``hb/<rank>`` = its beat count every ``interval_s``.
+
+    A ``set`` of this rank's own count, not a shared ``add`` counter: through the job's
+    :class:`~hpcrl.comm.secret.SignedStore` the value is signed, so a process without the job secret
+    cannot keep a dead rank "alive" (a forged or replayed older count never counts as a beat: the
+    watchers require the count to grow). The first beat is published before the constructor returns.
+    """
 
     def __init__(self, store: dist.Store, rank: int, interval_s: float = 0.5) -> None:
-        self._store, self._key, self._interval = store, f"hb/{rank}", interval_s
+        self._store, self._key, self._interval = store, heartbeat_key(rank), interval_s
+        self._count = 0
+        self._beat()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{rank}", daemon=True)
         self._thread.start()
 
+    def _beat(self) -> None:
+        self._count += 1
+        try:
+            self._store.set(self._key, str(self._count))
+        except Exception:  # store slow or gone: keep trying; if it is gone, our watchers say so
+            pass
+
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
-            try:
-                self._store.add(self._key, 1)
-            except Exception:  # store slow or gone: keep trying; if it is gone, our watchers say so
-                continue
+            self._beat()
 
     def stop(self) -> None:
         self._stop.set()
@@ -117,16 +136,37 @@ class Watcher:
     def __init__(self, store: dist.Store, ranks: list[int], timeout_s: float) -> None:
         self._store, self._timeout = store, timeout_s
         now = time.monotonic()
-        self._last = {r: (-1, now) for r in ranks}
+        self._last = {r: (0, now) for r in ranks}
+        self._seen: set[int] = set()  # ranks whose key exists: read in one multi_get from then on
+
+    def _counts(self, ranks: list[int]) -> list[int]:
+        """Each rank's published beat count (0: none yet), bounds-checked. Ranks not seen yet are
+        looked up one by one (a get of a missing key would block until the store timeout)."""
+        unseen = [r for r in ranks if r not in self._seen]
+        for r in unseen:
+            if self._store.check([heartbeat_key(r)]):
+                self._seen.add(r)
+        seen = [r for r in ranks if r in self._seen]
+        values = dict(zip(seen, self._store.multi_get([heartbeat_key(r) for r in seen]))) if seen else {}
+        out = []
+        for r in ranks:
+            raw = values.get(r, b"0")
+            text = bytes(raw[:32]).decode(errors="replace")
+            if len(raw) > 20 or not text.isdigit() or int(text) > MAX_BEAT:
+                raise PeerLost(f"store key {heartbeat_key(r)!r}: malformed heartbeat {bytes(raw[:40])!r} (a count "
+                               f"0..{MAX_BEAT} was expected): is another program writing to this run's store?")
+            out.append(int(text))
+        return out
 
     def dead(self) -> list[int]:
-        """Ranks whose heartbeat stalled; raises StoreUnresponsive when the store itself does not answer."""
+        """Ranks whose heartbeat stalled; raises StoreUnresponsive when the store itself does not answer
+        and :class:`~hpcrl.comm.secret.UntrustedKeyError` for a heartbeat not signed with the job secret."""
         ranks = list(self._last)
-        counts = bounded(lambda: [self._store.add(f"hb/{r}", 0) for r in ranks], self._timeout)
+        counts = bounded(lambda: self._counts(ranks), self._timeout)
         now, out = time.monotonic(), []
         for rank, current in zip(ranks, counts):
             count, since = self._last[rank]
-            if current != count:
+            if current > count:  # only growth is a beat: a replayed older value is not
                 self._last[rank] = (current, now)
             elif now - since > self._timeout:
                 out.append(rank)
