@@ -29,8 +29,8 @@ events=Capture())``: :class:`RowLogged` gives each metrics row and its time, :cl
 the lag of each consumed batch (trainer version - behaviour version), :class:`RolloutDone` each
 maker's wait interval (wait_start -> collect_start: since its previous rollout ended, i.e. packing,
 send queue, credit and weights) and collect interval, :class:`WeightsPublished` each publish. The
-workload is ``ppo_throughput:TimedWorkload`` (``--workload-args inner NAME ...``: the workload NAME,
-a registry name or ``package.module:Class``, built with the other args), which times ``collect`` /
+workload is ``ppo_throughput:TimedWorkload`` (``--inner NAME --inner-args "FLAGS"``: the workload NAME,
+a registry name or ``package.module:Class``, built from FLAGS as hpcrl.ppo takes them), which times ``collect`` /
 ``update`` (wall and thread CPU); the ranks import this file as ``ppo_throughput`` because spawned
 ranks inherit sys.path, to which this script adds benchmarks/. Several runs share one set of ranks
 (one spawn per world size; each run gets a fresh store namespace through
@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shlex
 import shutil
 import statistics
 import sys
@@ -184,14 +185,18 @@ class _Timed:
 
 
 class TimedWorkload:
-    """The workload ``inner`` (a registry name or ``package.module:Class``, built with ``kwargs``),
-    its collect / update timed into :data:`PHASES`; everything else is the inner workload's."""
+    """The workload ``inner`` (a registry name or ``package.module:Class``, built from ``inner_args``,
+    its flags as ``python -m hpcrl.ppo --workload INNER`` takes them), its collect / update timed into
+    :data:`PHASES`; everything else is the inner workload's."""
 
-    def __init__(self, inner: str, **kwargs: Any) -> None:
-        from hpcrl.ppo.config import DetachedConfig
+    def __init__(self, inner: str = "cartpole", inner_args: str = "") -> None:
+        """``inner_args``: one string, split as a shell would (e.g. ``"--lm.pretrain-steps 50"``)."""
+        from hpcrl.ppo.config import parse_args
         from hpcrl.ppo.run import build_workload
 
-        self._inner, _ = build_workload(DetachedConfig(workload=inner, workload_args=kwargs))
+        cfg = parse_args(["--workload", inner, *shlex.split(inner_args)])
+        cfg.check()
+        self._inner, _ = build_workload(cfg)
         self.name = self._inner.name
 
     def __getattr__(self, name: str) -> Any:  # build_model, sync_tensors, after_sync, default_config
@@ -345,12 +350,13 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 # -- plan -------------------------------------------------------------------------------------------
 
-def detached_cfg(inner: str, makers: int, lag: int, steps: int, run_dir: str,
-                 workload_args: dict[str, str] | None = None):
+def detached_cfg(inner: str, makers: int, lag: int, steps: int, run_dir: str, inner_args: str = ""):
+    """``inner_args``: the inner workload's flags, one shell-style string (see :class:`TimedWorkload`)."""
     from hpcrl.ppo.config import DetachedConfig
 
     return DetachedConfig(workload="ppo_throughput:TimedWorkload", makers=makers, trainers=1, lag=lag,
-                          total_steps=steps, run_dir=run_dir, workload_args={"inner": inner, **(workload_args or {})},
+                          total_steps=steps, run_dir=run_dir,
+                          plugin_args=("--inner", inner, f"--inner-args={inner_args}"),  # "=": FLAGS start with --
                           timeout_s=90.0, heartbeat_timeout_s=20.0, checkpoint_every=0, seed=0)
 
 
@@ -363,16 +369,16 @@ def plan(quick: bool, lm: bool, tmp: str) -> tuple[dict[int, list[dict]], dict[s
         "rollout_s": 0.04, "train_s": 0.04, "samples": 256,
         "ctrl_steps": 40 if quick else 80, "ctrl_reps": 1 if quick else 2,
         "cartpole_steps": 16 if quick else 40, "cartpole_reps": 1 if quick else 2,
-        "lm": lm and not quick, "lm_steps": 16, "lm_reps": 2, "lm_args": {"pretrain_steps": "50"},
+        "lm": lm and not quick, "lm_steps": 16, "lm_reps": 2, "lm_args": "--lm.pretrain-steps 50",
         "insitu_mib": None if quick else 16,
     }
-    ctrl = {"rollout_s": str(p["rollout_s"]), "train_s": str(p["train_s"]), "samples": str(p["samples"])}
+    ctrl = f"--rollout-s {p['rollout_s']} --train-s {p['train_s']} --samples {p['samples']}"
     jobs: dict[int, list[dict]] = {2: [], 3: []}
     counter = iter(range(10**6))
 
-    def add(world: int, key: tuple, inner: str, lag: int, steps: int, args: dict | None = None,
+    def add(world: int, key: tuple, inner: str, lag: int, steps: int, args: str | None = None,
             kind: str = "ppo") -> None:
-        cfg = detached_cfg(inner, world - 1, lag, steps, os.path.join(tmp, f"run{next(counter)}"), args)
+        cfg = detached_cfg(inner, world - 1, lag, steps, os.path.join(tmp, f"run{next(counter)}"), args or "")
         jobs[world].append({"kind": kind, "key": key, "cfg": cfg})
 
     # interleaved: lag 1, lag 0, (single process on rank 0 while the others wait), lag 1, ...
@@ -388,7 +394,7 @@ def plan(quick: bool, lm: bool, tmp: str) -> tuple[dict[int, list[dict]], dict[s
                     add(world, (name, "single", None), inner, 0, steps, args, kind="single")
     if p["insitu_mib"]:
         add(2, ("controlled_16MiB", "1:1", 1), SLEEP, 1, p["ctrl_steps"] // 2,
-            {**ctrl, "param_mib": str(p["insitu_mib"])})
+            f"{ctrl} --param-mib {p['insitu_mib']}")
     return jobs, p
 
 

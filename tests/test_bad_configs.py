@@ -20,6 +20,7 @@ from hpcrl.conventions import EXIT_BAD_CONFIG
 from hpcrl.launch import JobRequest, LaunchError, render
 from hpcrl.launch.__main__ import main as launch_main
 from hpcrl.ppo.config import MAX_CREDITS, MAX_LAG, DetachedConfig
+from hpcrl.ppo.workloads.options import LMOptions, PPOOptions, VectorEnvOptions
 from hpcrl.sac.config import PRESETS, SACConfig, preset
 
 TESTS = Path(__file__).resolve().parent
@@ -220,13 +221,43 @@ PPO_BAD = [
     (dict(workload=""), "--workload '': must be a non-empty string"),
     (dict(workload="cartpole\n"), "--workload 'cartpole\\n': must be free of control characters"),
     (dict(run_dir="runs/\x1b[2Jppo"), "--run-dir 'runs/\\x1b[2Jppo': must be free of control characters"),
-    (dict(workload_args={"num envs": "4"}), "--workload-args {'num envs': '4'}: must be pairs KEY VALUE"),
     (dict(total_steps=True), "--total-steps True: must be an integer >= 1"),
+    # typed workload options (--env.*, --lm.*) and PPO hyper-parameters (--ppo.*)
+    (dict(env=VectorEnvOptions(num_envs=0)), "--env.num-envs 0: must be in [1, 65536]"),
+    (dict(env=VectorEnvOptions(rollout_len=-3)), "--env.rollout-len -3: must be in [1, 100000]"),
+    (dict(env=VectorEnvOptions(hidden=0)), "--env.hidden 0: must be in [1, 8192]"),
+    (dict(env=VectorEnvOptions(init_log_std=NAN)), "--env.init-log-std nan: must be in [-5, 2]"),
+    (dict(workload="lm", lm=LMOptions(lora_rank=-1)), "--lm.lora-rank -1: must be in [0, 32]"),
+    (dict(workload="lm", lm=LMOptions(lora_alpha=0.0)), "--lm.lora-alpha 0: must be > 0 and finite"),
+    (dict(workload="lm", lm=LMOptions(n_heads=3)), "--lm.n-heads 3: must be a divisor of --lm.d-model 32"),
+    (dict(workload="lm", lm=LMOptions(batch_size=0)), "--lm.batch-size 0: must be in [1, 65536]"),
+    (dict(workload="lm", lm=LMOptions(target_token=16)), "--lm.target-token 16: must be in [0, 15]"),
+    (dict(workload="lm", lm=LMOptions(noise=1.5)), "--lm.noise 1.5: must be in [0, 1]"),
+    (dict(workload="lm", lm=LMOptions(steps=())), "--lm.steps (): must be one or more integers in [0, 16)"),
+    (dict(workload="lm", lm=LMOptions(kl_estimator="k2")), "--lm.kl-estimator 'k2': must be one of k1, k3"),
+    (dict(workload="lm", lm=LMOptions(prompt_len=4000, gen_len=200)), "--lm.gen-len 200: must be in [1, 96]"),
+    (dict(ppo=PPOOptions(lr=0.0)), "--ppo.lr 0: must be in (0, 1]"),
+    (dict(ppo=PPOOptions(lr=NAN)), "--ppo.lr nan: must be in (0, 1]"),
+    (dict(ppo=PPOOptions(gamma=1.5)), "--ppo.gamma 1.5: must be in [0, 1]"),
+    (dict(ppo=PPOOptions(gae_lambda=-0.1)), "--ppo.gae-lambda -0.1: must be in [0, 1]"),
+    (dict(ppo=PPOOptions(epochs=0)), "--ppo.epochs 0: must be in [1, 1000]"),
+    (dict(ppo=PPOOptions(minibatches=0)), "--ppo.minibatches 0: must be in [1, 65536]"),
+    (dict(ppo=PPOOptions(clip_coef=0.0)), "--ppo.clip-coef 0: must be in (0, 10]"),
+    (dict(ppo=PPOOptions(value_clip_coef=-INF)), "--ppo.value-clip-coef -inf: must be in (0, 1000]"),
+    (dict(ppo=PPOOptions(truncated_is=0.5)), "--ppo.truncated-is 0.5: must be in [1, 1000]"),
+    (dict(ppo=PPOOptions(ent_coef=-0.01)), "--ppo.ent-coef -0.01: must be in [0, 10]"),
+    (dict(ppo=PPOOptions(max_grad_norm=0.0)), "--ppo.max-grad-norm 0: must be in (0, 1000]"),
+    (dict(ppo=PPOOptions(kl_coef=-1.0)), "--ppo.kl-coef -1: must be in [0, 100]"),
+    (dict(ppo=PPOOptions(anneal_updates=-1)), "--ppo.anneal-updates -1: must be in [0, 10000000]"),
+    (dict(ppo=PPOOptions(adam_eps=0.0)), "--ppo.adam-eps 0: must be in (0, 1]"),
+    # an option group that is not the workload's, and flags only a plugin workload takes
+    (dict(lm=LMOptions(lora_rank=4)), "--lm.lora-rank 4: applies to --workload lm, not --workload cartpole"),
+    (dict(workload="lm", env=VectorEnvOptions(num_envs=4)), "--env.num-envs 4: applies to --workload cartpole"),
+    (dict(plugin_args=("--num-envs", "4")), "unrecognized option(s) --num-envs 4 for --workload cartpole"),
 ]
 
 
-@pytest.mark.parametrize("overrides, message", PPO_BAD, ids=[next(iter(kw)) + f"={list(kw.values())[-1]!r}"
-                                                             for kw, _ in PPO_BAD])
+@pytest.mark.parametrize("overrides, message", PPO_BAD, ids=[message.split(":")[0] for _, message in PPO_BAD])
 def test_ppo_check_refuses(overrides, message):
     cfg = DetachedConfig(**overrides)
     with pytest.raises(ValueError) as info:
@@ -234,7 +265,7 @@ def test_ppo_check_refuses(overrides, message):
     assert type(info.value).__name__ == "ConfigError"
     text = one_line(str(info.value))
     assert text.startswith(message), text
-    assert "; " in text and ("e.g. " in text or "lower " in text), text
+    assert "; " in text and any(fix in text for fix in ("e.g. ", "lower ", "drop it", "see ")), text
 
 
 def test_ppo_every_field_is_checked():
@@ -249,7 +280,11 @@ def test_ppo_defaults_and_edges_pass():
     DetachedConfig(lag=0, max_lag=0).check()
     DetachedConfig(lag=MAX_LAG, batches_per_step=MAX_CREDITS // (MAX_LAG + 1), max_lag=10**6).check()
     DetachedConfig(bucket_mb=1e-4, heartbeat_timeout_s=5, timeout_s=5, target_return=475.0, trainer_device="cuda:1",
-                   maker_device="cpu", workload="ppo_toy:ToyWorkload", workload_args={"rollout_s": 0.01}).check()
+                   maker_device="cpu", workload="ppo_toy:ToyWorkload", plugin_args=("--rollout-s", "0.01")).check()
+    DetachedConfig(workload="lm", lm=LMOptions(lora_rank=32, n_heads=32, steps=(0, 15)),
+                   ppo=PPOOptions(truncated_is=INF, value_clip_coef=INF, gamma=1.0, ent_coef=0.0)).check()
+    DetachedConfig(workload="swingup", env=VectorEnvOptions(num_envs=1, rollout_len=1, init_log_std=-5.0),
+                   ppo=PPOOptions(anneal_updates=0, truncated_is=1.0)).check()
 
 
 # -- detached PPO CLI ----------------------------------------------------------------------------------------
@@ -270,6 +305,44 @@ def test_ppo_cli_in_process_exits_2_before_spawning(args, parts, monkeypatch, ca
     monkeypatch.setattr(ppo_main, "train", started)
     rc = ppo_main.main(["--trainer-device", "cpu", "--maker-device", "cpu", *args])
     assert_bad_cli(rc, capsys.readouterr().err, "hpcrl.ppo: error:", *parts)
+
+
+@pytest.mark.parametrize("args, parts", [
+    (["--ppo.lr", "fast"], ["Error parsing --ppo.lr", "'fast'", "see python -m hpcrl.ppo --help"]),
+    (["--lagg", "3"], ["unrecognized option(s) --lagg 3", "--help"]),
+    (["--workload", "nope"], ["--workload nope: unknown workload 'nope'", "cartpole"]),
+    (["--workload", "no_such_module:Cls"], ["--workload 'no_such_module:Cls'", "importable package.module:Class"]),
+    (["--workload", "ppo_toy:ToyWorkload", "--rollout-s", "slow"], ["Error parsing --rollout-s", "'slow'",
+                                                                    "--workload ppo_toy:ToyWorkload --help"]),
+    (["--workload", "ppo_toy:ToyWorkload", "--num-envs", "4"], ["Unrecognized options: --num-envs, 4"]),
+    (["--workload", "lm", "--lm.n-heads", "5"], ["--lm.n-heads 5", "divisor of --lm.d-model 32"]),
+    (["--env.num-envs", "0"], ["--env.num-envs 0", "[1, 65536]"]),
+    (["--ppo.truncated-is", "0.5"], ["--ppo.truncated-is 0.5", "[1, 1000]", "or inf for off"]),
+])
+def test_ppo_cli_typed_options_exit_2_in_one_line(args, parts, monkeypatch, capsys, cli_in_process):
+    import hpcrl.ppo.__main__ as ppo_main
+
+    def started(*a, **kw):
+        raise AssertionError("ranks were started for a bad configuration")
+
+    monkeypatch.setattr(ppo_main, "spawn", started)
+    monkeypatch.setattr(ppo_main, "train", started)
+    monkeypatch.syspath_prepend(str(TESTS))  # ppo_toy
+    rc = ppo_main.main(["--trainer-device", "cpu", "--maker-device", "cpu", *args])
+    assert_bad_cli(rc, capsys.readouterr().err, "hpcrl.ppo: error:", *parts)
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["file", "under-a-file"])
+def test_ppo_run_dir_that_is_a_file_exits_2_before_spawning(tmp_path, inside):
+    """A --run-dir that is (or is under) an existing file: one line, exit 2, no rank started."""
+    (tmp_path / "taken").write_text("not a directory")
+    run_dir = tmp_path / "taken" / "run" if inside else tmp_path / "taken"
+    proc = run_module("hpcrl.ppo", ["--run-dir", str(run_dir), "--makers", "1", "--trainers", "1",
+                                    "--trainer-device", "cpu", "--maker-device", "cpu", "--total-steps", "2"], tmp_path)
+    assert_bad_cli(proc.returncode, proc.stderr, "hpcrl.ppo: error:", f"--run-dir '{run_dir}'", "existing file",
+                   "pass another --run-dir")
+    assert proc.stdout == ""  # no rank printed its start line
+    assert (tmp_path / "taken").read_text() == "not a directory"
 
 
 def test_ppo_cli_bad_device_exits_2(tmp_path):

@@ -72,7 +72,7 @@ def toy_config(tmp_path, makers, trainers, **kw) -> DetachedConfig:
 
 @pytest.mark.parametrize("makers, trainers, lag", [(2, 1, 1), (1, 2, 1), (3, 2, 2)])
 def test_topologies_complete_with_every_sample_accounted(tmp_path, makers, trainers, lag):
-    cfg = toy_config(tmp_path, makers, trainers, lag=lag, workload_args={"rollout_s": 0.01})
+    cfg = toy_config(tmp_path, makers, trainers, lag=lag, plugin_args=("--rollout-s", "0.01"))
     rows = spawn(train, makers + trainers, args=(cfg,), timeout_s=100)
     final = rows[0]
     assert final["policy_version"] == 12
@@ -90,7 +90,7 @@ def test_topologies_complete_with_every_sample_accounted(tmp_path, makers, train
 def test_idle_fractions_name_the_side_that_waits(tmp_path, makers, rollout_s, train_s, idle_side):
     # Sleep-controlled costs: slow updates leave the makers waiting for credits, slow rollouts the trainer.
     cfg = toy_config(tmp_path, makers, 1, lag=1, total_steps=10,
-                     workload_args={"rollout_s": str(rollout_s), "train_s": str(train_s)})
+                     plugin_args=("--rollout-s", str(rollout_s), "--train-s", str(train_s)))
     spawn(train, makers + 1, args=(cfg,), timeout_s=100)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][2:-1]
     maker = sum(r["maker_idle_frac"] for r in rows) / len(rows)
@@ -127,14 +127,14 @@ def test_idle_receives_outlive_the_timeout(tmp_path):
     # for longer than --timeout-s: the exchange plane must not time those out (gloo would close the
     # connection), liveness is the heartbeats' job.
     cfg = toy_config(tmp_path, 1, 1, lag=1, total_steps=3, batches_per_step=3, timeout_s=5,
-                     workload_args={"rollout_s": 1.2})
+                     plugin_args=("--rollout-s", "1.2"))
     rows = spawn(train, 2, args=(cfg,), timeout_s=100)
     assert rows[0]["policy_version"] == 3
     assert rows[0]["samples_produced"] == rows[0]["samples_consumed"] + rows[0]["dropped_shutdown"]
 
 
 def test_trainable_only_sync_keeps_the_frozen_base(tmp_path):
-    cfg = toy_config(tmp_path, 2, 1, lag=1, workload_args={"trainable_only": True})
+    cfg = toy_config(tmp_path, 2, 1, lag=1, plugin_args=("--trainable-only",))
     rows = spawn(train, 3, args=(cfg,), timeout_s=100)
     assert rows[0]["checksum_mismatches"] == 0  # full-model checksums equal: base untouched, head synced
 
@@ -186,7 +186,7 @@ def _wait_rows(tmp_path, n, procs, timeout=60):
 
 def test_dead_maker_is_dropped_and_training_continues(tmp_path):
     procs = _launch(tmp_path, 2, 1, ["--total-steps", "40", "--timeout-s", "30",
-                                     "--workload-args", "rollout_s", "0.05"])
+                                     "--rollout-s", "0.05"])
     try:
         _wait_rows(tmp_path, 3, procs)
         procs[2].send_signal(signal.SIGKILL)  # maker 1
@@ -218,7 +218,7 @@ def test_chaos_frozen_and_killed_makers_are_dropped_and_the_rest_finish(tmp_path
 
     rng = random.Random(int(time.time()))
     # long enough that the run outlives the freeze (a run ending during it is the next test's case)
-    procs = _launch(tmp_path, 3, 1, ["--total-steps", "400", "--timeout-s", "30", "--workload-args", "rollout_s", "0.03"])
+    procs = _launch(tmp_path, 3, 1, ["--total-steps", "400", "--timeout-s", "30", "--rollout-s", "0.03"])
     frozen, killed = procs[1], procs[3]
     try:
         _wait_rows(tmp_path, rng.randint(2, 8), procs)
@@ -250,7 +250,7 @@ def test_chaos_frozen_and_killed_makers_are_dropped_and_the_rest_finish(tmp_path
 
 def test_frozen_trainer_hosting_the_store_is_named_by_every_maker(tmp_path):
     procs = _launch(tmp_path, 2, 1, ["--total-steps", "1000", "--timeout-s", "60",
-                                     "--workload-args", "rollout_s", "0.02"])
+                                     "--rollout-s", "0.02"])
     try:
         _wait_rows(tmp_path, 2, procs)
         t0 = time.time()
@@ -268,7 +268,7 @@ def test_frozen_trainer_hosting_the_store_is_named_by_every_maker(tmp_path):
 
 def test_dead_trainer_stops_makers_with_a_named_error(tmp_path):
     procs = _launch(tmp_path, 2, 1, ["--total-steps", "1000", "--timeout-s", "20",
-                                     "--workload-args", "rollout_s", "0.02"])
+                                     "--rollout-s", "0.02"])
     try:
         _wait_rows(tmp_path, 2, procs)
         t0 = time.time()
@@ -286,7 +286,7 @@ def test_dead_trainer_stops_makers_with_a_named_error(tmp_path):
 def test_sigusr2_stops_with_a_checkpoint_and_resume_finishes(tmp_path):
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "PYTHONPATH": str(TESTS)}
     args = [sys.executable, "-m", "hpcrl.ppo", "--workload", "ppo_toy:ToyWorkload", "--makers", "2", "--trainers",
-            "1", "--run-dir", str(tmp_path), "--total-steps", "60", "--workload-args", "rollout_s", "0.05"]
+            "1", "--run-dir", str(tmp_path), "--total-steps", "60", "--rollout-s", "0.05"]
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:

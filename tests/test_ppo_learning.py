@@ -14,6 +14,7 @@ from hpcrl.ppo.config import DetachedConfig
 from hpcrl.ppo.run import train
 from hpcrl.ppo.sync import train_sync
 from hpcrl.ppo.workloads import make_workload
+from hpcrl.ppo.workloads.options import PPOOptions
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -54,7 +55,7 @@ def test_cartpole_solved_with_two_makers_one_trainer(tmp_path):
 
 def test_lm_reward_rises_with_bounded_kl_through_detached_roles(tmp_path):
     cfg = DetachedConfig(workload="lm", makers=2, trainers=1, lag=1, total_steps=16, run_dir=str(tmp_path),
-                         timeout_s=60, ppo_args={"lr": "1e-3"})
+                         timeout_s=60, ppo=PPOOptions(lr=1e-3))
     spawn(train, 3, args=(cfg,), timeout_s=280)
     rows = [r for r in metrics(tmp_path) if "samples_produced" not in r]
     first, last = rows[0], rows[-1]

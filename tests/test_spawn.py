@@ -264,7 +264,7 @@ def test_config_errors_in_the_ranks_exit_2_with_one_line(tmp_path, case):
 def test_a_dead_maker_is_dropped_under_local_spawn(tmp_path):
     run = tmp_path / "run"
     proc = _cli("hpcrl.ppo", ["--workload", "ppo_toy:ToyWorkload", "--makers", "2", "--trainers", "1",
-                              "--total-steps", "40", "--workload-args", "rollout_s", "0.05",
+                              "--total-steps", "40", "--rollout-s", "0.05",
                               "--heartbeat-timeout-s", "3", "--run-dir", str(run)], tmp_path)
     try:
         _wait_for(lambda: len(_rows(run)) >= 3, proc, what="three metrics rows")

@@ -18,14 +18,12 @@ import os
 import signal
 import sys
 
-import tyro
-
 from hpcrl.comm import SpawnError, check_local_gpus, cuda_count, detect_launch, spawn
 from hpcrl.comm.devices import resolve_kind
 from hpcrl.comm.local import SpawnConfigError, is_config_error
 from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_STOPPED
 
-from .config import DetachedConfig
+from .config import ConfigError, parse_args
 from .liveness import PeerLost
 from .run import build_workload, train, validate
 
@@ -33,9 +31,13 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C twice
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = tyro.cli(DetachedConfig, args=sys.argv[1:] if argv is None else argv,
-                   description="Detached PPO: experience makers and PPO trainers as separate process groups")
     try:
+        cfg = parse_args(sys.argv[1:] if argv is None else argv)
+    except ConfigError as err:  # tyro could not parse a flag: its message, one line
+        print(f"hpcrl.ppo: error: {err}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    try:
+        cfg.check()  # every range, before anything is built or spawned
         build_workload(cfg)  # fail on a bad workload or device before starting any process
         for role in ("trainer", "maker"):
             resolve_kind(getattr(cfg, f"{role}_device"), cuda_count(), f"--{role}-device")

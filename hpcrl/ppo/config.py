@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-import ast
-import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated
+
+import contextlib
+import io
+import re
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
+import tyro
 
-from hpcrl.config_check import DEVICE, MAX_SEED, MAX_TIMEOUT_S, Check, ConfigError, flag, show
+from hpcrl.config_check import DEVICE, MAX_SEED, MAX_TIMEOUT_S, Check, ConfigError, show
 from hpcrl.conventions import DEFAULT_MAKERS, DEFAULT_TRAINERS
+
+from .workloads.options import LMOptions, PPOOptions, VectorEnvOptions
 
 MAX_LAG = 64
 """Largest --lag: every version of staleness keeps batches_per_step more experience batches in flight per
@@ -21,14 +28,15 @@ MIN_BUCKET_MB = 1e-4
 """Smallest --bucket-mb (about 100 bytes): below it a publish becomes one broadcast per few values (0 hung)."""
 
 
-def _literal(value: Any) -> Any:
-    if not isinstance(value, str):
-        return value
-    try:
-        return ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return value
+VECTOR_WORKLOADS = ("cartpole", "swingup", "continuous", "pendulum")
+"""Built-in workloads that take the --env.* options (hpcrl.ppo.workloads registry)."""
+LM_WORKLOADS = ("lm",)
+"""Built-in workloads that take the --lm.* options."""
 
+
+def is_plugin(workload: str) -> bool:
+    """``package.module:Class``: a user's workload, whose own flags are :attr:`DetachedConfig.plugin_args`."""
+    return ":" in workload
 
 
 @dataclass
@@ -67,6 +75,7 @@ class DetachedConfig:
     run_dir: str = "runs/ppo"
     """Non-empty path without control characters."""
     resume: bool = False
+    """Continue the run in --run-dir from its newest checkpoint (--resume-missing says what happens when there is none)."""
     resume_missing: str = "error"
     """With --resume and no usable checkpoint in run_dir: "error" refuses (exit 2), "fresh" starts a new run
     and says so (what the sbatch scripts pass: a job requeued before its first checkpoint starts over)."""
@@ -80,11 +89,16 @@ class DetachedConfig:
     """torch intra-op threads per rank (>= 1)."""
     checkpoint_every: int = 0
     """PPO updates between trainer checkpoints (0: only at the end; >= 0)."""
-    workload_args: dict[str, str] = field(default_factory=dict)
-    """Keyword arguments for the workload, e.g. ``--workload-args num_envs 16 rollout_len 64``
-    (keys are identifiers; values are Python literals; anything else is a string)."""
-    ppo_args: dict[str, str] = field(default_factory=dict)
-    """Overrides of the workload's PPO hyper-parameters (PPOConfig fields), e.g. ``--ppo-args lr 1e-3``."""
+    env: VectorEnvOptions = field(default_factory=VectorEnvOptions)
+    """Options of the vector-env workloads (--workload cartpole, swingup, continuous, pendulum)."""
+    lm: LMOptions = field(default_factory=LMOptions)
+    """Options of the token-level LM workload (--workload lm)."""
+    ppo: PPOOptions = field(default_factory=PPOOptions)
+    """PPO hyper-parameters (unset: the workload's own)."""
+    plugin_args: Annotated[tuple[str, ...], tyro.conf.Suppress] = ()
+    """A ``package.module:Class`` workload's own flags, as on the command line (``--rollout-s 0.05``):
+    the flags hpcrl.ppo does not know, parsed against the class's typed constructor (tyro), which is
+    the plugin's options. Built-in workloads take none."""
 
     def check(self) -> None:
         """Every value against its documented range, before any rank starts: :class:`ConfigError` (a
@@ -114,6 +128,7 @@ class DetachedConfig:
         c.real("bucket_mb", MIN_BUCKET_MB, hint="MiB per weight bucket; smaller splits a publish into millions")
         c.integer("seed", 0, MAX_SEED)
         c.text("run_dir")
+        _check_run_dir(c, self.run_dir)
         c.boolean("resume")
         if self.resume_missing not in ("error", "fresh"):
             c.fail("resume_missing", "one of error, fresh")
@@ -124,16 +139,29 @@ class DetachedConfig:
                    "heartbeat before a wait gives up)", "lower it or raise --timeout-s")
         c.integer("threads", 1, hint="torch threads per rank")
         c.integer("checkpoint_every", 0, hint="PPO updates between checkpoints; 0 = only at the end")
-        for name in ("workload_args", "ppo_args"):
-            value = getattr(self, name)
-            if not isinstance(value, dict) or not all(isinstance(k, str) and k.isidentifier() for k in value):
-                c.fail(name, "pairs KEY VALUE with identifier keys", f"e.g. {flag(name)} num_envs 16")
+        self._check_options(c)
 
-    def workload_kwargs(self) -> dict[str, Any]:
-        return {k: _literal(v) for k, v in self.workload_args.items()}
-
-    def ppo_kwargs(self) -> dict[str, Any]:
-        return {k: _literal(v) for k, v in self.ppo_args.items()}
+    def _check_options(self, c: Check) -> None:
+        """Each option group's ranges, and that the groups given are the workload's own."""
+        for name, kind in (("env", VectorEnvOptions), ("lm", LMOptions), ("ppo", PPOOptions)):
+            if not isinstance(getattr(self, name), kind):
+                c.fail(name, f"a {kind.__name__}", f"set its fields as --{name}.FIELD VALUE (see --help)")
+            getattr(self, name).check()
+        if not isinstance(self.plugin_args, tuple) or not all(isinstance(a, str) for a in self.plugin_args):
+            c.fail("plugin_args", "a tuple of command-line strings", "e.g. ('--rollout-s', '0.05')")
+        plugin = is_plugin(self.workload)
+        for name, family in (("env", VECTOR_WORKLOADS), ("lm", LM_WORKLOADS)):
+            if getattr(self, name) != type(getattr(self, name))() and self.workload not in family:
+                changed, value = next((f, v) for f, v in vars(getattr(self, name)).items()
+                                      if v != getattr(type(getattr(self, name))(), f))
+                raise ConfigError(f"--{name}.{changed.replace('_', '-')} {show(value)}: applies to --workload "
+                                  f"{' / '.join(family)}, not --workload {self.workload}; drop it, or pass "
+                                  f"--workload {family[0]}"
+                                  + ("; a plugin workload takes its own flags (its constructor's)" if plugin else ""))
+        if self.plugin_args and not plugin:
+            raise ConfigError(f"unrecognized option(s) {' '.join(self.plugin_args)} for --workload {self.workload}: "
+                              "only a package.module:Class workload takes flags of its own; see python -m hpcrl.ppo "
+                              "--help for the --env.*, --lm.* and --ppo.* options")
 
     def bucket_numel(self, dtype: torch.dtype) -> int:
         """Elements of ``dtype`` per weight bucket (``bucket_mb``)."""
@@ -142,3 +170,95 @@ class DetachedConfig:
     @property
     def stale_cap(self) -> int:
         return self.lag if self.max_lag is None else self.max_lag
+
+
+def _check_run_dir(c: Check, run_dir: str) -> None:
+    """The run dir is a directory, or can become one: no existing file at it or at a parent (a rank
+    would only find out creating it, as a FileExistsError)."""
+    path = Path(run_dir)
+    for at in (path, *path.parents):
+        if at.exists():
+            if not at.is_dir():
+                where = "" if at == path else f" (its parent {str(at)!r} is a file)"
+                c.fail("run_dir", f"a directory or a path to create, not an existing file{where}",
+                       "pass another --run-dir, or move the file away")
+            return
+
+
+def parse_args(argv: list[str], prog: str = "python -m hpcrl.ppo") -> DetachedConfig:
+    """The command line as a :class:`DetachedConfig`: hpcrl.ppo's flags (tyro), and for a
+    ``package.module:Class`` workload the flags left over as its :attr:`~DetachedConfig.plugin_args`.
+    A flag tyro cannot parse is a :class:`ConfigError` of one line (tyro's own message, without its
+    box); ``--help`` prints and exits 0 as usual (with the plugin's own options after hpcrl.ppo's)."""
+    workload = _last_value(argv, "--workload")
+    if workload is not None and is_plugin(workload) and any(a in ("-h", "--help") for a in argv):
+        _plugin_help(workload, prog)
+    cfg, rest = tyro_call(lambda: tyro.cli(DetachedConfig, args=argv, prog=prog, return_unknown_args=True,
+                                           description=DESCRIPTION), prog)
+    if rest:
+        cfg.plugin_args = tuple(rest)  # check() refuses them for a built-in workload, naming them
+    return cfg
+
+
+DESCRIPTION = ("Detached PPO: experience makers and PPO trainers as separate process groups. Workload options: "
+               "--env.* (cartpole, swingup, continuous, pendulum), --lm.* (lm); PPO hyper-parameters: --ppo.* "
+               "(unset: the workload's own). A package.module:Class workload takes its own flags, parsed against "
+               "its constructor's typed arguments (python -m hpcrl.ppo --workload pkg.mod:Cls --help lists them).")
+
+
+def _last_value(argv: list[str], name: str) -> str | None:
+    """The value of the last ``name V`` / ``name=V`` in argv, as argparse reads it."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def _plugin_help(workload: str, prog: str) -> None:
+    """Print the plugin's own options (from its constructor) before hpcrl.ppo's help."""
+    from .run import plugin_class
+
+    try:
+        cls = plugin_class(workload)
+    except ConfigError as err:
+        print(f"({err})")
+        return
+    try:
+        tyro.cli(cls, args=["--help"], prog=f"{prog} --workload {workload} [hpcrl.ppo flags]",
+                 description=f"Options of the plugin workload {workload} (its constructor's arguments):")
+    except SystemExit:
+        pass
+    print()
+
+
+def tyro_call(parse: Callable[[], Any], prog: str) -> Any:
+    """Run a tyro parse; a parse error (tyro prints a box of help and exits 2) becomes one
+    :class:`ConfigError` line holding tyro's message. ``--help`` (exit 0) prints as tyro prints it."""
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
+            return parse()
+    except SystemExit as err:
+        text = out.getvalue()
+        if not err.code:  # --help: the captured text is the help
+            print(text, end="")
+            raise
+        raise ConfigError(_tyro_message(text) + f"; see {prog} --help") from None
+
+
+_RULE = re.compile(r"[\s\-─━╭╮╰╯│]*[-─━]{3,}[\s\-─━╭╮╰╯│]*")  # a box's horizontal line
+
+
+def _tyro_message(text: str) -> str:
+    """The message of a tyro error box: the lines between its first two rules, joined."""
+    lines = [line.strip(" │\t") for line in text.splitlines()]
+    rules = [i for i, line in enumerate(lines) if _RULE.fullmatch(line)]
+    if len(rules) >= 2:
+        body = lines[rules[0] + 1:rules[1]]
+    else:
+        body = [line for line in lines if line]
+    message = " ".join(line for line in body if line).strip()
+    return message or "could not parse the command line"

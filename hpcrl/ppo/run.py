@@ -6,12 +6,13 @@ import dataclasses
 import importlib
 
 import torch
+import tyro
 
 from hpcrl import checkpoint, rundir
 from hpcrl.comm import StopRequest, detect_launch, init_distributed, shutdown
 from hpcrl.conventions import ppo_role
 
-from .config import ConfigError, DetachedConfig
+from .config import LM_WORKLOADS, ConfigError, DetachedConfig, is_plugin, tyro_call
 from .events import Events, ignore
 from .groups import make_groups
 from .liveness import Heartbeat, liveness_store, remember_hosts
@@ -20,27 +21,41 @@ from .topology import Topology
 from .trainer import Trainer, run_identity
 from .workload import PPOConfig
 
-__all__ = ["ConfigError", "build_workload", "train", "validate"]
+__all__ = ["ConfigError", "build_workload", "plugin_class", "train", "validate"]
+
+
+def plugin_class(workload: str) -> type:
+    """The class of a ``package.module:Class`` workload (ConfigError naming --workload if it is not there)."""
+    module, _, attr = workload.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ConfigError(f"--workload {workload!r}: {err}; give an importable package.module:Class "
+                          "(its module on PYTHONPATH)") from None
 
 
 def build_workload(cfg: DetachedConfig):
-    """A registered workload name, or ``package.module:Class`` for a user's own workload."""
-    try:
-        if ":" in cfg.workload:
-            module, _, attr = cfg.workload.partition(":")
-            workload = getattr(importlib.import_module(module), attr)(**cfg.workload_kwargs())
-        else:
-            from .workloads import make_workload
+    """The workload and its PPO hyper-parameters: a registered name built with ``cfg.env`` / ``cfg.lm``,
+    or ``package.module:Class`` built from ``cfg.plugin_args`` parsed against its constructor (tyro);
+    then ``cfg.ppo``'s overrides on the workload's :meth:`default_config`."""
+    if is_plugin(cfg.workload):
+        cls = plugin_class(cfg.workload)
+        prog = f"python -m hpcrl.ppo --workload {cfg.workload}"
+        try:
+            workload = tyro_call(lambda: tyro.cli(cls, args=list(cfg.plugin_args), prog=prog), prog)
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"--workload {cfg.workload}: {err}") from None
+    else:
+        from .workloads import make_workload
 
-            workload = make_workload(cfg.workload, **cfg.workload_kwargs())
-    except (ValueError, TypeError, ImportError, AttributeError) as err:
-        raise ConfigError(f"workload {cfg.workload!r}: {err}") from None
+        options = cfg.lm.kwargs() if cfg.workload in LM_WORKLOADS else cfg.env.kwargs()
+        try:
+            workload = make_workload(cfg.workload, **options)
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"--workload {cfg.workload}: {err}") from None
     ppo = workload.default_config() if hasattr(workload, "default_config") else PPOConfig()
-    try:
-        ppo = dataclasses.replace(ppo, **cfg.ppo_kwargs())
-    except TypeError as err:
-        raise ConfigError(f"ppo_args: {err}") from None
-    return workload, ppo
+    fields, extra = cfg.ppo.overrides()
+    return workload, dataclasses.replace(ppo, **fields, extra={**ppo.extra, **extra})
 
 
 def validate(cfg: DetachedConfig, world_size: int) -> Topology:

@@ -41,11 +41,28 @@ _LOOK_S = 0.5  # how often the trainer reads the peers' heartbeats while waiting
 # DetachedConfig fields a resume may not change; with the number of trainers (the checkpoint's world)
 # they are the run's identity. Everything else (steps, lag, makers, devices, timeouts, checkpoint
 # cadence) may change between the jobs of one run dir.
-IDENTITY_FIELDS = ("seed", "workload", "workload_args", "ppo_args")
+# The option groups (--env.*, --lm.*, --ppo.*) are part of it: they change the model or the update.
+IDENTITY_FIELDS = ("seed", "workload", "env", "lm", "ppo", "plugin_args")
 
 
 def run_identity(cfg: DetachedConfig, trainers: int) -> dict:
-    return {"trainers": trainers, **{name: getattr(cfg, name) for name in IDENTITY_FIELDS}}
+    def plain(value):
+        return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+
+    return {"trainers": trainers, **{name: plain(getattr(cfg, name)) for name in IDENTITY_FIELDS}}
+
+
+def _say(logger: RunLogger, what: str, *args) -> None:
+    """RunLogger's early-stop / summary line; printed here where that logger has no such method."""
+    method = getattr(logger, what, None)
+    if method is not None:
+        method(*args)
+    elif what == "early_stop":
+        print(f"hpcrl.ppo: stopped early at update {args[1]}: {args[0]}", flush=True)
+    else:
+        results, paths = args
+        print("hpcrl.ppo: done: " + ", ".join([f"{k}={v}" for k, v in results.items()]
+                                             + [f"{k} {p}" for k, p in paths.items() if p]), flush=True)
 
 
 @dataclass
@@ -133,6 +150,8 @@ class Trainer:
         dropped_stale = 0.0
         recent: deque[tuple[float, float]] = deque()  # (return sum, episodes) of the latest steps
         row: dict[str, float] = {}
+        reached = False  # --target-return met (the same verdict on every trainer: the row is reduced)
+        best = float("nan")  # highest episode_return_recent so far, for the final line
         last = time.perf_counter()
         for _ in range(self.version, cfg.total_steps):
             batches, lags, stats_sum = [], [], {}
@@ -202,8 +221,11 @@ class Trainer:
             self.events(RowLogged(time.time(), self.index, dict(row)))
             if cfg.checkpoint_every and self.version % cfg.checkpoint_every == 0:
                 self._save(env_steps)
+            if row["episode_return_recent"] == row["episode_return_recent"]:  # not NaN
+                best = row["episode_return_recent"] if best != best else max(best, row["episode_return_recent"])
             # Every trainer sees the same reduced row, so they all stop at the same step.
             if cfg.target_return is not None and row["episode_return_recent"] >= cfg.target_return:
+                reached = True
                 break
             if self.version < cfg.total_steps and self.stop.agreed(self.groups.trainer_host):
                 row["preempted"] = 1.0
@@ -213,7 +235,7 @@ class Trainer:
                 break
 
         consumed = env_steps - resumed_env_steps  # this job's makers produced only this job's samples
-        self._save(env_steps)
+        saved = self._save(env_steps)
         drained = self._drain()
         used = {f"used/{m}": float(n) for m, n in enumerate(self._used)}
         totals = reduce_metrics({"dropped_shutdown": drained, "dropped_stale": dropped_stale, **used},
@@ -242,6 +264,7 @@ class Trainer:
             row.update(samples_produced=produced, samples_consumed=consumed, dropped_shutdown=totals["dropped_shutdown"],
                        dropped_stale=totals["dropped_stale"], lost_in_flight=lost, makers_lost=float(len(self.dead)))
             logger.log(row)
+            self._report(logger, row, reached, best, saved)
         logger.close()
         deadline = time.monotonic() + cfg.heartbeat_timeout_s + 5.0  # one deadline, not one per maker
         for m, thread in self._receivers.items():  # live makers close their streams after the STOP credit;
@@ -281,7 +304,22 @@ class Trainer:
               f"{cfg.batches_per_step} batch(es) per trainer per step; {cfg.total_steps} steps"
               + (f"; resuming at v{self.version}" if self.version else ""), flush=True)
 
-    def _save(self, env_steps: float) -> None:
+    def _report(self, logger: RunLogger, row: dict, reached: bool, best: float, saved: Path | None) -> None:
+        """The run's last lines (trainer 0): that --target-return was reached (update, return, time), or
+        that the budget ended first, then the summary (final return, checkpoint, metrics)."""
+        cfg = self.cfg
+        recent = row.get("episode_return_recent", float("nan"))
+        results: dict = {"episode_return_recent": recent, "updates": self.version, "env_steps": row.get("env_steps")}
+        if reached:
+            _say(logger, "early_stop", f"episode_return_recent {recent:.1f} >= --target-return {cfg.target_return:g}",
+                 self.version)
+        elif cfg.target_return is not None and not row.get("preempted"):
+            shown = "-" if best != best else f"{best:.1f}"
+            results["target_return"] = (f"{cfg.target_return:g} not reached in {cfg.total_steps} updates (best "
+                                        f"episode_return_recent {shown}; raise --total-steps)")
+        _say(logger, "finish", results, {"checkpoint": saved})
+
+    def _save(self, env_steps: float) -> Path | None:
         trainers = list(range(self.top.trainers))
 
         def trainer_barrier(name: str) -> None:
@@ -289,7 +327,7 @@ class Trainer:
 
         learner = ({"model": self.model.state_dict(), "learner": self.learner.state_dict(), "version": self.version,
                     "env_steps": env_steps} if self.index == 0 else None)
-        checkpoint.save(self.cfg.run_dir, self.version, self.index, self.top.trainers, learner,
+        return checkpoint.save(self.cfg.run_dir, self.version, self.index, self.top.trainers, learner,
                         {"generator": self.generator.get_state()}, trainer_barrier,
                         identity=run_identity(self.cfg, self.top.trainers))
 
