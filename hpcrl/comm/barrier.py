@@ -11,7 +11,7 @@ from datetime import timedelta
 from typing import Sequence
 
 from .context import DistContext
-from .secret import UntrustedKeyError, UntrustedPeerError
+from .secret import HOW_TO_FIX, UntrustedKeyError, UntrustedPeerError, unverified_text
 
 __all__ = ["BarrierTimeoutError", "barrier", "host_of", "hosts", "register_host"]
 
@@ -38,7 +38,7 @@ def hosts(ctx: DistContext) -> list[str]:
     """Hostname of every rank, in rank order (after init: every rank registered before the init barrier)."""
     if ctx.store is None:
         return [ctx.hostname]
-    return [ctx.store.get(_host_key(r)).decode() for r in range(ctx.world_size)]
+    return [_hostname(v) for v in ctx.store.multi_get([_host_key(r) for r in range(ctx.world_size)])]
 
 
 def host_of(ctx: DistContext, rank: int) -> str:
@@ -46,9 +46,23 @@ def host_of(ctx: DistContext, rank: int) -> str:
     if ctx.store is None:
         return ctx.hostname if rank == ctx.rank else ""
     try:
-        return ctx.store.get(_host_key(rank)).decode() if ctx.store.check([_host_key(rank)]) else ""
+        return _hostname(ctx.store.get(_host_key(rank))) if ctx.store.check([_host_key(rank)]) else ""
+    except RuntimeError:  # gone, or not signed with the job secret: no name rather than a forged one
+        return ""
+
+
+def unverified_host_of(ctx: DistContext, rank: int) -> str:
+    """For an error message on a rank that cannot verify (no secret): the host name as written, unverified."""
+    raw = getattr(ctx.store, "raw", ctx.store)
+    try:
+        return unverified_text(bytes(raw.get(_host_key(rank)))) if raw.check([_host_key(rank)]) else ""
     except RuntimeError:
         return ""
+
+
+def _hostname(raw: bytes) -> str:
+    # A host name is at most 255 characters; a longer or unprintable value is cut, not trusted to size anything.
+    return "".join(c for c in raw[:255].decode(errors="replace") if c.isprintable())
 
 
 def _describe(ctx: DistContext, ranks: list[int]) -> str:
@@ -97,7 +111,7 @@ def barrier(ctx: DistContext, name: str, timeout_s: float | None = None, ranks: 
         store.wait([key(gen, r) for r in members], timeout)
     except UntrustedKeyError as err:  # a rank (or an impostor in its place) without the job secret
         raise UntrustedPeerError(f"barrier {name!r} on rank {ctx.rank} ({ctx.hostname}): "
-                                 f"{_unsigned(ctx, [key(gen, r) for r in members], members)}. {err}") from None
+                                 f"{_unsigned(ctx, [key(gen, r) for r in members], members)}: {HOW_TO_FIX}") from None
     except RuntimeError as err:  # DistStoreError on timeout, DistNetworkError if the store is gone
         where = f"barrier {name!r} on rank {ctx.rank} of {len(members)} ({ctx.hostname})"
         try:

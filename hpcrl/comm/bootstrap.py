@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .barrier import barrier, host_of, register_host
+from .barrier import barrier, register_host, unverified_host_of
 from .context import DistContext, DistSetupError, Source
 from .devices import cuda_count, rank_device
 from .env import LaunchInfo, detect_launch
@@ -154,7 +154,7 @@ def init_distributed(
     uuid = torch.cuda.get_device_properties(dev).uuid if dev.type == "cuda" else ""
     store.set(f"device/{info.rank}", f"{int(dev.type == 'cuda')}|{info.hostname}|{uuid}")
     barrier(probe, "init")  # a missing peer is named here, not reported as a gloo connect timeout
-    check_join(store, info.rank, info.world_size, lambda r: f"rank {r}" + (f" ({h})" if (h := host_of(probe, r)) else ""))
+    check_join(store, info.rank, info.world_size, lambda r: f"rank {r}" + (f" ({h})" if (h := unverified_host_of(probe, r)) else ""))
     devices = _devices(store, info.world_size)
     all_cuda = world_device_plane and all(cuda for cuda, _ in devices)
     if all_cuda:

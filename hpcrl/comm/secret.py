@@ -28,7 +28,7 @@ from typing import Mapping, Sequence
 from .context import DistSetupError
 
 __all__ = ["JOIN_KEY", "MIN_SECRET_CHARS", "REQUIRE_ENV", "SECRET_ENV", "SECRET_FILE_ENV", "SignedStore",
-           "UntrustedKeyError", "UntrustedPeerError", "check_join", "load_secret", "new_secret"]
+           "UntrustedKeyError", "UntrustedPeerError", "check_join", "unverified_text", "HOW_TO_FIX", "load_secret", "new_secret"]
 
 SECRET_ENV = "HPCRL_JOB_SECRET"
 SECRET_FILE_ENV = "HPCRL_JOB_SECRET_FILE"
@@ -37,7 +37,7 @@ MIN_SECRET_CHARS = 32  # 128 bits of hex: a short secret is refused rather than 
 _MAGIC = b"hpcrl-hmac1:"
 _TAG_CHARS = 64  # hex of SHA-256
 JOIN_KEY = "trust/join/{rank}"
-_HOW = ("start every rank with the same HPCRL_JOB_SECRET (the hpcrl launcher and --nproc set it; for torchrun "
+HOW_TO_FIX = ("start every rank with the same HPCRL_JOB_SECRET (the hpcrl launcher and --nproc set it; for torchrun "
         "export one, e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`, or point "
         "HPCRL_JOB_SECRET_FILE at a 0600 file on a shared filesystem)")
 
@@ -135,7 +135,7 @@ class SignedStore:
         raise UntrustedKeyError(
             f"store key {key!r} refused: {why} with this job's secret, so a process that does not know the "
             "secret wrote it (another user's process that reached the store, or a rank started without the "
-            f"job's secret); the run does not act on it. To fix a misstarted rank: {_HOW}", key)
+            f"job's secret); the run does not act on it. To fix a misstarted rank: {HOW_TO_FIX}", key)
 
     # -- the store interface the run uses -----------------------------------------------------
     def set(self, key: str, value: str | bytes) -> None:
@@ -205,14 +205,21 @@ def check_join(store: SignedStore, rank: int, world_size: int, describe) -> None
     if signed:
         raise UntrustedPeerError(
             f"rank {rank}: this rank has no job secret, but {describe(signed[0])} signs its store keys with one, so "
-            f"this rank cannot prove it belongs to the job: {_HOW}")
+            f"this rank cannot prove it belongs to the job: {HOW_TO_FIX}")
+
+
+def unverified_text(raw: bytes, limit: int = 64) -> str:
+    """A store value for an error message only (a host name): its tag stripped, unverified, cut short."""
+    head = len(_MAGIC) + _TAG_CHARS + 1
+    body = raw[head:] if raw.startswith(_MAGIC) else raw
+    return "".join(c for c in body[:limit].decode(errors="replace") if c.isprintable())
 
 
 def no_secret_policy(env: Mapping[str, str], rank: int, source: str) -> None:
     """What a multi-rank run without a secret does: refuse with ``HPCRL_REQUIRE_SECRET=1``, else one
     warning line (rank 0) that the store is unauthenticated."""
     if env.get(REQUIRE_ENV, "") not in ("", "0"):
-        raise UntrustedPeerError(f"rank {rank} ({source}): {REQUIRE_ENV} is set but no job secret was given: {_HOW}")
+        raise UntrustedPeerError(f"rank {rank} ({source}): {REQUIRE_ENV} is set but no job secret was given: {HOW_TO_FIX}")
     if rank == 0:
         print(f"hpcrl: warning: no job secret ({SECRET_ENV} / {SECRET_FILE_ENV}): the rendezvous store's keys are "
               f"unauthenticated, so any process that reaches it can steer this run (see docs/trust.md; "
