@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import shutil
 import sys
 import time
@@ -202,7 +203,7 @@ def open_wandb(run_dir: Path, project: str, mode: str, config: dict[str, Any], r
         raise ConfigError(f"--wandb-project {project}: wandb is not installed; pip install 'hpcrl[wandb]' "
                           "(or pip install wandb), or drop --wandb-project") from None
     id_file = run_dir / "wandb_id"
-    run_id = id_file.read_text().strip() if resume and id_file.exists() else wandb.util.generate_id()
+    run_id = id_file.read_text().strip() if resume and id_file.exists() else secrets.token_hex(4)
     write_text(id_file, run_id)
     return wandb.init(project=project, mode=mode, id=run_id, resume="allow", config=config,
                       dir=os.environ.get("WANDB_DIR") or str(run_dir), name=run_dir.name)

@@ -1,10 +1,15 @@
-"""``python -m hpcrl.sac [--preset NAME] [--nproc N] [--field value ...]``
+"""``python -m hpcrl.sac [--preset NAME] [--config FILE] [--seeds 0,1,2] [--nproc N] [--field value ...]``
+
+Values: the preset (default holosoma) < ``--config FILE`` (YAML or JSON; a run's own config.json is
+accepted as written) < the other flags.
 
 Without a launcher and with ``--nproc N`` it spawns N local ranks (gloo); under ``srun`` or
 ``torchrun`` every task runs one rank (the bootstrap reads the launcher's variables).
 
-Exit codes: 0 done, 2 bad configuration (one line, whichever rank found it), 1 a rank failed (the
-message names the rank that failed first), 75 stopped by SIGUSR2/SIGTERM after writing a checkpoint
+Exit codes: 0 done, 2 bad configuration (one line, whichever rank found it), 65 (sysexits
+EX_DATAERR) the env returned a non-finite reward or observation (``--nonfinite error``; under
+``--nproc`` > 1 it is "rank N failed", exit 1, with the same line), 1 a rank failed (the message names
+the rank that failed first), 75 stopped by SIGUSR2/SIGTERM after writing a checkpoint
 (resume with ``--resume``; the sbatch script requeues on 75), 130 interrupted twice.
 
 With ``--nproc N`` the parent forwards SIGTERM/SIGUSR2 to its ranks, and Ctrl-C as SIGTERM: signal
@@ -15,6 +20,7 @@ with the parent.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import sys
 
@@ -24,41 +30,90 @@ from hpcrl.comm import SpawnError, check_local_gpus, cuda_count, spawn
 from hpcrl.comm.local import SpawnConfigError, is_config_error
 from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_STOPPED
 
-from .config import PRESETS, SACConfig, preset
-from .train import plan, train
+from hpcrl.config_check import ConfigError
+from hpcrl.config_file import load_config_file
+
+from .config import PRESETS, SACConfig, preset, seed_runs
+from .train import EXIT_NONFINITE, RESOLVED_KEYS, NonFiniteEnvData, plan, train
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C twice
 
 
+def _flag_value(argv: list[str], name: str) -> str | None:
+    """The value of ``--name V`` / ``--name=V`` in ``argv`` (the last one wins, as in tyro), or None."""
+    found = None
+    for i, arg in enumerate(argv):
+        if arg == name:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise ConfigError(f"{name} needs a value")
+            found = argv[i + 1]
+        elif arg.startswith(name + "="):
+            found = arg[len(name) + 1 :]
+    return found
+
+
 def parse(argv: list[str]) -> SACConfig:
-    name = "holosoma"
-    if "--preset" in argv:
-        i = argv.index("--preset")
-        if i + 1 >= len(argv):
-            raise SystemExit(f"--preset needs a value: one of {sorted(PRESETS)}")
-        name = argv[i + 1]
-        argv = argv[:i] + argv[i + 2 :]
+    """Flags over ``--config FILE`` over ``--preset NAME`` (default holosoma) over the dataclass defaults.
+    ``--preset`` and ``--config`` are read first (they set the defaults the other flags are parsed
+    against) and are also ordinary fields, so ``--help`` lists them."""
+    help_only = "-h" in argv or "--help" in argv
+    config = "" if help_only else (_flag_value(argv, "--config") or "")
+    # "resume" is skipped too: a run's config.json records whether *it* resumed; rerunning a config
+    # starts fresh unless --resume is passed.
+    values = load_config_file(config, SACConfig, ignore=RESOLVED_KEYS | {"config", "resume"}) if config else {}
+    name = ("holosoma" if help_only else _flag_value(argv, "--preset")) or values.pop("preset", None) or "holosoma"
+    values.pop("preset", None)
+    if name not in PRESETS:
+        raise ConfigError(f"--preset {name}: must be one of {', '.join(sorted(PRESETS))}; e.g. --preset pendulum")
     try:
-        default = preset(name)
-    except ValueError as err:
-        raise SystemExit(str(err)) from None
+        default = dataclasses.replace(preset(name), **values, config=config)
+    except TypeError as err:  # unreachable for checked keys; kept one line
+        raise ConfigError(f"--config {config}: {err}") from None
     return tyro.cli(SACConfig, default=default, args=argv,
-                    description=f"FastSAC, data parallel (preset {name!r}; presets: {', '.join(sorted(PRESETS))})")
+                    description=f"FastSAC, data parallel. Values: preset < --config file < flags "
+                                f"(presets: {', '.join(sorted(PRESETS))}). Exit codes: 0 done, 2 bad configuration, "
+                                f"{EXIT_NONFINITE} non-finite env data, 1 a rank failed, 75 stopped after a "
+                                "checkpoint (--resume), 130 interrupted twice.")
+
+
+def _run(cfg: SACConfig) -> list[dict]:
+    if cfg.nproc > 1:
+        plan(cfg, cfg.nproc)  # fail before spawning anything
+        check_local_gpus(cfg.nproc, cfg.device, cuda_count())
+        # spawn forwards stop signals to the ranks while they run (they checkpoint and stop) and
+        # restores these afterwards: once the ranks are done, a late signal changes nothing.
+        handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)}
+        try:
+            return spawn(train, cfg.nproc, args=(cfg,), timeout_s=None)
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+    return [train(cfg)]
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse(sys.argv[1:] if argv is None else argv)
     try:
-        if cfg.nproc > 1:
-            plan(cfg, cfg.nproc)  # fail before spawning anything
-            check_local_gpus(cfg.nproc, cfg.device, cuda_count())
-            # spawn forwards stop signals to the ranks while they run (they checkpoint and stop) and
-            # restores these afterwards: once the ranks are done, a late signal changes nothing.
-            for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
-                signal.signal(sig, signal.SIG_IGN)
-            rows = spawn(train, cfg.nproc, args=(cfg,), timeout_s=None)
-        else:
-            rows = [train(cfg)]
+        cfg = parse(sys.argv[1:] if argv is None else argv)
+        cfg.check()  # --seeds and every range, before the first run starts
+        runs = seed_runs(cfg)
+    except ConfigError as err:
+        print(f"hpcrl.sac: error: {err}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    for i, run in enumerate(runs):
+        if len(runs) > 1:
+            print(f"hpcrl.sac: seed {run.seed} ({i + 1}/{len(runs)}) into {run.run_dir}", file=sys.stderr, flush=True)
+        code = _main_one(run)
+        if code:
+            return code  # a failed or stopped seed stops the sweep (--resume continues it, seed by seed)
+    return 0
+
+
+def _main_one(cfg: SACConfig) -> int:
+    try:
+        rows = _run(cfg)
+    except NonFiniteEnvData as err:  # one process: the rank's one-line message
+        print(f"hpcrl.sac: error: {err}", file=sys.stderr)
+        return EXIT_NONFINITE
     except SpawnConfigError as err:  # a rank found it: one line, however many ranks did
         print(f"hpcrl.sac: error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG

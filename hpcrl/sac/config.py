@@ -1,29 +1,47 @@
-"""FastSAC configuration: one typed dataclass; every field is a command-line flag (tyro)."""
+"""FastSAC configuration: one typed dataclass; every field is a command-line flag (tyro).
+
+Units: a *vector step* is one ``env.step`` of all ``num_envs`` envs at once (``num_envs`` transitions);
+``--log-every``, ``--checkpoint-every``, ``--eval-every``, ``--learning-starts`` and ``--random-steps``
+count vector steps. ``--total-env-steps`` and the ``env_steps`` column of metrics.jsonl count
+transitions (vector steps x num_envs).
+
+Where values come from, lowest first: the preset (``--preset``), the config file (``--config``), the
+command-line flags.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, get_args
 
 from hpcrl.config_check import DEVICE, MAX_SEED, MAX_TIMEOUT_S, Check, ConfigError
 
 GradSyncMode = Literal["flat", "view", "ddp"]
+NonFiniteMode = Literal["error", "skip"]
+WandbMode = Literal["online", "offline", "disabled"]
 
 
 
 @dataclass
 class SACConfig:
-    """Defaults follow holosoma's FastSACConfig (research/fastsac.md §2.1) unless a preset says otherwise."""
+    """Defaults follow holosoma's FastSACConfig (docs/holosoma.md) unless a preset says otherwise."""
 
-    # -- run -----------------------------------------------------------------------------------------
+    preset: str = "holosoma"
+    """Start from this preset's values (holosoma, pendulum); --config and the other flags override it."""
+    config: str = ""
+    """YAML or JSON file of field values (e.g. the config.json a run wrote) used as defaults; flags override
+    it. "" = none."""
+
     env: str = "pendulum"
     """Environment name for hpcrl.envs.make_env ("pendulum", "cartpole_swingup", "gym:HalfCheetah-v5", ...);
     non-empty, no whitespace or control characters."""
     num_envs: int = 64
     """GLOBAL number of parallel envs (>= 1); must divide by the world size."""
     total_env_steps: int = 100_000
-    """GLOBAL env transitions to collect (>= 1; rounded up to a multiple of num_envs)."""
+    """Transitions to collect over all ranks (>= 1; rounded up to a multiple of num_envs, i.e. whole vector
+    steps)."""
     run_dir: str = "runs/fastsac"
     """Non-empty path without control characters."""
     resume: bool = False
@@ -33,6 +51,9 @@ class SACConfig:
     and says so (what the sbatch scripts pass: a job requeued before its first checkpoint starts over)."""
     seed: int = 0
     """In [0, 2**31 - 1]."""
+    seeds: str = ""
+    """Comma-separated seeds, e.g. "0,1,2": run them one after another into RUN_DIR/seed_0, RUN_DIR/seed_1, ...
+    (overrides --seed); "" = one run with --seed into RUN_DIR."""
     device: str = "auto"
     """"auto" = CUDA when a GPU is visible, else cpu; or "cuda", "cpu", "cuda:K". On CUDA a rank gets
     cuda:LOCAL_RANK under srun/torchrun (cuda:0 with one GPU per task) and cuda:(rank mod GPUs) under --nproc."""
@@ -44,7 +65,6 @@ class SACConfig:
     timeout_s: float = 300.0
     """Timeout of every collective and rendezvous, in (0, 604800] seconds (at most a week)."""
 
-    # -- data ----------------------------------------------------------------------------------------
     batch_size: int = 8192
     """GLOBAL batch per update (>= 1); every rank samples batch_size / world_size."""
     buffer_size: int = 1024
@@ -54,14 +74,18 @@ class SACConfig:
     gamma: float = 0.97
     """Discount, in (0, 1]."""
     learning_starts: int = 10
-    """Env steps (vector steps) before the first update (>= 0)."""
+    """Vector steps (one step of all num_envs envs) before the first update (>= 0)."""
     random_steps: int = 0
-    """Env steps with uniformly random actions at the start (exploration warm-up; >= 0)."""
+    """Vector steps with uniformly random actions at the start (exploration warm-up; >= 0)."""
     obs_normalization: bool = True
+    """Normalise observations by running mean/std (reduced over ranks every vector step)."""
+    nonfinite: NonFiniteMode = "error"
+    """A NaN/inf reward or observation from the env: "error" stops the run (exit 65) naming env, rank, vector
+    step and the quantity; "skip" keeps going and replaces those envs' transitions of that step by harmless
+    ones (reward 0, the observation it acted on, truncated), counted in nonfinite_dropped."""
 
-    # -- updates -------------------------------------------------------------------------------------
     num_updates: int = 8
-    """Critic (+alpha) updates per env step (>= 1)."""
+    """Critic (+alpha) updates per vector step (>= 1)."""
     policy_frequency: int = 4
     """Actor update when (critic_step + 1) % policy_frequency == 0 (>= 1)."""
     tau: float = 0.125
@@ -77,15 +101,16 @@ class SACConfig:
     alpha_init: float = 1e-3
     """Initial entropy temperature, > 0 (its log is learned)."""
     autotune_alpha: bool = True
+    """Learn the entropy temperature alpha towards the target entropy (else alpha stays alpha_init)."""
     target_entropy_ratio: float = 0.0
     """target entropy = -ratio * action_dim (any finite value)."""
     grad_sync: GradSyncMode = "flat"
+    """How gradients are all-reduced: "flat" (one fused buffer), "view" (per-parameter views), "ddp"."""
     bf16: bool = False
     """bf16 autocast for forward passes (parameters and optimiser state stay fp32)."""
     compile: bool = False
     """torch.compile the actor and critic."""
 
-    # -- networks ------------------------------------------------------------------------------------
     actor_hidden: int = 512
     """Width of the first hidden layer (then /2, /4): >= 4."""
     critic_hidden: int = 768
@@ -99,6 +124,7 @@ class SACConfig:
     v_max: float = 20.0
     """Finite, > v_min."""
     layer_norm: bool = True
+    """LayerNorm after each hidden layer of actor and critic."""
     log_std_min: float = -5.0
     """The actor's log-std range: finite, log_std_min < log_std_max."""
     log_std_max: float = 0.0
@@ -106,17 +132,25 @@ class SACConfig:
     reward_scale: float = 1.0
     """Rewards are multiplied by this before storage (keeps returns inside [v_min, v_max]); finite, not 0."""
 
-    # -- bookkeeping ---------------------------------------------------------------------------------
     log_every: int = 10
-    """Env steps between metrics rows (>= 1)."""
+    """Vector steps (one step of all num_envs envs) between metrics rows (>= 1)."""
     checkpoint_every: int = 500
-    """Env steps between checkpoints (a multiple of log_every); 0 disables periodic checkpoints."""
+    """Vector steps between checkpoints (a multiple of log_every); 0 = none but the final one (a checkpoint
+    is always written at the end)."""
     keep_checkpoints: int = 2
     """Complete checkpoints kept in run_dir/checkpoints (>= 1)."""
     check_sync_every: int = 1000
     """Critic updates between cross-rank parameter checksums (0 disables)."""
     eval_episodes: int = 0
-    """Deterministic evaluation episodes per env at the end (0 = none)."""
+    """Deterministic evaluation episodes per rank, run at the end (final eval_return) and by --eval-every
+    (0 = none; --eval-every then uses 1)."""
+    eval_every: int = 0
+    """Vector steps between evaluations during training (a multiple of log_every; 0 = off): logged as rows
+    with eval_return; the best one so far is saved as RUN_DIR/best/policy.pt."""
+    wandb_project: str = ""
+    """Also log the metrics rows to this Weights & Biases project (rank 0; pip install wandb); "" = off."""
+    wandb_mode: WandbMode = "online"
+    """W&B mode: "online", "offline" (files under WANDB_DIR or RUN_DIR/wandb; wandb sync later), "disabled"."""
 
     def check(self) -> None:
         """Every value against its documented range, before any rank starts: :class:`ConfigError` (a
@@ -141,8 +175,8 @@ class SACConfig:
                   hint=f"replay transitions per env; not below --n-step {self.n_step}",
                   fix=f"e.g. --buffer-size {max(self.n_step, SACConfig.buffer_size)}, or a smaller --n-step")
         c.real("gamma", 0.0, 1.0, lo_open=True, hint="discount")
-        c.integer("learning_starts", 0, hint="env steps before the first update")
-        c.integer("random_steps", 0, hint="env steps with random actions")
+        c.integer("learning_starts", 0, hint="vector steps before the first update")
+        c.integer("random_steps", 0, hint="vector steps with random actions")
         c.boolean("obs_normalization")
         c.integer("num_updates", 1, hint="critic updates per env step")
         c.integer("policy_frequency", 1, hint="critic updates per actor update")
@@ -170,11 +204,25 @@ class SACConfig:
         c.real("reward_scale", hint="rewards are multiplied by it")
         if self.reward_scale == 0:
             c.fail("reward_scale", "finite and not 0 (0 erases every reward)", "e.g. --reward-scale 1")
-        c.integer("log_every", 1, hint="env steps between metrics rows")
-        c.integer("checkpoint_every", 0, hint="env steps between checkpoints; 0 = only at the end")
+        c.integer("log_every", 1, hint="vector steps between metrics rows")
+        c.integer("checkpoint_every", 0, hint="vector steps between checkpoints; 0 = only at the end")
         c.integer("keep_checkpoints", 1, hint="checkpoints kept")
         c.integer("check_sync_every", 0, hint="critic updates between checksums; 0 = never")
-        c.integer("eval_episodes", 0, hint="evaluation episodes per env; 0 = none")
+        c.integer("eval_episodes", 0, hint="evaluation episodes per rank; 0 = none")
+        c.integer("eval_every", 0, hint="vector steps between evaluations; 0 = off")
+        if self.eval_every and self.eval_every % self.log_every:
+            c.fail("eval_every", f"a multiple of --log-every {self.log_every} (an eval row lands on a metrics row)",
+                   f"e.g. --eval-every {max(1, round(self.eval_every / self.log_every)) * self.log_every}")
+        c.choice("preset", PRESETS.__contains__, ", ".join(sorted(PRESETS)))
+        c.choice("nonfinite", get_args(NonFiniteMode).__contains__, ", ".join(get_args(NonFiniteMode)))
+        c.choice("wandb_mode", get_args(WandbMode).__contains__, ", ".join(get_args(WandbMode)))
+        if self.wandb_project:
+            c.text("wandb_project", spaces=False)
+        if self.seeds:
+            try:
+                parse_seeds(self.seeds)
+            except ValueError as err:
+                c.fail("seeds", f"comma-separated integers in [0, {MAX_SEED}] ({err})", "e.g. --seeds 0,1,2")
 
 
 PRESETS: dict[str, dict] = {
@@ -194,4 +242,27 @@ PRESETS: dict[str, dict] = {
 def preset(name: str, **overrides) -> SACConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    return dataclasses.replace(SACConfig(), **{**PRESETS[name], **overrides})
+    return dataclasses.replace(SACConfig(), preset=name, **{**PRESETS[name], **overrides})
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``"0,1,2"`` -> ``[0, 1, 2]``: distinct integers in [0, 2**31 - 1], in the order given."""
+    seeds = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit():
+            raise ValueError(f"{part!r} is not a non-negative integer")
+        seed = int(part)
+        if seed > MAX_SEED or seed in seeds:
+            raise ValueError(f"{seed} is {'too large' if seed > MAX_SEED else 'repeated'}")
+        seeds.append(seed)
+    return seeds
+
+
+def seed_runs(cfg: SACConfig) -> list[SACConfig]:
+    """One config per run: ``cfg`` itself without --seeds, else one per seed into ``RUN_DIR/seed_<seed>``
+    (``seeds`` cleared, so each run's config.json reruns exactly that seed)."""
+    if not cfg.seeds:
+        return [cfg]
+    return [dataclasses.replace(cfg, seed=s, seeds="", run_dir=str(Path(cfg.run_dir) / f"seed_{s}"))
+            for s in parse_seeds(cfg.seeds)]

@@ -30,6 +30,18 @@ from .config import ConfigError, SACConfig
 from .normalizer import ObsNormalizer
 
 
+EXIT_NONFINITE = 65  # sysexits EX_DATAERR: the env's data, not the configuration, is bad
+
+# Keys of RUN_DIR/config.json that the run resolved (not SACConfig fields): --config skips them, so a
+# run's own config.json reruns as written.
+RESOLVED_KEYS = frozenset({"world_size", "envs_per_rank", "batch_per_rank", "iterations", "launcher", "hosts"})
+
+
+class NonFiniteEnvData(RuntimeError):
+    """The env returned a NaN/inf reward or observation (``--nonfinite error``); the message (one line)
+    names the env, the rank, the vector step, the quantity and the fix. Not a configuration error."""
+
+
 class RunDirConfigError(ConfigError, rundir.RunDirError):
     """The run directory refused the run (in use by another run, a checkpoint of another run, nothing to
     resume, no usable checkpoint): a ConfigError for the CLI (exit 2), a RunDirError for launchers."""
@@ -50,7 +62,8 @@ def _run_dir_errors() -> Iterator[None]:
 # checkpoint resumes only into the run that wrote it (the first differing field is named).
 RESUMABLE_FIELDS = frozenset({"total_env_steps", "run_dir", "resume", "resume_missing", "device", "nproc", "threads",
                               "timeout_s", "grad_sync", "bf16", "compile", "log_every", "checkpoint_every",
-                              "keep_checkpoints", "check_sync_every", "eval_episodes"})
+                              "keep_checkpoints", "check_sync_every", "eval_episodes", "eval_every", "preset",
+                              "config", "seeds", "nonfinite", "wandb_project", "wandb_mode"})
 
 
 def run_identity(cfg: SACConfig, world_size: int) -> dict[str, Any]:
@@ -176,12 +189,43 @@ def _train(cfg: SACConfig, stop: StopRequest, ctx: DistContext, layout: Layout) 
               f"{layout.iterations} env steps x {cfg.num_envs} envs = {layout.iterations * cfg.num_envs} "
               f"transitions" + (f"; resuming from {resume_from}" if resume_from else ""), flush=True)
     start_iter = agent.counters.iteration
+    best = float(resumed.learner.get("best_eval_return", -math.inf)) if resumed is not None and rank == 0 \
+        else -math.inf  # rank 0's: only it writes best/
+    if start_iter >= layout.iterations:  # a finished run resumed as is
+        if rank == 0:
+            print(f"hpcrl.sac: {run_dir} already finished ({start_iter * cfg.num_envs} of "
+                  f"{layout.iterations * cfg.num_envs} transitions); nothing left to do (raise --total-env-steps "
+                  "to train longer)", flush=True)
+        shutdown()
+        return {}
     logger = RunLogger(run_dir, rank == 0, layout.iterations * cfg.num_envs,
-                       resume_env_steps=start_iter * cfg.num_envs if resume_from else 0)
+                       resume_env_steps=start_iter * cfg.num_envs if resume_from else 0,
+                       wandb_project=cfg.wandb_project or None, wandb_mode=cfg.wandb_mode,
+                       wandb_config=dataclasses.asdict(cfg))
+    eval_envs = max(1, cfg.eval_episodes)
+
+    def snapshot(kind: str, eval_return: float | None) -> Path:
+        from .policy import Policy, save_policy  # rank 0 only, at evals and the end
+
+        path = rundir.make_dir(run_dir / kind) / "policy.pt"
+        meta = {"env": cfg.env, "env_steps": agent.counters.iteration * cfg.num_envs, "eval_return": eval_return,
+                "seed": cfg.seed, "kind": kind}
+        save_policy(path, Policy.from_agent(agent, normalizer), meta)
+        return path
+
+    def keep_if_best(eval_return: float) -> None:
+        nonlocal best
+        if rank == 0 and math.isfinite(eval_return) and eval_return > best:
+            best = eval_return
+            snapshot("best", eval_return)
+
+    def save() -> None:
+        _save(cfg, ctx, agent, normalizer, replay, env, stats, generator, obs, sync_barrier, best)
 
     window: dict[str, list[torch.Tensor]] = {}
     window_start = time.time()
     window_iters = 0
+    dropped = 0  # transitions with non-finite data replaced in this window (--nonfinite skip)
     row: dict[str, float] = {}
     for it in range(start_iter, layout.iterations):
         normalizer.update(obs, reduce_sum if ctx.is_distributed else None)
@@ -191,10 +235,23 @@ def _train(cfg: SACConfig, stop: StopRequest, ctx: DistContext, layout: Layout) 
         else:
             action = agent.actor.act(normalizer(obs), generator)
         result = env.step(action)
+        # One reduction and one host read per step: a NaN/inf anywhere in reward, next_obs or obs makes
+        # its env's sum non-finite (so does a float overflow, which is unusable data too). The read
+        # lands just before replay.add's own host sync (the finished-episode count), which then
+        # finds the queue drained.
+        ok = torch.isfinite(result.reward + result.next_obs.sum(-1) + result.obs.sum(-1))
+        bad = int(ok.numel() - ok.sum())
+        if bad:
+            if cfg.nonfinite == "error":
+                raise NonFiniteEnvData(_nonfinite_message(cfg, rank, it + 1, result, bad))
+            result, next_obs_for_policy = _sanitize(result, obs)
+            dropped += bad
+        else:
+            next_obs_for_policy = result.obs
         replay.add(obs, action, result.reward * cfg.reward_scale, result.next_obs, result.terminated,
                    result.truncated)
         stats.update(result)
-        obs = result.obs
+        obs = next_obs_for_policy
 
         if it >= cfg.learning_starts:
             for _ in range(cfg.num_updates):
@@ -211,31 +268,79 @@ def _train(cfg: SACConfig, stop: StopRequest, ctx: DistContext, layout: Layout) 
         agent.counters.iteration = it + 1
         window_iters += 1
 
-        if (it + 1) % cfg.log_every == 0 or it + 1 == layout.iterations:
-            row = _log_row(agent, stats, window, window_iters, time.time() - window_start, cfg, ctx)
+        last = it + 1 == layout.iterations
+        if (it + 1) % cfg.log_every == 0 or last:
+            row = _log_row(agent, stats, window, window_iters, time.time() - window_start, cfg, ctx,
+                           dropped if cfg.nonfinite == "skip" else None)
             logger.log(row)
-            window, window_iters, window_start = {}, 0, time.time()
-            if it + 1 < layout.iterations and stop.agreed(control):
-                _save(cfg, ctx, agent, normalizer, replay, env, stats, generator, obs, sync_barrier)
+            window, window_iters, window_start, dropped = {}, 0, time.time(), 0
+            if cfg.eval_every and (it + 1) % cfg.eval_every == 0 and not last:
+                eval_return = evaluate(cfg, agent, normalizer, device, ctx, episodes=eval_envs)["eval_return"]
+                logger.log(_eval_row(agent, cfg, eval_return))
+                keep_if_best(eval_return)
+            if not last and stop.agreed(control):
+                save()
                 if rank == 0:
                     print(f"hpcrl.sac: stop requested ({stop.reason}); checkpoint at env step "
                           f"{agent.counters.iteration * cfg.num_envs} written, resume with --resume", flush=True)
                 logger.close()
                 shutdown()
                 return {**row, "preempted": 1.0}
-        if cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0 and it + 1 < layout.iterations:
-            _save(cfg, ctx, agent, normalizer, replay, env, stats, generator, obs, sync_barrier)
+        if cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0 and not last:
+            save()
 
-    if cfg.eval_episodes:
-        row.update(evaluate(cfg, agent, normalizer, device, ctx))
-        logger.log(row)
+    final_eval = None
+    if cfg.eval_episodes or cfg.eval_every:  # the last eval (of --eval-every too) runs at the end
+        final_eval = evaluate(cfg, agent, normalizer, device, ctx, episodes=eval_envs)["eval_return"]
+        row.update(eval_return=final_eval)
+        logger.log(_eval_row(agent, cfg, final_eval))
+        keep_if_best(final_eval)
+    save()  # always: the end of the run is resumable (a longer --total-env-steps) and exportable
+    if rank == 0:
+        final = snapshot("final", final_eval)
+        logger.finish({"eval_return": final_eval, "best_eval_return": best if math.isfinite(best) else None},
+                      {"checkpoint": checkpoint.latest(run_dir, report=False), "policy": final})
     logger.close()
     shutdown()  # rank 0 usually hosts the rendezvous store: it leaves only after every peer is done
     return row
 
 
+def _eval_row(agent: FastSAC, cfg: SACConfig, eval_return: float) -> dict[str, float]:
+    """An eval row: its own line in metrics.jsonl (``eval_return`` at this ``env_steps``; transitions)."""
+    return {"env_steps": agent.counters.iteration * cfg.num_envs, "updates": agent.counters.critic_steps,
+            "eval_return": round(eval_return, 6)}
+
+
+def _nonfinite_message(cfg: SACConfig, rank: int, step: int, result: Any, bad: int) -> str:
+    # The error path only: find what was non-finite (host syncs do not matter any more).
+    parts = []
+    for name, t in (("reward", result.reward), ("next observation", result.next_obs), ("observation", result.obs)):
+        finite = torch.isfinite(t) if t.dim() == 1 else torch.isfinite(t).all(-1)
+        if not bool(finite.all()):
+            idx = int((~finite).nonzero()[0, 0])
+            value = t[idx] if t.dim() == 1 else t[idx][~torch.isfinite(t[idx])][0]
+            parts.append(f"{name} ({float(value)} in env {idx} of the rank)")
+    what = ", ".join(parts) or "sum of reward and observations (overflow)"
+    return (f"env {cfg.env!r} returned a non-finite {what} on rank {rank} at vector step {step} "
+            f"({bad} env(s) affected); fix the env, or pass --nonfinite skip to replace such transitions and count "
+            "them (nonfinite_dropped)")
+
+
+def _sanitize(result: Any, obs: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    """--nonfinite skip: the affected envs' transition becomes "nothing happened" (reward 0, the next
+    observation is the one it acted on), so no NaN reaches the replay, the normaliser or the episode
+    stats; returns (result, the observation to act on next)."""
+    reward_ok = torch.isfinite(result.reward)
+    next_ok = torch.isfinite(result.next_obs).all(-1, keepdim=True)
+    obs_ok = torch.isfinite(result.obs).all(-1, keepdim=True)
+    reward = torch.where(reward_ok & next_ok.squeeze(-1), result.reward, torch.zeros_like(result.reward))
+    fixed = dataclasses.replace(result, reward=reward, next_obs=torch.where(next_ok, result.next_obs, obs),
+                                obs=torch.where(obs_ok, result.obs, obs))
+    return fixed, fixed.obs
+
+
 def _log_row(agent: FastSAC, stats: EpisodeStats, window: dict[str, list[torch.Tensor]], iters: int,
-             seconds: float, cfg: SACConfig, ctx: DistContext) -> dict[str, float]:
+             seconds: float, cfg: SACConfig, ctx: DistContext, dropped: int | None = None) -> dict[str, float]:
     episodes = stats.pop()
     count = episodes.count
     metrics = {key: torch.stack(values).float().mean() for key, values in window.items() if values}
@@ -245,7 +350,12 @@ def _log_row(agent: FastSAC, stats: EpisodeStats, window: dict[str, list[torch.T
     metrics["episode_length"] = episodes.length_sum / count.clamp(min=1)
     metrics["alpha"] = agent.alpha
     weights = {"episode_return": count, "episode_length": count}
-    out = reduce_metrics(metrics, ctx.host_plane, weights=weights)
+    if dropped is not None:  # --nonfinite skip: transitions replaced in this window, summed over ranks
+        metrics["nonfinite_dropped"] = float(dropped)
+    out = reduce_metrics(metrics, ctx.host_plane, weights=weights,
+                         sums=("nonfinite_dropped",) if dropped is not None else ())
+    if "nonfinite_dropped" in out:
+        out["nonfinite_dropped"] = int(out["nonfinite_dropped"])
     env_steps = agent.counters.iteration * cfg.num_envs
     return {"env_steps": env_steps, "updates": agent.counters.critic_steps,
             "actor_updates": agent.counters.actor_steps, **{k: round(v, 6) for k, v in sorted(out.items())},
@@ -268,8 +378,10 @@ def _resume(cfg: SACConfig, ctx: DistContext) -> checkpoint.Restored | None:
         return None
 
 
-def _save(cfg, ctx, agent, normalizer, replay, env, stats, generator, obs, sync_barrier) -> None:
-    learner = {"agent": agent.learner_state(), "normalizer": normalizer.state_dict()} if ctx.rank == 0 else None
+def _save(cfg, ctx, agent, normalizer, replay, env, stats, generator, obs, sync_barrier, best=-math.inf) -> None:
+    # best_eval_return: what a resumed run's best/ must beat (rank 0's learner state; -inf = no eval yet)
+    learner = ({"agent": agent.learner_state(), "normalizer": normalizer.state_dict(), "best_eval_return": best}
+               if ctx.rank == 0 else None)
     rank_state = {"replay": replay.state_dict(), "env": env.state_dict(), "episode_stats": stats.state_dict(),
                   "generator": generator.get_state(), "obs": obs}
     checkpoint.save(cfg.run_dir, agent.counters.iteration, ctx.rank, ctx.world_size, learner, rank_state,
@@ -278,13 +390,16 @@ def _save(cfg, ctx, agent, normalizer, replay, env, stats, generator, obs, sync_
 
 @torch.no_grad()
 def evaluate(cfg: SACConfig, agent: FastSAC, normalizer: ObsNormalizer, device: torch.device,
-             ctx: DistContext) -> dict[str, float]:
-    """Deterministic policy on fresh envs (seed offset so they differ from training); mean return over ranks."""
-    env = make_env(cfg.env, cfg.eval_episodes, device=device, seed=10_000 + cfg.seed + ctx.rank)
+             ctx: DistContext, episodes: int | None = None) -> dict[str, float]:
+    """Deterministic policy on fresh envs (seed offset so they differ from training; the same envs at every
+    eval, so evals compare), one episode per env, ``episodes`` (default ``cfg.eval_episodes``) envs per
+    rank; mean return over ranks. Collective. Touches no training state or random stream."""
+    episodes = episodes or cfg.eval_episodes
+    env = make_env(cfg.env, episodes, device=device, seed=10_000 + cfg.seed + ctx.rank)
     obs = env.reset()
-    stats = EpisodeStats(cfg.eval_episodes, device)
-    finished = torch.zeros(cfg.eval_episodes, dtype=torch.bool, device=device)
-    returns = torch.zeros(cfg.eval_episodes, device=device)
+    stats = EpisodeStats(episodes, device)
+    finished = torch.zeros(episodes, dtype=torch.bool, device=device)
+    returns = torch.zeros(episodes, device=device)
     for _ in range(env.max_episode_steps or 1000):
         result = env.step(agent.actor.act(normalizer(obs), deterministic=True))
         done, episode_return, _ = stats.update(result)
