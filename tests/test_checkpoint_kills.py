@@ -1,0 +1,105 @@
+"""SIGKILL at random points of FastSAC checkpoint writes (issue 11): every trial leaves a run that
+resumes, and the run resumed after all the kills logs exactly the metrics of an uninterrupted run.
+
+One run is killed over and over: start (or ``--resume``), wait until a checkpoint write is under way
+(its ``.tmp-step_*`` directory exists; in half of the trials the second write after the start, so
+that the run makes progress), sleep a random fraction of a write, SIGKILL the whole process
+group (spawn parent and both ranks at once, what a node failure or ``scancel -s KILL`` does). The
+replay shards are sized so that a write takes tens of milliseconds, so the kills land in the rank
+files, the checksums, the manifest, the rename or the pruning after it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcrl import checkpoint
+
+TRIALS = 20
+# 2 ranks x 2 envs, a 4096-slot buffer per env (~0.5 MB of replay per rank file), a checkpoint every
+# 5 vector steps: 60 checkpoints in 300 vector steps, more than 20 trials can use up (each advances the
+# run by at most two checkpoints).
+ARGS = ["--preset", "pendulum", "--nproc", "2", "--num-envs", "4", "--batch-size", "32", "--actor-hidden", "32",
+        "--critic-hidden", "32", "--num-atoms", "21", "--learning-starts", "4", "--random-steps", "4",
+        "--num-updates", "1", "--log-every", "5", "--checkpoint-every", "5", "--keep-checkpoints", "2",
+        "--buffer-size", "4096", "--eval-episodes", "0", "--total-env-steps", "1200"]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    return {**env, "OMP_NUM_THREADS": "1"}
+
+
+def _cli(run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "hpcrl.sac", *ARGS, "--run-dir", str(run_dir), *extra]
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [{k: v for k, v in row.items() if k not in ("time", "sps")} for row in rows]
+
+
+def _writing(run_dir: Path) -> str | None:
+    """The checkpoint being written now (its .tmp- directory's name), if any."""
+    try:
+        return next((p.name for p in checkpoint.checkpoint_root(run_dir).iterdir() if p.name.startswith(".tmp-")),
+                    None)
+    except FileNotFoundError:
+        return None
+
+
+def _wait_write(run_dir: Path, proc: subprocess.Popen, other_than: str | None = None) -> str | None:
+    deadline = time.time() + 120
+    while proc.poll() is None and time.time() < deadline:
+        name = _writing(run_dir)
+        if name is not None and name != other_than:
+            return name
+        time.sleep(0.001)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigkill_during_checkpoints_always_resumes_to_identical_metrics(tmp_path):
+    ref = tmp_path / "ref"
+    done = subprocess.run(_cli(ref), capture_output=True, text=True, timeout=300, env=_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = _rows(ref)
+
+    run = tmp_path / "killed"
+    seed = int(time.time())
+    rng = random.Random(seed)
+    seed_note = f"(kill times drawn with random.Random({seed}))"
+    killed_while_writing = 0
+    for trial in range(TRIALS):
+        resume = ["--resume", "--resume-missing", "fresh"] if trial else []
+        proc = subprocess.Popen(_cli(run, *resume), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True, env=_env())
+        first = _wait_write(run, proc)
+        if trial == 0 or rng.random() < 0.5:  # let this write commit; kill during the next one
+            _wait_write(run, proc, other_than=first)
+        assert proc.poll() is None, (f"trial {trial}: the run ended before a checkpoint write began (rc "
+                                     f"{proc.returncode}) {seed_note}: {proc.stderr.read()[-2000:]}")
+        time.sleep(rng.uniform(0.0, 0.04))
+        killed_while_writing += _writing(run) is not None
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        proc.stderr.close()
+        # What a kill leaves must be usable: every committed checkpoint verifies (a kill never commits a
+        # damaged one; an interrupted write stays a .tmp- directory that never counts).
+        for committed in checkpoint.committed(run):
+            checkpoint.verify(committed)
+
+    assert killed_while_writing >= TRIALS // 2, f"only {killed_while_writing} kills landed inside a write {seed_note}"
+    resumed = subprocess.run(_cli(run, "--resume"), capture_output=True, text=True, timeout=300, env=_env())
+    assert resumed.returncode == 0, f"{seed_note}: {resumed.stderr[-3000:]}"
+    assert _rows(run) == expected, f"the resumed run's metrics differ from the uninterrupted run's {seed_note}"
