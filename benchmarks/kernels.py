@@ -9,7 +9,7 @@ Two parts, every row timed in the same run as its baselines (repeats interleaved
    buffer and scatter it back multiplied by scale = 1/W (the world-size average). Cases:
      hpcrl          ops.flatten(grads, out=persistent_flat); ops.unflatten_(flat, grads, 1/W)
      holosoma       flat = torch.cat([g.view(-1)]); flat.div_(W); per tensor g.copy_(flat[slice].view_as(g))
-                    (FastSACAgent._all_reduce_model_grads with the all_reduce removed, fastsac.md §5.3)
+                    (FastSACAgent._all_reduce_model_grads with the all_reduce removed, docs/holosoma.md#data-parallelism)
      torch._utils   _flatten_dense_tensors; flat.mul_(1/W); per tensor g.copy_(view) over
                     _unflatten_dense_tensors
      memcpy         the physical limit: two contiguous buffers A (the grads, as one block) and F (the
@@ -21,7 +21,7 @@ Two parts, every row timed in the same run as its baselines (repeats interleaved
    W alternates between 2 and 1/2 from call to call (exact in every dtype): repeatedly dividing the
    same gradients by W would drive them into subnormals, which are ~100x slower on x86.
    Sizes: the holosoma FastSAC critic (hidden 768, 101 atoms, 2 heads, LayerNorm, obs 64, action 16:
-   907,210 params in 28 tensors, anchors_measured.md §2) and the same architecture at hidden 2752
+   907,210 params in 28 tensors, counted by critic_shapes() below) and the same architecture at hidden 2752
    (10.08 M params, 28 tensors); fp16 / bf16 at 10 M as well.
 
 2. Replay sample + gather with n-step returns, batch 256 / 8192 / 65536, from 1e5 and 1e6 stored
@@ -30,15 +30,15 @@ Two parts, every row timed in the same run as its baselines (repeats interleaved
      hpcrl          ReplayShard.sample(batch, generator): uniform (env, slot) pairs, one fused C++ call
                     for obs, action, n-step reward, bootstrap next_obs, discount, n.
      holosoma       HolosomaStyleReplay below: holosoma's SimpleReplayBuffer.sample semantics
-                    (fastsac.md §3.1-3.4): env-major [n_env, T, dim] storage with obs AND next_obs,
+                    (docs/holosoma.md#replay-and-n-step-returns): env-major [n_env, T, dim] storage with obs AND next_obs,
                     the same k indices per env, per-field torch.gather with expanded indices, and for
                     n > 1 the window gather + cumprod done mask + discounted sum + first-done/trunc
                     bootstrap gather, including the temporary truncation mark at the write head.
                     Critic observations are left out (hpcrl stores none; holosoma would gather two
                     more obs-sized fields) and the batch is returned as a dict, not a TensorDict
-                    (~13 us, anchors §1): both choices make the baseline faster, not slower.
+                    (a fixed cost per call): both choices make the baseline faster, not slower.
    The ring is filled through the public add()/extend() with random data (terminated p=0.02,
-   truncated p=0.01, as in anchors §1) and wrapped once (ptr = T + 37); the n = 3 shard is the n = 1
+   truncated p=0.01) and wrapped once (ptr = T + 37); the n = 3 shard is the n = 1
    shard's state loaded with n_step=3 (same stored data).
 """
 
@@ -80,7 +80,7 @@ def _ratio_opt(a, b):
 
 
 def critic_shapes(hidden: int, obs: int = OBS_DIM, act: int = ACT_DIM, atoms: int = 101, heads: int = 2):
-    """Parameter shapes of holosoma's FastSAC Critic, in module order (fastsac.md §1.2):
+    """Parameter shapes of holosoma's FastSAC Critic, in module order (docs/holosoma.md#critic-a-distributional-ensemble):
     per head Linear(in,H) LN Linear(H,H/2) LN Linear(H/2,H/4) LN Linear(H/4,atoms)."""
     dims = [obs + act, hidden, hidden // 2, hidden // 4]
     shapes: list[tuple[int, ...]] = []
@@ -207,7 +207,7 @@ def bench_grads(args, device, timing) -> list[dict[str, Any]]:
 
 
 class HolosomaStyleReplay:
-    """holosoma SimpleReplayBuffer semantics (fastsac.md §3), critic observations left out.
+    """holosoma SimpleReplayBuffer semantics (docs/holosoma.md#replay-and-n-step-returns), critic observations left out.
 
     Storage env-major [n_env, T, dim] with obs and next_obs, dones/truncations int64; one extend()
     writes column ptr % T of every field. sample(k) returns n_env * k rows, env-major, k per env.
