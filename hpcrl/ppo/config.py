@@ -1,4 +1,9 @@
-"""Detached PPO configuration: one typed dataclass; every field is a command-line flag (tyro)."""
+"""Detached PPO configuration: one typed dataclass; every field is a command-line flag (tyro).
+
+The workload's options and the PPO hyper-parameters are nested groups (``--env.num-envs 16``,
+``--lm.lora-rank 4``, ``--ppo.truncated-is 2``: :mod:`hpcrl.ppo.workloads.options`). A
+``package.module:Class`` workload takes the flags hpcrl.ppo does not know, parsed against its
+constructor (:func:`parse_args`, :attr:`DetachedConfig.plugin_args`)."""
 
 from __future__ import annotations
 

@@ -28,7 +28,8 @@ No values or advantages travel: the learner computes them with its current criti
 step, so it costs what a fixed-shape "final obs where done" field plus the last obs would, and GAE
 needs no stitching.
 
-Learner options in ``PPOConfig.extra`` (other keys are ignored):
+Learner options in ``PPOConfig.extra`` (other keys are ignored; on the command line ``--ppo.anneal-updates``
+and ``--ppo.adam-eps``):
 
 * ``anneal_updates`` (int, default 0 = off): learning rate and clip coefficient decay linearly
   to 0 over this many :meth:`VectorEnvLearner.update` calls; update ``k`` (counting from 0) uses
