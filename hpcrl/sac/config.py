@@ -216,10 +216,14 @@ class SACConfig:
         c.choice("preset", PRESETS.__contains__, ", ".join(sorted(PRESETS)))
         c.choice("nonfinite", get_args(NonFiniteMode).__contains__, ", ".join(get_args(NonFiniteMode)))
         c.choice("wandb_mode", get_args(WandbMode).__contains__, ", ".join(get_args(WandbMode)))
-        if self.wandb_project:
+        if self.config != "":
+            c.text("config")
+        if self.wandb_project != "":
             c.text("wandb_project", spaces=False)
-        if self.seeds:
+        if self.seeds != "":
             try:
+                if not isinstance(self.seeds, str):
+                    raise ValueError("not a string")
                 parse_seeds(self.seeds)
             except ValueError as err:
                 c.fail("seeds", f"comma-separated integers in [0, {MAX_SEED}] ({err})", "e.g. --seeds 0,1,2")

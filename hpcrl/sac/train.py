@@ -239,8 +239,7 @@ def _train(cfg: SACConfig, stop: StopRequest, ctx: DistContext, layout: Layout) 
         # its env's sum non-finite (so does a float overflow, which is unusable data too). The read
         # lands just before replay.add's own host sync (the finished-episode count), which then
         # finds the queue drained.
-        ok = torch.isfinite(result.reward + result.next_obs.sum(-1) + result.obs.sum(-1))
-        bad = int(ok.numel() - ok.sum())
+        bad = int((~torch.isfinite(result.reward + result.next_obs.sum(-1) + result.obs.sum(-1))).sum())
         if bad:
             if cfg.nonfinite == "error":
                 raise NonFiniteEnvData(_nonfinite_message(cfg, rank, it + 1, result, bad))
