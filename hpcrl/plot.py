@@ -42,6 +42,8 @@ __all__ = ["PlotConfig", "Run", "group_runs", "load_run", "main", "plot_runs"]
 NOT_IDENTITY = frozenset({"seed", "run_dir", "resume", "resume_missing", "device", "nproc", "threads", "timeout_s",
                           "launcher", "hosts", "log_every", "checkpoint_every", "keep_checkpoints",
                           "check_sync_every", "wandb_project", "config"})
+# Derived from other fields (the run's layout): they split no group and would only crowd a label.
+DERIVED = frozenset({"batch_per_rank", "envs_per_rank", "iterations"})
 
 
 @dataclass
@@ -128,7 +130,7 @@ def group_runs(runs: list[Run], labels: list[str] | None = None) -> dict[str, li
     for run in runs:
         by_id.setdefault(_identity(run), []).append(run)
     configs = [g[0].config or {} for g in by_id.values()]
-    differ = sorted(k for k in set().union(*configs) - NOT_IDENTITY
+    differ = sorted(k for k in set().union(*configs) - NOT_IDENTITY - DERIVED
                     if len({json.dumps(c.get(k), default=str) for c in configs}) > 1)
     groups = {}
     for members in by_id.values():

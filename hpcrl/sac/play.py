@@ -170,7 +170,7 @@ def play(cfg: PlayConfig) -> dict[str, float]:
     env_name = cfg.env or meta.get("env") or ""
     if not env_name:
         raise ConfigError(f"{where}: the snapshot names no env; pass --env NAME")
-    info = ", ".join(f"{k}={meta[k]}" for k in ("env_steps", "eval_return", "seed") if meta.get(k) is not None)
+    info = ", ".join(f"{k}={meta[k]:.4g}" if isinstance(meta[k], float) else f"{k}={meta[k]}" for k in ("env_steps", "eval_return", "seed") if meta.get(k) is not None)
     if cfg.video:  # before the evaluation: a video that cannot be made fails in a second, not after it
         _check_renderable(env_name)
         _video_writer()
