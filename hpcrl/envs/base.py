@@ -16,6 +16,22 @@ Conventions every env in hpcrl.envs follows:
   ``torch.Generator`` on the env's device: the same seed gives the same run on the same device
   (CPU and CUDA generators produce different streams). ``state_dict``/``load_state_dict`` cover the
   physical state, the step counters and the generator, so a checkpointed run resumes exactly.
+
+Optional parts of the contract (defaults: absent; a learner that does not use them sees no change):
+
+* **Privileged critic observations** (IsaacLab's ``critic`` group, Playground's ``privileged_state``):
+  an env that has them sets ``critic_obs_dim`` (None = none) and fills ``StepResult.critic_obs``
+  (aligned with ``obs``: post-reset where done) and ``StepResult.next_critic_obs`` (aligned with
+  ``next_obs``: the true final one where done), [N, critic_obs_dim] on ``env.device``.
+  ``observe_critic()`` returns the current critic observation (after ``reset`` /
+  ``load_state_dict``); ``reset`` keeps returning the actor observation only.
+* **Mirror maps** (symmetry augmentation): ``mirror_obs(obs)``, ``mirror_action(action)`` and, with
+  critic observations, ``mirror_critic_obs(critic_obs)`` return the mirrored batch (pure, batched);
+  the default implementations return None (no known symmetry). A mirrored transition (mirrored obs,
+  mirrored action, same reward, mirrored next obs) must be a valid transition of the env.
+* **Shared state** (curriculum levels, penalty scales): ``shared_state()`` returns a dict of float
+  tensors on ``env.device`` that a learner reduces across ranks (episode-weighted mean) and feeds
+  back through ``load_shared_state``; the default is ``{}``.
 """
 
 from __future__ import annotations
@@ -31,13 +47,16 @@ from torch import Tensor
 
 @dataclass
 class StepResult:
-    """One batched transition. Shapes: obs/next_obs [N, obs_dim]; the rest [N]."""
+    """One batched transition. Shapes: obs/next_obs [N, obs_dim], critic_obs/next_critic_obs
+    [N, critic_obs_dim] or None (the env has no privileged critic observations); the rest [N]."""
 
     obs: Tensor  # observation the policy acts on next (post-reset where done)
     next_obs: Tensor  # observation that followed the action (true final obs where done)
     reward: Tensor  # [N], env dtype (float32 by default)
     terminated: Tensor  # [N] bool: terminal state reached
     truncated: Tensor  # [N] bool: time limit reached and not terminated
+    critic_obs: Tensor | None = None  # privileged critic obs aligned with obs (post-reset where done)
+    next_critic_obs: Tensor | None = None  # aligned with next_obs (true final critic obs where done)
 
     @property
     def done(self) -> Tensor:
@@ -45,7 +64,8 @@ class StepResult:
         return self.terminated | self.truncated
 
     def to(self, device: torch.device | str) -> StepResult:
-        return StepResult(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return StepResult(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                             for f in fields(self)})
 
 
 def _positive_int(value: Any, name: str) -> int:
@@ -89,6 +109,7 @@ class VecEnv(ABC):
     action_low: Tensor | None = None
     action_high: Tensor | None = None
     num_actions: int | None = None
+    critic_obs_dim: int | None = None  # None = no privileged critic observations
 
     @property
     def is_discrete(self) -> bool:
@@ -112,6 +133,43 @@ class VecEnv(ABC):
 
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def observe_critic(self) -> Tensor | None:
+        """The current critic observation [N, critic_obs_dim] (after ``reset`` / ``load_state_dict``);
+        None when the env has none (``critic_obs_dim is None``)."""
+        return None
+
+    def mirror_obs(self, obs: Tensor) -> Tensor | None:
+        """The mirrored observation batch, or None (no known symmetry)."""
+        return None
+
+    def mirror_action(self, action: Tensor) -> Tensor | None:
+        """The mirrored action batch, or None (no known symmetry)."""
+        return None
+
+    def mirror_critic_obs(self, critic_obs: Tensor) -> Tensor | None:
+        """The mirrored critic observation batch, or None."""
+        return None
+
+    @property
+    def has_symmetry(self) -> bool:
+        """True when the env overrides ``mirror_obs`` and ``mirror_action`` (and ``mirror_critic_obs``
+        if it has critic observations)."""
+        cls = type(self)
+        base = VecEnv
+        ok = cls.mirror_obs is not base.mirror_obs and cls.mirror_action is not base.mirror_action
+        if self.critic_obs_dim is not None:
+            ok = ok and cls.mirror_critic_obs is not base.mirror_critic_obs
+        return ok
+
+    def shared_state(self) -> dict[str, Tensor]:
+        """Env-side scalars (curriculum levels, penalty scales) a learner reduces across ranks each
+        iteration (episode-weighted mean) and loads back with ``load_shared_state``; ``{}`` = none.
+        Float tensors on ``env.device``; the keys and shapes never change during a run."""
+        return {}
+
+    def load_shared_state(self, state: dict[str, Tensor]) -> None:
+        """Adopt the reduced shared state (the same on every rank)."""
 
     def close(self) -> None:
         """Release external resources (adapters); a no-op for the pure-torch envs."""
