@@ -80,14 +80,12 @@ def _run(cfg: SACConfig) -> list[dict]:
     if cfg.nproc > 1:
         plan(cfg, cfg.nproc)  # fail before spawning anything
         check_local_gpus(cfg.nproc, cfg.device, cuda_count())
-        # spawn forwards stop signals to the ranks while they run (they checkpoint and stop) and
-        # restores these afterwards: once the ranks are done, a late signal changes nothing.
-        handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)}
-        try:
-            return spawn(train, cfg.nproc, args=(cfg,), timeout_s=None)
-        finally:
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
+        # spawn forwards stop signals to the ranks while they run (they checkpoint and stop) and puts
+        # these back afterwards: once the ranks are done, a late signal changes nothing (also between
+        # the seeds of --seeds; the process exits when the last one is done).
+        for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        return spawn(train, cfg.nproc, args=(cfg,), timeout_s=None)
     return [train(cfg)]
 
 
