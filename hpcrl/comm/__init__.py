@@ -24,9 +24,12 @@ from .local import SpawnConfigError, SpawnError, spawn
 from .nodelist import expand_nodelist, first_host
 from .stop import EXIT_STOPPED, StopRequest
 from .reduce import RankDivergenceError, all_reduce_sum_, broadcast_, check_parameters_in_sync, reduce_metrics
+from .secret import UntrustedKeyError, UntrustedPeerError
 
 __all__ = [
     "BarrierTimeoutError",
+    "UntrustedKeyError",
+    "UntrustedPeerError",
     "IDLE_TIMEOUT",
     "abort",
     "Plane",

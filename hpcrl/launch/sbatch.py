@@ -22,6 +22,10 @@ def folder_path(request: JobRequest) -> Path:
     return Path(request.folder).expanduser().absolute()
 
 
+JOB_SECRET_LINE = ('export HPCRL_JOB_SECRET="${HPCRL_JOB_SECRET:-$(head -c 32 /dev/urandom | od -An -tx1 | '
+                   "tr -d ' \\n')}\"")
+
+
 def slurm_parameters(request: JobRequest) -> dict[str, Any]:
     """``SlurmExecutor.update_parameters`` arguments: one srun task per rank (per GPU when GPUs are asked).
 
@@ -47,6 +51,9 @@ def slurm_parameters(request: JobRequest) -> dict[str, Any]:
         "signal_delay_s": request.signal_delay_s,
         # scontrol requeue (submitit's checkpoint path) needs a requeueable job on clusters with JobRequeue=0
         "additional_parameters": {"requeue": True},
+        # One secret per job attempt, made on the node (never in the submitit folder), in the tasks'
+        # environment only: the ranks sign the store keys they write with it (docs/trust.md).
+        "setup": [JOB_SECRET_LINE],
     }
     if request.gpus_per_node:
         params["gpus_per_node"] = request.gpus_per_node

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import shutil
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Iterator, Literal, Sequence
 
 import submitit
 from submitit.core.utils import FailedJobError
@@ -82,7 +84,7 @@ def submit(algo: str = "sac", trainer_args: Sequence[str] = (), *, nodes: int = 
     task = TrainerTask(request.module, request.trainer_args, run_dir_template, request.resume)
     # Submitting from inside a job: its SLURM_* and rank variables must not leak into the new job
     # (sbatch reads some of them as options; the local executor's ranks would think they run under srun).
-    with submitit.helpers.clean_env():
+    with submitit.helpers.clean_env(), _job_secret(slurm):
         try:
             job = executor.submit(task)
         except FailedJobError as err:
@@ -90,6 +92,20 @@ def submit(algo: str = "sac", trainer_args: Sequence[str] = (), *, nodes: int = 
     sbatch = job.paths.submission_file.read_text() if slurm else None
     return Submission(request, "slurm" if slurm else "local", run_dir_template.replace(JOB_ID, job.job_id),
                       sbatch, job)
+
+
+@contextlib.contextmanager
+def _job_secret(slurm: bool) -> Iterator[None]:
+    """For the local executor: one secret for all of the job's tasks, inherited from this process while
+    it submits (the batch script makes its own under Slurm, see ``sbatch.JOB_SECRET_LINE``)."""
+    if slurm or os.environ.get("HPCRL_JOB_SECRET"):
+        yield
+        return
+    os.environ["HPCRL_JOB_SECRET"] = secrets.token_hex(32)
+    try:
+        yield
+    finally:
+        del os.environ["HPCRL_JOB_SECRET"]
 
 
 def _use_slurm(local: bool | None) -> bool:

@@ -49,7 +49,15 @@ def _placements(ctx: DistContext) -> list[Placement]:
     ctx.store.set(f"ppo/device/{ctx.rank}", f"{ctx.hostname}|{ctx.device}|{gpu_uuid(ctx.device)}")
     keys = [f"ppo/device/{r}" for r in range(ctx.world_size)]
     ctx.store.wait(keys, ctx.timeout)
-    return [tuple(ctx.store.get(k).decode().split("|", 2)) for k in keys]  # type: ignore[misc]
+    return [_placement(k, ctx.store.get(k)) for k in keys]
+
+
+def _placement(key: str, raw: bytes) -> Placement:
+    # host | device | UUID, each bounded: a malformed record (another program's key) is named, not unpacked
+    parts = raw.decode("utf-8", errors="replace").split("|")
+    if len(parts) != 3 or len(parts[0]) > 255 or not parts[1] or len(parts[1]) > 32 or len(parts[2]) > 64:
+        raise DistSetupError(f"store key {key!r} holds {raw[:80]!r}, not a 'host|device|gpu-uuid' placement record")
+    return parts[0], parts[1], parts[2]
 
 
 def _gpu(p: Placement) -> tuple[str, str]:

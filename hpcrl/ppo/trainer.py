@@ -144,6 +144,7 @@ class Trainer:
                   f"it before (newest {removed[0].name}); pass --resume to continue a run instead", flush=True)
         if main:
             self._write_config(run_dir)
+            rundir.clear_outcome(run_dir)  # until this run says how it ended (the batch scripts read it)
         resumed_env_steps = env_steps
         logger = RunLogger(run_dir, main, cfg.total_steps, resume_env_steps=int(env_steps), progress_key="updates")
         self._grant((cfg.lag + 1) * cfg.batches_per_step)
@@ -258,6 +259,8 @@ class Trainer:
                         raise PeerLost(f"trainer 0: {describe(self.ctx, top.maker_rank(m), 'maker')} did not finish "
                                        f"within {cfg.timeout_s:.0f} s of the STOP credit") from None
                 made = float(self.ctx.store.add(produced_key(m), 0))
+                if not 0 <= made < 2**62:  # an add counter cannot be signed: bound what it may say
+                    raise PeerLost(f"trainer 0: store counter {produced_key(m)!r} reads {made:.0f}, not a sample count")
                 produced += made
                 if m in self.dead:  # what a lost maker made and no trainer used died with it (or in flight)
                     lost += made - totals[f"used/{m}"]
@@ -265,6 +268,8 @@ class Trainer:
                        dropped_stale=totals["dropped_stale"], lost_in_flight=lost, makers_lost=float(len(self.dead)))
             logger.log(row)
             self._report(logger, row, reached, best, saved)
+            if not row.get("preempted"):  # last: every sample is accounted for and the checkpoint written
+                rundir.record_outcome(run_dir, "finished", policy_version=self.version, makers_lost=len(self.dead))
         logger.close()
         deadline = time.monotonic() + cfg.heartbeat_timeout_s + 5.0  # one deadline, not one per maker
         for m, thread in self._receivers.items():  # live makers close their streams after the STOP credit;
@@ -395,7 +400,8 @@ class Trainer:
         if maker_rank not in self._schemas:
             key = f"ppo/schema/{maker_rank}"
             self.ctx.store.wait([key], IDLE_TIMEOUT)  # a maker may take long to its first rollout
-            self._schemas[maker_rank] = Schema.from_json(self.ctx.store.get(key).decode())
+            self._schemas[maker_rank] = Schema.from_json(self.ctx.store.get(key).decode(),
+                                                         source=describe(self.ctx, maker_rank, "maker"))
         return self._schemas[maker_rank]
 
     def _receive_loop(self, m: int) -> None:
