@@ -270,3 +270,23 @@ def test_resume_missing_fresh_starts_over_when_there_is_nothing(tmp_path, capsys
     out = capsys.readouterr().out
     assert "--resume: no checkpoint in" in out and "starting fresh (--resume-missing fresh)" in out
     assert not (tmp_path / rundir.LOCK_NAME).exists()
+
+
+def test_outcome_record_is_this_jobs_and_read_by_the_batch_scripts(tmp_path, monkeypatch):
+    # The PPO batch scripts believe trainer 0's record over srun's exit code only when it is this job's.
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert rundir.finished_by_this_job(tmp_path) is None
+    rundir.record_outcome(tmp_path, "finished", policy_version=5, makers_lost=1)
+    assert rundir.finished_by_this_job(tmp_path)["makers_lost"] == 1
+    cli = [sys.executable, "-m", "hpcrl.rundir", "finished", str(tmp_path)]
+    done = subprocess.run(cli, capture_output=True, text=True, env={**os.environ})
+    assert done.returncode == 0 and "policy_version=5" in done.stdout and "makers_lost=1" in done.stdout
+    for job, restart in (("78", "1"), ("77", "2")):  # another job, or a later attempt of this one
+        other = subprocess.run(cli, capture_output=True, text=True,
+                               env={**os.environ, "SLURM_JOB_ID": job, "SLURM_RESTART_COUNT": restart})
+        assert other.returncode == 1
+    rundir.record_outcome(tmp_path, "stopped")
+    assert rundir.finished_by_this_job(tmp_path) is None
+    rundir.clear_outcome(tmp_path)
+    assert not (tmp_path / rundir.OUTCOME).exists()

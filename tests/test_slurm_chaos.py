@@ -100,6 +100,7 @@ def test_het_job_survives_a_frozen_and_a_killed_maker(cluster, tmp_path):  # noq
     text = log.read_text()
     state, code = _job_state(job_id)
     assert (state, code) == ("COMPLETED", "0:0"), f"seed {seed}: {state} {code}\n{text[-4000:]}"
+    assert "no job secret" not in text  # the batch script gave every task one
     final = json.loads(rows.read_text().splitlines()[-1])
     assert final["policy_version"] == 300
     assert final["makers_lost"] in (1, 2), text[-3000:]  # the frozen one: see test_ppo_detached's chaos test
