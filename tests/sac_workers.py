@@ -57,7 +57,7 @@ def run_updates(mode: str, rank: int = 0, world: int = 1, ctx=None) -> dict:
     norm = ObsNormalizer(OBS)
     for step in range(UPDATES):
         batch, noise = global_data(step)
-        mine = Batch(*[rows(t, rank, world) for t in batch])
+        mine = Batch(*[None if t is None else rows(t, rank, world) for t in batch])
         agent.update(mine, UpdateNoise(*[rows(t, rank, world) for t in noise]))
         norm.update(rows(batch.obs * 3 + 1, rank, world), (lambda t: all_reduce_sum_([t], plane)) if world > 1 else None)
     return {

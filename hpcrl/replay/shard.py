@@ -2,7 +2,7 @@
 
 Storage layout (time-major: one ``add`` writes one contiguous block per field)::
 
-    obs           [C, E, D] f32  observation the action was taken from
+    obs           [C, E, D] f32  observation the action was taken from (D = obs_dim + critic_obs_dim)
     action        [C, E, A] f32
     reward        [C, E]    f32
     flags         [C, E]    u8   bit 0 terminated, bit 1 truncated (termination wins if both)
@@ -16,18 +16,45 @@ transitions that ended an episode (their true final observation, which the env r
 observation, lives in ``final_pool``). That is about half the memory of storing obs and next_obs
 (docs/holosoma.md#replay-storage). The contract this relies on: for envs that did not finish, the ``obs``
 passed to the next ``add`` equals this ``next_obs`` (true of every auto-resetting vector env).
+
+Privileged critic observations (``critic_obs_dim > 0``) are stored as extra columns of the same rows:
+``obs[..., :obs_dim]`` is the actor's observation and ``obs[..., obs_dim:]`` the critic's, so they follow
+the same layout rules (each stored once, final observations in ``final_pool``) and one fused gather
+serves both; :class:`Batch` splits them again. With ``critic_obs_dim == 0`` the storage is exactly the
+actor-only layout.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from hpcrl import ops
 from hpcrl.ops.reference import TERMINATED, TRUNCATED, ReplayGather
 
-Batch = ReplayGather  # obs, action, reward (n-step sum), next_obs, discount, n
+
+class Batch(NamedTuple):
+    """A sampled batch: ``ReplayGather``'s fields plus the privileged critic observations (None when
+    the shard stores none)."""
+
+    obs: torch.Tensor  # [B, obs_dim]
+    action: torch.Tensor  # [B, A]
+    reward: torch.Tensor  # [B] n-step discounted reward sum
+    next_obs: torch.Tensor  # [B, obs_dim] bootstrap observation
+    discount: torch.Tensor  # [B] gamma^k, 0 if the window ends in a termination
+    n: torch.Tensor  # [B] int64 effective n (k)
+    critic_obs: torch.Tensor | None = None  # [B, critic_obs_dim]
+    next_critic_obs: torch.Tensor | None = None  # [B, critic_obs_dim] bootstrap critic observation
+
+    @property
+    def q_obs(self) -> torch.Tensor:
+        """What the critic reads at s: the critic observation when there is one, else the actor's."""
+        return self.obs if self.critic_obs is None else self.critic_obs
+
+    @property
+    def q_next_obs(self) -> torch.Tensor:
+        return self.next_obs if self.next_critic_obs is None else self.next_critic_obs
 
 
 class ReplayShard:
@@ -42,11 +69,15 @@ class ReplayShard:
         n_step: int = 1,
         gamma: float = 0.99,
         device: torch.device | str = "cpu",
+        critic_obs_dim: int = 0,
     ) -> None:
         for name, value in (("num_envs", num_envs), ("capacity", capacity), ("obs_dim", obs_dim),
                             ("action_dim", action_dim), ("n_step", n_step)):
             if int(value) < 1:
                 raise ValueError(f"ReplayShard: {name}={value} must be >= 1")
+        if int(critic_obs_dim) < 0:
+            raise ValueError(f"ReplayShard: critic_obs_dim={critic_obs_dim} must be >= 0 (0 = none)")
+        self.critic_obs_dim = int(critic_obs_dim)
         if n_step > capacity:
             raise ValueError(f"ReplayShard: n_step={n_step} exceeds capacity={capacity} slots per env")
         if not 0.0 <= gamma <= 1.0:
@@ -56,13 +87,14 @@ class ReplayShard:
         self.n_step, self.gamma = int(n_step), float(gamma)
         self.device = torch.device(device)
         C, E, f32 = self.capacity, self.num_envs, dict(dtype=torch.float32, device=self.device)
-        self.obs = torch.zeros(C, E, self.obs_dim, **f32)
+        self.row_dim = self.obs_dim + self.critic_obs_dim  # stored columns per observation
+        self.obs = torch.zeros(C, E, self.row_dim, **f32)
         self.action = torch.zeros(C, E, self.action_dim, **f32)
         self.reward = torch.zeros(C, E, **f32)
         self.flags = torch.zeros(C, E, dtype=torch.uint8, device=self.device)
         self.final_ref = torch.full((C, E), -1, dtype=torch.int64, device=self.device)
-        self.final_pool = torch.zeros(E, self.obs_dim, **f32)  # grows; E rows = one episode end per env
-        self.head_next_obs = torch.zeros(E, self.obs_dim, **f32)
+        self.final_pool = torch.zeros(E, self.row_dim, **f32)  # grows; E rows = one episode end per env
+        self.head_next_obs = torch.zeros(E, self.row_dim, **f32)
         self.ptr = 0  # add() calls so far; the newest transition has logical time ptr - 1
         # final_pool is a ring: live entries are the `_pool_live` rows before `_pool_cursor`. Entries are
         # allocated and retired in time order, so they always form one contiguous run.
@@ -89,12 +121,15 @@ class ReplayShard:
         next_obs: torch.Tensor,
         terminated: torch.Tensor,
         truncated: torch.Tensor,
+        critic_obs: torch.Tensor | None = None,
+        next_critic_obs: torch.Tensor | None = None,
     ) -> None:
         """Append one env step of every env.
 
         ``next_obs`` is the observation that followed the action: the true final observation for envs
-        whose episode ended (not the reset observation). Costs one host sync (the number of finished
-        episodes, to size the final-observation pool).
+        whose episode ended (not the reset observation); ``critic_obs``/``next_critic_obs`` (required
+        exactly when the shard has ``critic_obs_dim > 0``) follow the same rule. Costs one host sync
+        (the number of finished episodes, to size the final-observation pool).
         """
         E = self.num_envs
         self._check("obs", obs, (E, self.obs_dim))
@@ -103,6 +138,16 @@ class ReplayShard:
         self._check("next_obs", next_obs, (E, self.obs_dim))
         self._check("terminated", terminated, (E,))
         self._check("truncated", truncated, (E,))
+        if self.critic_obs_dim:
+            if critic_obs is None or next_critic_obs is None:
+                raise ValueError(f"ReplayShard.add: the shard stores critic observations (critic_obs_dim="
+                                 f"{self.critic_obs_dim}); pass critic_obs and next_critic_obs")
+            self._check("critic_obs", critic_obs, (E, self.critic_obs_dim))
+            self._check("next_critic_obs", next_critic_obs, (E, self.critic_obs_dim))
+            obs = torch.cat([obs.float(), critic_obs.float()], -1)
+            next_obs = torch.cat([next_obs.float(), next_critic_obs.float()], -1)
+        elif critic_obs is not None or next_critic_obs is not None:
+            raise ValueError("ReplayShard.add: critic observations given but the shard has critic_obs_dim=0")
         term, trunc = terminated.bool(), truncated.bool() & ~terminated.bool()
         slot = self.ptr % self.capacity
 
@@ -136,7 +181,7 @@ class ReplayShard:
         new_size = max(2 * size, needed)
         start = (self._pool_cursor - self._pool_live) % size
         live_rows = (start + torch.arange(self._pool_live, device=self.device)) % size
-        pool = torch.zeros(new_size, self.obs_dim, dtype=torch.float32, device=self.device)
+        pool = torch.zeros(new_size, self.row_dim, dtype=torch.float32, device=self.device)
         pool[: self._pool_live] = self.final_pool[live_rows]
         has_ref = self.final_ref >= 0
         self.final_ref = torch.where(has_ref, (self.final_ref - start) % size, self.final_ref)
@@ -186,14 +231,19 @@ class ReplayShard:
         return self._gather(env_idx, slot_idx)
 
     def _gather(self, env_idx: torch.Tensor, slot_idx: torch.Tensor) -> Batch:
-        return ops.replay_gather(self.obs, self.action, self.reward, self.flags, self.final_ref,
-                                 self.final_pool, self.head_next_obs, env_idx, slot_idx, self.ptr,
-                                 self.n_step, self.gamma)
+        g = ops.replay_gather(self.obs, self.action, self.reward, self.flags, self.final_ref,
+                              self.final_pool, self.head_next_obs, env_idx, slot_idx, self.ptr,
+                              self.n_step, self.gamma)
+        if not self.critic_obs_dim:
+            return Batch(*g)
+        D = self.obs_dim  # split the stored rows: actor columns, then critic columns (views, no copy)
+        return Batch(g.obs[:, :D], g.action, g.reward, g.next_obs[:, :D], g.discount, g.n,
+                     g.obs[:, D:], g.next_obs[:, D:])
 
     # -- persistence -------------------------------------------------------------------------------
 
     _TENSORS = ("obs", "action", "reward", "flags", "final_ref", "final_pool", "head_next_obs")
-    _CONFIG = ("num_envs", "capacity", "obs_dim", "action_dim", "n_step", "gamma")
+    _CONFIG = ("num_envs", "capacity", "obs_dim", "action_dim", "n_step", "gamma", "critic_obs_dim")
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {name: getattr(self, name) for name in self._TENSORS}
@@ -204,7 +254,7 @@ class ReplayShard:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name in self._CONFIG:
-            mine, theirs = getattr(self, name), state[name]
+            mine, theirs = getattr(self, name), state.get(name, 0)  # shards older than critic obs: 0
             if (float(mine) != float(theirs)):
                 raise ValueError(f"load_state_dict: saved shard has {name}={theirs}, this shard has {name}={mine}; "
                                  "build the shard with the saved configuration")

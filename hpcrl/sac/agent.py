@@ -3,6 +3,13 @@
 
 All randomness of an update comes in through :class:`UpdateNoise`, so W ranks can be checked
 against one rank fed the concatenated batches and noise (tests/test_sac_dp.py).
+
+Order of one optimizer update (holosoma's, docs/holosoma.md#data-parallelism): backward (of the loss
+times the GradScaler's scale under ``--amp fp16``) -> all-reduce of the (scaled) gradients on the
+device plane -> ``unscale_`` -> clip to ``max_grad_norm`` -> step (skipped under fp16 when a gradient
+is inf/NaN). Every rank holds the same reduced gradients after the all-reduce, so clipping, the
+inf check and the skip are identical on every rank by construction: an inf on one rank becomes an
+inf in everybody's sum.
 """
 
 from __future__ import annotations
@@ -21,6 +28,24 @@ from hpcrl.replay import Batch
 from . import losses
 from .config import SACConfig
 from .networks import Actor, DistributionalCritic
+
+
+def amp_mode(cfg: SACConfig) -> str:
+    """The effective ``--amp`` ("none", "bf16", "fp16"): the old ``--bf16`` flag means ``--amp bf16``."""
+    amp = getattr(cfg, "amp", "none")
+    return "bf16" if amp == "none" and cfg.bf16 else amp
+
+
+def mirror_batch(batch: Batch, mirror_obs, mirror_action, mirror_critic_obs=None) -> Batch:
+    """``[batch; mirrored batch]``: twice the rows, the second half mirrored (obs, next obs, critic
+    obs, actions); rewards, discounts and n repeat (a mirrored transition has the same reward)."""
+    def both(x, f):
+        return None if x is None else torch.cat([x, f(x)])
+
+    same = lambda x: x  # noqa: E731
+    return Batch(both(batch.obs, mirror_obs), both(batch.action, mirror_action), both(batch.reward, same),
+                 both(batch.next_obs, mirror_obs), both(batch.discount, same), both(batch.n, same),
+                 both(batch.critic_obs, mirror_critic_obs), both(batch.next_critic_obs, mirror_critic_obs))
 
 
 class UpdateNoise(NamedTuple):
@@ -44,15 +69,19 @@ class FastSAC(nn.Module):
     """Networks, optimisers and gradient sync of one rank."""
 
     def __init__(self, cfg: SACConfig, obs_dim: int, action_dim: int, action_low: torch.Tensor,
-                 action_high: torch.Tensor, device: torch.device, *, plane: Plane) -> None:
+                 action_high: torch.Tensor, device: torch.device, *, plane: Plane,
+                 critic_obs_dim: int | None = None) -> None:
         """``plane``: the device plane gradients are averaged over (``ctx.device_plane``; a plane of
-        one, ``Plane.local("device", device)``, for a single process)."""
+        one, ``Plane.local("device", device)``, for a single process). ``critic_obs_dim``: width of the
+        env's privileged critic observation (the critic and its target read it instead of the actor's
+        observation); None = the critic reads the actor's observation."""
         super().__init__()
         self.cfg = cfg
         self.action_dim = action_dim
+        self.critic_obs_dim = critic_obs_dim
         self.actor = Actor(obs_dim, action_dim, cfg.actor_hidden, action_low, action_high, cfg.layer_norm,
                            cfg.log_std_min, cfg.log_std_max).to(device)
-        self.critic = DistributionalCritic(obs_dim, action_dim, cfg.critic_hidden, cfg.num_q, cfg.num_atoms,
+        self.critic = DistributionalCritic(critic_obs_dim or obs_dim, action_dim, cfg.critic_hidden, cfg.num_q, cfg.num_atoms,
                                            cfg.v_min, cfg.v_max, cfg.layer_norm).to(device)
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
         self.log_alpha = nn.Parameter(torch.tensor(float(cfg.alpha_init), device=device).log())
@@ -71,8 +100,13 @@ class FastSAC(nn.Module):
         self.counters = Counters()
         self._target_params = list(self.critic_target.parameters())
         self._online_params = list(self.critic.parameters())
-        self._autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16
-                          else contextlib.nullcontext())
+        self.amp = amp_mode(cfg)
+        self._autocast = (torch.autocast(device.type, dtype=torch.bfloat16 if self.amp == "bf16" else torch.float16)
+                          if self.amp != "none" else contextlib.nullcontext())
+        # fp16 only: bf16 has fp32's range (holosoma's scaler under bf16 is overhead, docs/holosoma.md).
+        # One scaler for the critic (+alpha) and the actor steps, updated after each, as holosoma does.
+        self.scaler = torch.amp.GradScaler(device.type) if self.amp == "fp16" else None
+        self.max_grad_norm = float(getattr(cfg, "max_grad_norm", 0.0))
         for sync in (self.critic_sync, self.actor_sync):
             sync.zero_grad()
 
@@ -90,45 +124,73 @@ class FastSAC(nn.Module):
         with torch.no_grad(), self._autocast:
             next_action, next_log_prob = self.actor.sample(batch.next_obs, noise.next_eps)
             next_log_prob = next_log_prob.float()
-            target_logits = self.critic_target(batch.next_obs, next_action)
+            target_logits = self.critic_target(batch.q_next_obs, next_action)
             reward = losses.soft_reward(batch.reward, batch.discount, alpha, next_log_prob)
             target = losses.categorical_projection(torch.softmax(target_logits.float(), -1), reward,
                                                    batch.discount, self.critic.support)
         with self._autocast:
-            logits = self.critic_train(batch.obs, batch.action)
+            logits = self.critic_train(batch.q_obs, batch.action)
         critic_loss = losses.critic_loss(logits, target)
         alpha_loss = losses.alpha_loss(self.log_alpha, next_log_prob, self.target_entropy)
-        (critic_loss + alpha_loss).backward()  # disjoint graphs: one backward fills both grads
-        self.critic_sync.all_reduce()
-        self.critic_opt.step()
-        if cfg.autotune_alpha:
-            self.alpha_opt.step()
+        self._scaled(critic_loss + alpha_loss).backward()  # disjoint graphs: one backward fills both grads
+        self.critic_sync.all_reduce()  # of the scaled gradients (fp16), like holosoma
+        opts = [self.critic_opt, self.alpha_opt] if cfg.autotune_alpha else [self.critic_opt]
+        critic_grad_norm = self._clip_and_step(opts, self._online_params)
         self.critic_sync.zero_grad()
         torch._foreach_lerp_(self._target_params, self._online_params, cfg.tau)
         self.counters.critic_steps += 1
-        out = {"critic_loss": critic_loss.detach(), "alpha_loss": alpha_loss.detach()}
+        out = {"critic_loss": critic_loss.detach(), "alpha_loss": alpha_loss.detach(),
+               "critic_grad_norm": critic_grad_norm}
 
         if self.counters.critic_steps % cfg.policy_frequency == 0:  # i.e. (critic_step + 1) % pf == 0
-            out["actor_loss"], out["entropy"] = self._update_actor(batch.obs, noise.actor_eps, alpha)
+            out["actor_loss"], out["entropy"], out["actor_grad_norm"] = self._update_actor(
+                batch.obs, noise.actor_eps, alpha, batch.q_obs)
+        if self.scaler is not None:
+            out["grad_scale"] = self.scaler._scale.detach().clone()  # a device tensor; get_scale() syncs
         return out
 
-    def _update_actor(self, obs: torch.Tensor, eps: torch.Tensor, alpha: torch.Tensor):
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.scaler is None else self.scaler.scale(loss)
+
+    def _clip_and_step(self, opts: list[torch.optim.Optimizer], params: list[torch.Tensor]) -> torch.Tensor:
+        """unscale_ (fp16) -> clip -> step -> scaler.update, on gradients already all-reduced. Returns
+        the (unscaled, pre-clip) gradient norm of ``params`` as a tensor (no host sync). With the scaler
+        the step of a fused optimizer takes the found-inf flag on the device (no host sync either)."""
+        if self.scaler is not None:
+            for opt in opts:
+                self.scaler.unscale_(opt)
+        grads = [p.grad for p in params if p.grad is not None]
+        if self.max_grad_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm, foreach=True)
+        else:
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if self.scaler is None:
+            for opt in opts:
+                opt.step()
+        else:
+            for opt in opts:
+                self.scaler.step(opt)
+            self.scaler.update()
+        return norm.detach()
+
+    def _update_actor(self, obs: torch.Tensor, eps: torch.Tensor, alpha: torch.Tensor,
+                      q_obs: torch.Tensor | None = None):
         # Critic frozen for this backward: no (unused) critic weight gradients are computed.
         self.critic.requires_grad_(False)
         try:
             with self._autocast:
                 # Through actor_train's forward, so DDP (grad_sync="ddp") sees the pass and reduces.
                 action, log_prob = self.actor.squash(*self.actor_train(obs), eps)
-                q = self.critic.q_value(self.critic(obs, action))
+                q = self.critic.q_value(self.critic(obs if q_obs is None else q_obs, action))
             loss = losses.actor_loss(log_prob.float(), q, alpha)
-            loss.backward()
+            self._scaled(loss).backward()
         finally:
             self.critic.requires_grad_(True)
         self.actor_sync.all_reduce()
-        self.actor_opt.step()
+        grad_norm = self._clip_and_step([self.actor_opt], list(self.actor.parameters()))
         self.actor_sync.zero_grad()
         self.counters.actor_steps += 1
-        return loss.detach(), -log_prob.detach().float().mean()
+        return loss.detach(), -log_prob.detach().float().mean(), grad_norm
 
     # -- state -------------------------------------------------------------------------------------
 
@@ -139,6 +201,7 @@ class FastSAC(nn.Module):
             "critic_opt": self.critic_opt.state_dict(), "actor_opt": self.actor_opt.state_dict(),
             "alpha_opt": self.alpha_opt.state_dict(),
             "counters": [self.counters.iteration, self.counters.critic_steps, self.counters.actor_steps],
+            **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {}),
         }
 
     def load_learner_state(self, state: dict) -> None:
@@ -151,6 +214,8 @@ class FastSAC(nn.Module):
         self.actor_opt.load_state_dict(state["actor_opt"])
         self.alpha_opt.load_state_dict(state["alpha_opt"])
         self.counters = Counters(*[int(x) for x in state["counters"]])
+        if self.scaler is not None and "scaler" in state:  # --amp fp16 resumed from an fp16 checkpoint
+            self.scaler.load_state_dict(state["scaler"])
 
     def broadcast_tensors(self) -> list[torch.Tensor]:
         """Everything rank 0 broadcasts at start-up and after a resume."""

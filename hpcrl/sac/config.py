@@ -21,6 +21,7 @@ from hpcrl.config_check import DEVICE, MAX_SEED, MAX_TIMEOUT_S, Check, ConfigErr
 GradSyncMode = Literal["flat", "view", "ddp"]
 NonFiniteMode = Literal["error", "skip"]
 WandbMode = Literal["online", "offline", "disabled"]
+AmpMode = Literal["none", "bf16", "fp16"]
 
 
 
@@ -107,7 +108,19 @@ class SACConfig:
     grad_sync: GradSyncMode = "flat"
     """How gradients are all-reduced: "flat" (one fused buffer), "view" (per-parameter views), "ddp"."""
     bf16: bool = False
-    """bf16 autocast for forward passes (parameters and optimiser state stay fp32)."""
+    """Alias of --amp bf16 (kept for old command lines and config files); ignored when --amp is not none."""
+    amp: AmpMode = "none"
+    """Mixed precision of the forward passes (parameters and optimiser state stay fp32): "none", "bf16"
+    (autocast, no scaler: bf16 has fp32's range), "fp16" (autocast + GradScaler in holosoma's order:
+    all-reduce of the scaled gradients, unscale, clip, step; a step with an inf/NaN gradient is skipped
+    on every rank alike)."""
+    max_grad_norm: float = 0.0
+    """Clip the global gradient norm of the critic and of the actor to this after the all-reduce (so every
+    rank clips alike); 0 = off (holosoma's default). critic_grad_norm/actor_grad_norm (pre-clip) are logged."""
+    symmetry: bool = False
+    """Symmetry augmentation (holosoma's use_symmetry; needs an env with mirror maps, e.g. cartpole_swingup):
+    every sampled batch is doubled with its mirrored transitions, so each update sees 2 x batch_size rows
+    globally (batch_size sampled, batch_size mirrored), as in holosoma."""
     compile: bool = False
     """torch.compile the actor and critic."""
 
@@ -189,6 +202,9 @@ class SACConfig:
         c.real("target_entropy_ratio", hint="target entropy = -ratio * action_dim")
         c.choice("grad_sync", get_args(GradSyncMode).__contains__, ", ".join(get_args(GradSyncMode)))
         c.boolean("bf16")
+        c.choice("amp", get_args(AmpMode).__contains__, ", ".join(get_args(AmpMode)))
+        c.real("max_grad_norm", 0.0, hint="gradient-norm clip; 0 = off")
+        c.boolean("symmetry")
         c.boolean("compile")
         for name in ("actor_hidden", "critic_hidden"):
             c.integer(name, 4, hint="hidden widths are it, /2 and /4")
@@ -239,6 +255,17 @@ PRESETS: dict[str, dict] = {
         actor_lr=1e-3, alpha_lr=1e-3, weight_decay=0.0, alpha_init=0.1, target_entropy_ratio=1.0,
         actor_hidden=128, critic_hidden=128, v_min=-100.0, v_max=10.0, reward_scale=0.1, log_std_max=2.0,
         log_every=25, checkpoint_every=500, eval_episodes=4,
+    ),
+    # gymnasium HalfCheetah-v5 on CPU ranks. Algorithm values from FastTD3's BaseArgs
+    # (younggyoseo/FastTD3 fast_td3/hyperparams.py: gamma 0.99, tau 0.1, num_updates 2, policy_frequency 2,
+    # distributional critic over [-250, 250], lr 3e-4, bf16 AMP off here: CPU) on holosoma's FastSAC learner
+    # (docs/holosoma.md); sizes cut to what a few CPU cores step: 16 envs, a 1M-transition replay (62,500 per
+    # env), global batch 4096, and CleanRL's 5,000 random warm-up transitions.
+    "halfcheetah": dict(
+        env="gym:HalfCheetah-v5", num_envs=16, total_env_steps=1_000_000, batch_size=4096, buffer_size=62_500,
+        gamma=0.99, tau=0.1, num_updates=2, policy_frequency=2, learning_starts=313, random_steps=313,
+        v_min=-250.0, v_max=250.0, critic_hidden=512, actor_hidden=256, alpha_init=0.001, target_entropy_ratio=0.0,
+        weight_decay=0.001, log_every=100, checkpoint_every=5000, eval_episodes=4, eval_every=2000,
     ),
 }
 
