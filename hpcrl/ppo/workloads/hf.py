@@ -1,0 +1,499 @@
+"""RLHF on real Hugging Face models through detached PPO (docs/coati.md: the seed's coati/ray task
+with transformers models instead of the in-house ``lm`` workload's).
+
+Until ``--workload hf`` is registered, run it as a plugin (its flags are :class:`HFOptions`)::
+
+    python -m hpcrl.ppo --workload hpcrl.ppo.workloads.hf:HFWorkload --model DIR --reward-fn pkg.mod:fn \\
+        --prompts prompts.jsonl --makers 1 --trainers 1 --total-steps 20 --run-dir runs/hf --ppo.lr 1e-5
+
+Roles (the same split as :mod:`hpcrl.ppo.workloads.lm`):
+
+* **makers** hold the actor (receiving its weights), a frozen reference copy loaded from ``--model``
+  and the reward model / function. Per experience batch: ``batch_size`` prompts from the dataset
+  (:mod:`.hf_prompts`; ``group_size`` samples each with GRPO), left-padded; ``generate`` with the
+  KV cache (:mod:`.hf_generate`); one full forward of actor and reference over prompt + response for
+  ``behaviour_logp`` / ``ref_logp`` of the sampled tokens (tempered by ``--temperature``); the score
+  (one number per sequence). Everything has fixed shapes: prompts padded to ``max_prompt_tokens``,
+  responses to ``max_new_tokens``, with real ``attention_mask`` / ``action_mask``.
+* **trainers**: token-level PPO — per-token KL penalty to the reference (k1 / k3) plus the score at
+  the last response token, GAE over response tokens with the *current* critic (a value head on the
+  actor's backbone, or on ``--critic``), whitened advantages, clipped policy and value losses (coati's
+  ``eps_clip`` / ``value_clip`` are ``--ppo.clip-coef`` / ``--ppo.value-clip-coef``). ``--algo grpo``:
+  no critic; ``group_size`` samples per prompt; advantage = (score - group mean) / (group std + eps)
+  on every response token; the KL to the reference as a k3 loss term (``kl_coef``).
+* **LoRA** (``--lora-rank R``, needs peft): adapters on every linear layer of actor and critic
+  backbones; only they (and the value head) are trained; only the actor's adapters are published.
+  Makers run peft's unmerged forward, ``W0 x + s B A x``, over the pristine base that no sync writes.
+* **artefacts**: with ``--save-dir DIR`` trainer 0 writes the actor with ``save_pretrained`` (LoRA
+  merged into a copy) plus the tokenizer to ``DIR/actor`` at every checkpoint and at the end.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from hpcrl.config_check import ConfigError, show
+
+from ..losses import approx_kl, gae, masked_mean, policy_loss, sequence_rewards_with_kl, value_loss, whiten
+from ..workload import PPOConfig
+from . import hf_models as M
+from .hf_generate import SamplingParams, generate, position_ids, token_logp
+from .hf_prompts import PromptStream, load_prompts
+
+__all__ = ["HFActorCritic", "HFOptions", "HFWorkload", "group_advantages", "left_pad"]
+
+MAX_TOKENS = 1 << 20
+
+
+@dataclass
+class HFOptions:
+    """Options of the Hugging Face RLHF workload (real transformers models, token-level PPO / GRPO)."""
+
+    model: str = ""
+    """Actor and frozen reference: a directory written by save_pretrained (config.json, weights, tokenizer)
+    or a hub id; loaded with AutoModelForCausalLM (required)."""
+    critic: str | None = None
+    """Critic backbone (a causal-LM directory); default: the actor's. Not with --algo grpo."""
+    reward_model: str | None = None
+    """An AutoModelForSequenceClassification directory with one label (exactly one of --reward-model, --reward-fn)."""
+    reward_fn: str | None = None
+    """package.module:function, called as fn(prompts: list[str], responses: list[str]) -> list[float]."""
+    prompts: str = ""
+    """Prompt dataset: a .jsonl file (one object per line), a .parquet file, or a datasets directory (required)."""
+    prompt_key: str = "prompt"
+    """The field of each record that holds the prompt."""
+    chat_template: bool = True
+    """Apply the tokenizer's chat template (user turn + generation prompt) when it has one."""
+    max_prompt_tokens: int = 64
+    """Prompts are left-padded to this many tokens; a longer prompt is an error (or see --truncate-prompts)."""
+    truncate_prompts: bool = False
+    """Keep the last --max-prompt-tokens tokens of a longer prompt (with a warning) instead of refusing it."""
+    max_new_tokens: int = 16
+    """Response tokens per sample (generation stops earlier at EOS); in [1, 1048576]."""
+    temperature: float = 1.0
+    """Sampling temperature, > 0; the optimised policy is the tempered one (maker and trainer alike)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1 = off."""
+    top_k: int = 0
+    """Top-k sampling; 0 = off."""
+    batch_size: int = 16
+    """Prompts per experience batch (x --group-size sequences with --algo grpo)."""
+    algo: Literal["ppo", "grpo"] = "ppo"
+    """ppo: critic + GAE; grpo: no critic, group-normalised scores over --group-size samples per prompt."""
+    group_size: int = 4
+    """Samples per prompt with --algo grpo (>= 2)."""
+    lora_rank: int = 0
+    """LoRA rank (0 = full fine-tuning); needs peft."""
+    lora_alpha: float | None = None
+    """LoRA alpha (default: the rank, i.e. scale 1)."""
+    kl_coef: float = 0.05
+    """Per-token KL penalty to the reference (the workload's default; --ppo.kl-coef overrides)."""
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    """k1: log pi - log pi_ref (its sequence sum is exact); k3: (u - 1) - log u, never negative."""
+    save_dir: str | None = None
+    """Trainer 0 writes the actor (save_pretrained + tokenizer) to SAVE_DIR/actor at every checkpoint."""
+
+    def flag(self, name: str) -> str:
+        return "--" + name.replace("_", "-")
+
+    def fail(self, name: str, rule: str, fix: str) -> None:
+        raise ConfigError(f"{self.flag(name)} {show(getattr(self, name))}: must be {rule}; {fix}")
+
+    def check(self) -> None:
+        """Ranges and combinations (no files read)."""
+        if not self.model:
+            raise ConfigError(f"{self.flag('model')} is required: a save_pretrained directory or a hub id")
+        if not self.prompts:
+            raise ConfigError(f"{self.flag('prompts')} is required: a .jsonl file with a {self.prompt_key!r} field")
+        for name, lo, hi in (("max_prompt_tokens", 1, MAX_TOKENS), ("max_new_tokens", 1, MAX_TOKENS),
+                             ("batch_size", 1, 1 << 16), ("top_k", 0, MAX_TOKENS), ("lora_rank", 0, 4096)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                self.fail(name, f"an integer in [{lo}, {hi}]", f"e.g. {self.flag(name)} {getattr(HFOptions, name)}")
+        finite = lambda v: isinstance(v, (int, float)) and math.isfinite(v)  # noqa: E731
+        if not (finite(self.temperature) and self.temperature > 0):
+            self.fail("temperature", "a finite number > 0", "e.g. --temperature 1.0")
+        if not (finite(self.top_p) and 0 < self.top_p <= 1):
+            self.fail("top_p", "in (0, 1]", "e.g. --top-p 1.0 (off) or 0.9")
+        if not (finite(self.kl_coef) and self.kl_coef >= 0):
+            self.fail("kl_coef", "a finite number >= 0", "e.g. --kl-coef 0.05")
+        if self.lora_alpha is not None and not (finite(self.lora_alpha) and self.lora_alpha > 0):
+            self.fail("lora_alpha", "a finite number > 0", "e.g. --lora-alpha 16, or leave it unset (= rank)")
+        if self.algo == "grpo":
+            if self.critic is not None:
+                raise ConfigError(f"{self.flag('critic')} {self.critic}: --algo grpo has no critic (advantages are "
+                                  "group-normalised scores); drop --critic, or use --algo ppo")
+            if not isinstance(self.group_size, int) or not 2 <= self.group_size <= 1024:
+                self.fail("group_size", "an integer in [2, 1024] with --algo grpo", "e.g. --group-size 4")
+        if (self.reward_model is None) == (self.reward_fn is None):
+            both = "both" if self.reward_model is not None else "neither"
+            raise ConfigError(f"{self.flag('reward_model')} / {self.flag('reward_fn')}: {both} given; pass exactly "
+                              "one (a one-label sequence-classification model, or package.module:function)")
+
+
+def left_pad(rows: list[list[int]], length: int, pad_id: int) -> tuple[Tensor, Tensor]:
+    """``(ids [B, length], mask [B, length])``: each row right-aligned (left padding)."""
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.int64)
+    mask = torch.zeros(len(rows), length, dtype=torch.float32)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, length - len(row):] = torch.tensor(row, dtype=torch.int64)
+            mask[i, length - len(row):] = 1.0
+    return ids, mask
+
+
+def group_advantages(score: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
+    """GRPO: ``(score - mean) / (std + eps)`` within consecutive groups of ``group_size`` ([B] -> [B]);
+    a group whose scores are all equal gets 0 (no signal, no NaN)."""
+    g = score.float().view(-1, group_size)
+    return ((g - g.mean(1, keepdim=True)) / (g.std(1, unbiased=False, keepdim=True) + eps)).view(-1)
+
+
+class HFActorCritic(nn.Module):
+    """Actor (a transformers causal LM, maybe peft-wrapped) + optional critic (:class:`ValueModel`)."""
+
+    def __init__(self, actor: nn.Module, critic: nn.Module | None, prompt_len: int, temperature: float) -> None:
+        super().__init__()
+        self.actor, self.critic = actor, critic
+        self.prompt_len, self.temperature = prompt_len, temperature
+
+    def action_logits(self, tokens: Tensor, attn: Tensor, net: nn.Module | None = None) -> Tensor:
+        """``[B, G, V]`` logits scoring the ``G`` response tokens (positions ``P - 1 .. P + G - 2``)."""
+        g = tokens.shape[1] - self.prompt_len
+        out = (net or self.actor)(input_ids=tokens, attention_mask=attn.long(), position_ids=position_ids(attn),
+                                  use_cache=False, logits_to_keep=g + 1)
+        return out.logits[:, :-1]
+
+    def values(self, tokens: Tensor, attn: Tensor) -> Tensor:
+        """``[B, G]`` critic values of the states before each response token."""
+        v = self.critic(tokens, attn.long(), position_ids(attn))
+        return v[:, self.prompt_len - 1:-1]
+
+
+@dataclass
+class HFWorkload(HFOptions):
+    """The ``hf`` workload; constructing it checks every input it can without loading weights."""
+
+    name = "hf"
+
+    def __post_init__(self) -> None:
+        self.check()
+        config = M.load_config(self.flag("model"), self.model)
+        if self.critic is not None:
+            M.load_config(self.flag("critic"), self.critic)
+        if self.reward_model is not None:
+            M.check_reward_model(self.reward_model)
+        if self.lora_rank:
+            try:
+                import peft  # noqa: F401
+            except ImportError:
+                raise ConfigError(f"--lora-rank {self.lora_rank} needs the peft package: pip install peft, or "
+                                  "--lora-rank 0") from None
+        limit = M.context_length(config)
+        total = self.max_prompt_tokens + self.max_new_tokens
+        if limit is not None and total > limit:
+            raise ConfigError(f"--max-prompt-tokens {self.max_prompt_tokens} + --max-new-tokens {self.max_new_tokens} "
+                              f"= {total} tokens: more than the model's context of {limit}; lower them to a sum "
+                              f"<= {limit}")
+        self.tokenizer = M.load_tokenizer(self.model)
+        self.eos_id, self.pad_id = int(self.tokenizer.eos_token_id), int(self.tokenizer.pad_token_id)
+        self.prompt_texts = load_prompts(self.prompts, self.prompt_key)
+        self.prompt_ids = self._tokenize_prompts()
+        self.reward_callable = M.import_reward_fn(self.reward_fn) if self.reward_fn else None
+        if self.reward_callable is not None:  # a probe before any rank starts: raises / wrong length, named
+            probe = self.prompt_texts[:2]
+            M.call_reward_fn(self.reward_callable, self.reward_fn, probe, probe, batch="probe")
+        self.sampling = SamplingParams(self.max_new_tokens, self.temperature, self.top_p, self.top_k)
+        self._refs: dict[str, nn.Module] = {}
+        self._rms: dict[str, nn.Module] = {}
+
+    def _tokenize_prompts(self) -> list[list[int]]:
+        out, long = [], []
+        for i, text in enumerate(self.prompt_texts):
+            formatted = M.format_prompt(self.tokenizer, text, self.chat_template)
+            ids = self.tokenizer(formatted, add_special_tokens=not (self.chat_template and
+                                                                    getattr(self.tokenizer, "chat_template", None)))
+            ids = list(ids["input_ids"])
+            if not ids:
+                raise ConfigError(f"--prompts {self.prompts}: record {i} tokenizes to nothing; drop empty prompts")
+            if len(ids) > self.max_prompt_tokens:
+                long.append((i, len(ids)))
+                ids = ids[-self.max_prompt_tokens:]
+            out.append(ids)
+        if long:
+            i, n = max(long, key=lambda x: x[1])
+            what = (f"{len(long)} prompt(s) longer than --max-prompt-tokens {self.max_prompt_tokens} (longest: record "
+                    f"{i}, {n} tokens)")
+            if not self.truncate_prompts:
+                raise ConfigError(f"--prompts {self.prompts}: {what}; raise --max-prompt-tokens to {n} or pass "
+                                  "--truncate-prompts to keep their last tokens")
+            print(f"hpcrl.ppo hf: warning: {what}: truncated to their last {self.max_prompt_tokens} tokens",
+                  file=sys.stderr, flush=True)
+        return out
+
+    def default_config(self) -> PPOConfig:
+        """gamma = 1 (the episode is the response), lr 1e-5 (full fine-tuning; 1e-4 with LoRA)."""
+        return PPOConfig(epochs=2, minibatches=2, lr=1e-4 if self.lora_rank else 1e-5, gamma=1.0, gae_lambda=0.95,
+                         clip_coef=0.2, value_clip_coef=0.2, ent_coef=0.0, vf_coef=0.5, max_grad_norm=1.0,
+                         kl_coef=self.kl_coef)
+
+    # -- models ----------------------------------------------------------------------------------
+    def _lora(self, net: nn.Module) -> nn.Module:
+        import peft
+
+        cfg = peft.LoraConfig(r=self.lora_rank, lora_alpha=self.lora_alpha or self.lora_rank, lora_dropout=0.0,
+                              target_modules="all-linear", bias="none")
+        return peft.get_peft_model(net, cfg)
+
+    def build_model(self, seed: int, device: torch.device | str = "cpu") -> HFActorCritic:
+        """Pretrained weights by path (identical on every rank); the value head is zero-initialised."""
+        actor = M.load_causal_lm(self.model)
+        critic = None if self.algo == "grpo" else M.load_value_model(self.critic or self.model)
+        if self.lora_rank:
+            actor = self._lora(actor)
+            if critic is not None:
+                critic.backbone = self._lora(critic.backbone)
+                critic.value_head.requires_grad_(True)
+        return HFActorCritic(actor, critic, self.max_prompt_tokens, self.temperature).to(device)
+
+    def reference_model(self, device: torch.device) -> nn.Module:
+        key = str(device)
+        if key not in self._refs:
+            self._refs[key] = M.load_causal_lm(self.model).to(device).eval().requires_grad_(False)
+        return self._refs[key]
+
+    def reward_net(self, device: torch.device) -> nn.Module:
+        key = str(device)
+        if key not in self._rms:
+            self._rms[key] = M.load_reward_model(self.reward_model, self.pad_id).to(device)
+        return self._rms[key]
+
+    def _sync_items(self, model: HFActorCritic) -> list[tuple[str, Tensor]]:
+        items = list(model.actor.named_parameters())
+        if self.lora_rank:
+            items = [(n, p) for n, p in items if "lora_" in n]
+            trainable = [n for n, p in model.actor.named_parameters() if p.requires_grad]
+            if trainable != [n for n, _ in items] or not items:
+                raise ValueError(f"LoRA mode: trainable actor parameters {trainable[:4]} are not exactly the adapters")
+        return items
+
+    def sync_tensors(self, model: HFActorCritic) -> list[Tensor]:
+        """The actor's parameters (all, or only the LoRA adapters) in named_parameters order."""
+        return [p.data for _, p in self._sync_items(model)]
+
+    def after_sync(self, model: HFActorCritic) -> None:
+        """Nothing to rebuild: full weights are written in place; LoRA adapters are applied by peft's
+        forward on top of a base no publish writes (so nothing accumulates over syncs)."""
+
+    @torch.no_grad()
+    def save_artifacts(self, model: HFActorCritic, out_dir: str | os.PathLike) -> Path:
+        """``out_dir/actor``: the actor (LoRA merged into a copy) and the tokenizer, with save_pretrained;
+        written to a temporary sibling and renamed, so a reader never sees half a model."""
+        out = Path(out_dir) / "actor"
+        tmp = out.with_name(f".actor.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        actor = model.actor
+        if self.lora_rank:
+            actor = copy.deepcopy(actor).merge_and_unload()
+        actor.save_pretrained(tmp)
+        self.tokenizer.save_pretrained(tmp)
+        old = out.with_name(f".actor.old{os.getpid()}")
+        if out.exists():
+            out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+        return out
+
+    # -- roles -----------------------------------------------------------------------------------
+    def make_collector(self, rank_seed: int, device: torch.device | str = "cpu") -> "HFCollector":
+        return HFCollector(self, rank_seed, torch.device(device))
+
+    def make_learner(self, model: HFActorCritic, cfg: PPOConfig, grad_sync: Any) -> "HFLearner":
+        return HFLearner(self, model, cfg, grad_sync)
+
+
+class HFCollector:
+    """Maker side: prompts -> generate (KV cache) -> behaviour / reference log-probs -> scores."""
+
+    def __init__(self, wl: HFWorkload, rank_seed: int, device: torch.device) -> None:
+        self.wl, self.device = wl, device
+        self.stream = PromptStream(len(wl.prompt_ids), rank_seed)
+        self.batches = 0
+
+    def prompt_batch(self) -> tuple[list[int], Tensor, Tensor]:
+        wl = self.wl
+        idx = self.stream.take(wl.batch_size)
+        if wl.algo == "grpo":
+            idx = [i for i in idx for _ in range(wl.group_size)]
+        ids, mask = left_pad([wl.prompt_ids[i] for i in idx], wl.max_prompt_tokens, wl.pad_id)
+        return idx, ids, mask
+
+    def _scores(self, idx: list[int], tokens: Tensor, attn: Tensor, response: Tensor, amask: Tensor) -> Tensor:
+        wl = self.wl
+        if wl.reward_callable is None:
+            rm = wl.reward_net(tokens.device)
+            return rm(input_ids=tokens, attention_mask=attn.long()).logits[:, 0].float()
+        texts = [wl.tokenizer.decode(r[m > 0].tolist(), skip_special_tokens=True)
+                 for r, m in zip(response.cpu(), amask.cpu())]
+        prompts = [wl.prompt_texts[i] for i in idx]
+        scores = M.call_reward_fn(wl.reward_callable, wl.reward_fn, prompts, texts, batch=self.batches)
+        return torch.tensor(scores, dtype=torch.float32, device=tokens.device)
+
+    @torch.no_grad()
+    def collect(self, model: HFActorCritic, generator: torch.Generator) -> tuple[dict[str, Tensor], dict[str, float]]:
+        wl = self.wl
+        device = next(model.actor.parameters()).device
+        idx, prompt, pmask = self.prompt_batch()
+        prompt, pmask = prompt.to(device), pmask.to(device)
+        seed = int(torch.randint(2**62, (1,), generator=generator))
+        model.actor.eval()
+        t0 = time.perf_counter()
+        response, amask = generate(model.actor, prompt, pmask.long(), wl.sampling, wl.eos_id, wl.pad_id, seed)
+        gen_s = max(time.perf_counter() - t0, 1e-9)
+        tokens = torch.cat([prompt, response.to(device)], 1)
+        attn = torch.cat([pmask, amask.to(device)], 1)
+        amask = amask.to(device)
+        logp = token_logp(model.action_logits(tokens, attn), response, wl.temperature) * amask
+        ref_logp = token_logp(model.action_logits(tokens, attn, wl.reference_model(device)), response,
+                              wl.temperature) * amask
+        score = self._scores(idx, tokens, attn, response, amask)
+        self.batches += 1
+        n_tok = float(amask.sum())
+        batch = {"tokens": tokens, "attention_mask": attn, "action_mask": amask, "behaviour_logp": logp,
+                 "ref_logp": ref_logp, "score": score,
+                 "maker_tokens_per_s": torch.tensor([n_tok / gen_s], dtype=torch.float32, device=device)}
+        n = float(tokens.shape[0])
+        stats = {"reward_sum": float(score.sum()), "sequences": n, "episode_return_sum": float(score.sum()),
+                 "episodes": n, "env_steps": n_tok, "generate_s": gen_s,
+                 "kl_to_ref_sum": float((logp - ref_logp).sum())}
+        return batch, stats
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stream": self.stream.state_dict(), "batches": self.batches}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stream.load_state_dict(state["stream"])
+        self.batches = int(state["batches"])
+
+
+class HFLearner:
+    """Trainer side: token-level PPO (KL-shaped rewards, GAE, clipped losses) or GRPO; Adam."""
+
+    def __init__(self, wl: HFWorkload, model: HFActorCritic, cfg: PPOConfig, grad_sync: Any) -> None:
+        self.wl, self.model, self.cfg, self.grad_sync = wl, model, cfg, grad_sync
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.Adam(self.params, lr=cfg.lr, eps=1e-5)
+        self.updates = 0
+
+    def _zero_grad(self) -> None:
+        zero = getattr(self.grad_sync, "zero_grad", None)
+        if zero is not None:
+            zero()
+        self.opt.zero_grad(set_to_none=False)
+
+    def _advantages(self, b: dict[str, Tensor]) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
+        """(advantages [B, G], returns, old values, token rewards) at the start of the update."""
+        cfg, model, wl = self.cfg, self.model, self.wl
+        tokens, attn, mask = b["tokens"], b["attention_mask"], b["action_mask"]
+        blogp, ref_logp, score = b["behaviour_logp"], b["ref_logp"], b["score"]
+        if wl.algo == "grpo":
+            adv = group_advantages(score, wl.group_size)[:, None] * mask
+            rewards = sequence_rewards_with_kl(score, blogp, ref_logp, mask, 0.0, wl.kl_estimator)
+            return adv, None, None, rewards
+        g = mask.shape[1]
+        old_values = model.values(tokens, attn).float()
+        rewards = sequence_rewards_with_kl(score, blogp, ref_logp, mask, cfg.kl_coef, wl.kl_estimator)
+        last = torch.nn.functional.one_hot(torch.clamp(mask.sum(-1).long() - 1, min=0), g).to(rewards.dtype)
+        next_values = torch.cat([old_values[:, 1:], torch.zeros_like(old_values[:, :1])], 1)
+        adv, returns = gae(rewards.T, old_values.T, next_values.T, last.T, last.T, cfg.gamma, cfg.gae_lambda)
+        adv, returns = adv.T * mask, returns.T
+        if cfg.normalize_advantages:
+            adv = whiten(adv, mask=mask)
+        return adv, returns, old_values, rewards
+
+    def update(self, batches: list[dict[str, Tensor]], generator: torch.Generator) -> dict[str, float]:
+        cfg, model, wl = self.cfg, self.model, self.wl
+        device = next(model.parameters()).device
+        b = {k: torch.cat([x[k] for x in batches]).to(device) for k in batches[0]}
+        tps = b.pop("maker_tokens_per_s")
+        tokens, attn, mask = b["tokens"], b["attention_mask"], b["action_mask"]
+        blogp, ref_logp, score = b["behaviour_logp"].float(), b["ref_logp"].float(), b["score"].float()
+        response = tokens[:, wl.max_prompt_tokens:]
+        model.eval()  # no dropout: maker and trainer evaluate the same function
+        with torch.no_grad():
+            adv, returns, old_values, rewards = self._advantages(b)
+            prox_logp = None
+            if cfg.truncated_is is not None:
+                prox_logp = token_logp(model.action_logits(tokens, attn), response, wl.temperature)
+        n = tokens.shape[0]
+        grpo = wl.algo == "grpo"
+        minibatches = min(cfg.minibatches, n // wl.group_size if grpo else n) or 1
+        sums: dict[str, float] = {}
+        steps = 0
+        for _ in range(cfg.epochs):
+            perm = torch.randperm(n, generator=generator).to(device)
+            for idx in perm.chunk(minibatches):
+                m = mask[idx]
+                logits = model.action_logits(tokens[idx], attn[idx]).float() / wl.temperature
+                logp_all = torch.log_softmax(logits, -1)
+                logp = logp_all.gather(-1, response[idx].unsqueeze(-1)).squeeze(-1)
+                pg_loss, pg_stats = policy_loss(logp, blogp[idx], adv[idx], cfg.clip_coef, cfg.truncated_is,
+                                                None if prox_logp is None else prox_logp[idx], mask=m)
+                ent = masked_mean(-(logp_all.exp() * logp_all).sum(-1), m)
+                loss = pg_loss - cfg.ent_coef * ent
+                row = {"policy_loss": pg_loss, "entropy": ent}
+                if grpo:
+                    kl_loss = masked_mean(approx_kl(logp, ref_logp[idx]), m)
+                    loss = loss + cfg.kl_coef * kl_loss
+                    row["kl_loss"] = kl_loss
+                else:
+                    values = model.values(tokens[idx], attn[idx]).float()
+                    v_loss = value_loss(values, old_values[idx], returns[idx], cfg.value_clip_coef, mask=m)
+                    loss = loss + cfg.vf_coef * v_loss
+                    row["value_loss"] = v_loss
+                self._zero_grad()
+                loss.backward()
+                self.grad_sync.all_reduce()
+                row["grad_norm"] = nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
+                self.opt.step()
+                with torch.no_grad():
+                    anchor = blogp[idx] if prox_logp is None else prox_logp[idx]
+                    row["approx_kl"] = masked_mean(approx_kl(anchor, logp), m)
+                for k, v in {**row, **pg_stats}.items():
+                    sums[k] = sums.get(k, 0.0) + float(v.detach())
+                steps += 1
+        self.updates += 1
+        out = {k: v / max(1, steps) for k, v in sums.items()}
+        lengths = mask.sum(-1)
+        out.update(score=float(score.mean()), score_std=float(score.std(unbiased=False)),
+                   kl_to_ref=float(((blogp - ref_logp) * mask).sum(-1).mean()),
+                   kl_to_ref_k3=float((approx_kl(blogp, ref_logp) * mask).sum(-1).mean()),
+                   reward=float((rewards * mask).sum(-1).mean()), response_len=float(lengths.mean()),
+                   eos_frac=float((lengths < mask.shape[1]).float().mean()),
+                   maker_tokens_per_s=float(tps.mean()), sequences=float(n))
+        if old_values is not None:
+            var_ret = returns[mask > 0].var()
+            out["value_mean"] = float(masked_mean(old_values, mask))
+            out["explained_variance"] = (float(1 - (returns - old_values)[mask > 0].var() / var_ret)
+                                         if var_ret > 0 else 0.0)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.wl.save_dir:  # trainer 0 only is asked, at every checkpoint and at the end
+            self.wl.save_artifacts(self.model, self.wl.save_dir)
+        return {"optimizer": self.opt.state_dict(), "updates": self.updates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.opt.load_state_dict(state["optimizer"])
+        self.updates = int(state["updates"])

@@ -1,0 +1,187 @@
+"""The four RLHF models of the ``hf`` workload through ``transformers`` (docs/coati.md: actor, critic,
+reward model, initial model), plus the tokenizer.
+
+* actor / frozen reference: ``AutoModelForCausalLM.from_pretrained(path)``;
+* critic: :class:`ValueModel`, a zero-initialised scalar head on the causal-LM *backbone*
+  (``AutoModel.from_pretrained``: the trunk without the LM head) of the actor or of ``--critic``;
+* reward: ``AutoModelForSequenceClassification`` with exactly one label, or a function
+  ``fn(prompts, responses) -> list[float]`` named ``package.module:fn``;
+* tokenizer from the model directory; pad = EOS when it has no pad token; left padding.
+
+Every check here reads configs only (cheap), so the workload constructor runs them in the launching
+process before any rank starts; errors are :class:`ConfigError` lines naming the flag and the fix.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from hpcrl.config_check import ConfigError
+
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("--workload hf needs the transformers package: pip install 'transformers>=4.45' "
+                          "tokenizers safetensors (or the hpcrl[hf] extra)") from None
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    return transformers
+
+
+def check_model_path(flag: str, path: str) -> None:
+    """A local path must be a directory with a ``config.json``; anything else is a hub id (resolved
+    offline if ``HF_HUB_OFFLINE`` is set, which the loaders then report)."""
+    p = Path(path).expanduser()
+    looks_local = p.exists() or path.startswith((".", "/", "~")) or path.count("/") > 1
+    if looks_local:
+        if not p.is_dir():
+            raise ConfigError(f"{flag} {path}: no such model directory; pass a directory written by save_pretrained "
+                              "(with config.json) or a hub id such as gpt2")
+        if not (p / "config.json").is_file():
+            raise ConfigError(f"{flag} {path}: the directory has no config.json; pass the directory save_pretrained "
+                              "wrote (the one holding config.json and the weights)")
+
+
+def load_config(flag: str, path: str):
+    check_model_path(flag, path)
+    tf = _transformers()
+    try:
+        return tf.AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"{flag} {path}: cannot load a transformers config ({first}); pass a local model "
+                          "directory or a hub id that is cached") from None
+
+
+def context_length(config: Any) -> int | None:
+    """The model's positional limit (``max_position_embeddings`` / ``n_positions``), None if unknown."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(text, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def load_tokenizer(path: str):
+    """The model directory's tokenizer, left-padded, pad = EOS when it has none."""
+    tf = _transformers()
+    try:
+        tok = tf.AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--model {path}: cannot load its tokenizer ({str(err).splitlines()[0]}); save the "
+                          "tokenizer next to the model (tokenizer.save_pretrained(DIR))") from None
+    if tok.eos_token_id is None:
+        raise ConfigError(f"--model {path}: the tokenizer has no EOS token; set tokenizer.eos_token and save it again "
+                          "(generation needs a stop token)")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def format_prompt(tok: Any, text: str, use_chat_template: bool) -> str:
+    """The text the actor sees: the chat template's user turn + generation prompt when the tokenizer
+    has a template (and it is enabled), else the prompt as is."""
+    if use_chat_template and getattr(tok, "chat_template", None):
+        return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return text
+
+
+def load_causal_lm(path: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    tf = _transformers()
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.config.use_cache = True
+    return model
+
+
+class ValueModel(nn.Module):
+    """Critic: ``AutoModel`` backbone (the causal LM's trunk) + a zero-initialised linear value head.
+    ``forward(input_ids, attention_mask, position_ids) -> [B, T]`` values."""
+
+    def __init__(self, backbone: nn.Module, hidden: int) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(hidden, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
+        h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state
+        return self.value_head(h.float()).squeeze(-1)
+
+
+def load_value_model(path: str) -> ValueModel:
+    tf = _transformers()
+    backbone = tf.AutoModel.from_pretrained(path)
+    text = backbone.config.get_text_config() if hasattr(backbone.config, "get_text_config") else backbone.config
+    hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd")
+    return ValueModel(backbone, hidden)
+
+
+def check_reward_model(path: str) -> None:
+    config = load_config("--reward-model", path)
+    labels = getattr(config, "num_labels", None)
+    if labels != 1:
+        raise ConfigError(f"--reward-model {path}: has {labels} labels, a reward model scores with exactly one "
+                          "(AutoModelForSequenceClassification with num_labels=1)")
+
+
+def load_reward_model(path: str, pad_id: int) -> nn.Module:
+    tf = _transformers()
+    rm = tf.AutoModelForSequenceClassification.from_pretrained(path)
+    rm.config.pad_token_id = pad_id  # pooled at the last non-pad token
+    return rm.eval().requires_grad_(False)
+
+
+RewardFn = Callable[[list[str], list[str]], list[float]]
+
+
+def import_reward_fn(spec: str) -> RewardFn:
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ConfigError(f"--reward-fn {spec}: must be package.module:function; e.g. --reward-fn mypkg.rewards:score")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"--reward-fn {spec}: {err}; give an importable package.module:function (its module on "
+                          "PYTHONPATH)") from None
+    if not callable(fn):
+        raise ConfigError(f"--reward-fn {spec}: {type(fn).__name__} is not callable; name a function "
+                          "fn(prompts, responses) -> list[float]")
+    return fn
+
+
+def call_reward_fn(fn: RewardFn, spec: str, prompts: list[str], responses: list[str], batch: int) -> list[float]:
+    """``fn(prompts, responses)`` checked: it must return one finite number per response; anything else
+    is a :class:`ConfigError` naming the function and the batch."""
+    where = f"--reward-fn {spec} on batch {batch} ({len(responses)} responses)"
+    try:
+        out = fn(list(prompts), list(responses))
+    except Exception as err:  # the user's function: report it, whatever it raised
+        raise ConfigError(f"{where} raised {type(err).__name__}: {err}; it must return list[float] of "
+                          "len(responses)") from None
+    try:
+        values = [float(v) for v in out]
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where} returned {type(out).__name__}, not a list of numbers; it must return "
+                          "list[float] of len(responses)") from None
+    if len(values) != len(responses):
+        raise ConfigError(f"{where} returned {len(values)} scores for {len(responses)} responses; return one "
+                          "float per response")
+    bad = [v for v in values if v != v or v in (float("inf"), float("-inf"))]
+    if bad:
+        raise ConfigError(f"{where} returned non-finite scores ({bad[0]}); return finite floats")
+    return values

@@ -1,0 +1,94 @@
+"""Prompt datasets of the ``hf`` workload: jsonl (one JSON object per line), parquet (needs pyarrow)
+or a saved ``datasets`` directory (needs datasets), read as a list of strings under ``--prompt-key``;
+and :class:`PromptStream`, the per-maker cursor over them (shuffled per epoch from the seed, its
+position a small state dict so a resume continues with the next prompt)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpcrl.config_check import ConfigError
+
+
+def load_prompts(path: str, key: str) -> list[str]:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ConfigError(f"--prompts {path}: no such file or directory; pass a .jsonl file, a .parquet file or a "
+                          "datasets directory (save_to_disk)")
+    if p.is_dir():
+        try:
+            import datasets
+        except ImportError:
+            raise ConfigError(f"--prompts {path}: a directory is read as a saved datasets dataset, which needs the "
+                              "datasets package (pip install datasets); or pass a .jsonl file") from None
+        ds = datasets.load_from_disk(str(p))
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+        rows: list[Any] = list(ds)
+    elif p.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ConfigError(f"--prompts {path}: parquet needs pyarrow (pip install pyarrow); or pass a .jsonl "
+                              "file") from None
+        rows = pq.read_table(p).to_pylist()
+    else:
+        rows = []
+        with open(p) as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise ConfigError(f"--prompts {path}: line {i} is not JSON ({err.msg}); one JSON object per "
+                                      "line, e.g. {\"prompt\": \"...\"}") from None
+    prompts = []
+    for i, row in enumerate(rows):
+        value = row.get(key) if isinstance(row, dict) else None
+        if not isinstance(value, str):
+            keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+            raise ConfigError(f"--prompts {path}: record {i} has no string field {key!r} (fields: {keys}); pass "
+                              "--prompt-key NAME of the field holding the prompt")
+        prompts.append(value)
+    if not prompts:
+        raise ConfigError(f"--prompts {path}: no prompts in it; give at least one record")
+    return prompts
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The prompt order of one epoch: a permutation of ``range(n)`` from ``(seed, epoch)`` alone."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % (2**63 - 1))
+    return torch.randperm(n, generator=g).tolist()
+
+
+class PromptStream:
+    """Next prompts, epoch after epoch, each epoch its own shuffle; ``state_dict`` = (epoch, position)."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed = n, seed
+        self.epoch, self.pos = 0, 0
+        self._order = epoch_order(n, seed, 0)
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.pos == self.n:
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._order = epoch_order(self.n, self.seed, self.epoch)
+            out.append(self._order[self.pos])
+            self.pos += 1
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self.pos, "n": self.n, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["n"] != self.n:
+            raise ValueError(f"prompt stream state is for {state['n']} prompts, the dataset has {self.n}")
+        self.seed, self.epoch, self.pos = int(state["seed"]), int(state["epoch"]), int(state["pos"])
+        self._order = epoch_order(self.n, self.seed, self.epoch)

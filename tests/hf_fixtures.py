@@ -1,0 +1,119 @@
+"""Tiny real Hugging Face artefacts for the ``hf`` workload's tests, built locally (no network).
+
+* a tokenizer trained with ``tokenizers`` (WordLevel or BPE, whitespace pre-tokenizer) on a small
+  word corpus, wrapped as a ``transformers`` fast tokenizer with ``<eos>`` / ``<unk>`` (and no pad
+  token: the workload must fall back to EOS);
+* random-init causal LMs (Llama, GPT-2: 2 layers, hidden 64) and a one-label
+  ``AutoModelForSequenceClassification`` reward model, saved with ``save_pretrained`` so the code
+  under test loads them back by path;
+* prompts as jsonl;
+* verifiable reward functions (``pkg.mod:fn``) the makers import by name.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+WORDS = ["yes", "no", "red", "blue", "green", "cat", "dog", "bird", "one", "two", "three", "four", "five",
+         "six", "sun", "moon", "star", "tree", "sea", "sky", "big", "small", "up", "down"]
+TARGET = "yes"
+
+
+def corpus(n: int = 400, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 10))) for _ in range(n)]
+
+
+def build_tokenizer(out: Path, kind: str = "wordlevel", chat_template: str | None = None):
+    """Train a tokenizer on :func:`corpus` and save it (``save_pretrained``) to ``out``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<eos>"]
+    if kind == "wordlevel":
+        tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+        trainer = trainers.WordLevelTrainer(special_tokens=specials)
+    elif kind == "bpe":
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        trainer = trainers.BpeTrainer(special_tokens=specials, vocab_size=80)
+    else:
+        raise ValueError(kind)
+    if kind == "wordlevel":
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(corpus(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>")
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    fast.save_pretrained(out)
+    return fast
+
+
+def build_causal_lm(out: Path, arch: str = "llama", kind: str = "wordlevel", seed: int = 0,
+                    max_positions: int = 64, chat_template: str | None = None) -> Path:
+    """A random 2-layer, hidden-64 causal LM and its tokenizer in ``out`` (``save_pretrained``)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+    tok = build_tokenizer(out, kind, chat_template)
+    vocab = len(tok)
+    eos = tok.eos_token_id
+    if arch == "llama":
+        config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                             eos_token_id=eos, bos_token_id=eos, tie_word_embeddings=False)
+    elif arch == "gpt2":
+        config = GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=max_positions,
+                            eos_token_id=eos, bos_token_id=eos)
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(out)
+    return out
+
+
+def build_reward_model(out: Path, labels: int = 1, seed: int = 1) -> Path:
+    import torch
+    from transformers import AutoModelForSequenceClassification, LlamaConfig
+
+    tok = build_tokenizer(out)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         num_labels=labels, pad_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(seed)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(out)
+    return out
+
+
+def write_prompts(path: Path, n: int = 64, seed: int = 3, key: str = "prompt", words: int = 3) -> Path:
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({key: " ".join(rng.choice(WORDS[2:]) for _ in range(words)), "id": i}) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------------------- verifiable rewards
+
+
+def target_fraction(prompts: list[str], responses: list[str]) -> list[float]:
+    """Fraction of the response's words equal to :data:`TARGET` (0 for an empty response)."""
+    out = []
+    for r in responses:
+        words = r.split()
+        out.append(sum(w == TARGET for w in words) / len(words) if words else 0.0)
+    return out
+
+
+def broken_raises(prompts: list[str], responses: list[str]) -> list[float]:
+    raise RuntimeError("the grader is down")
+
+
+def broken_length(prompts: list[str], responses: list[str]) -> list[float]:
+    return [0.0] * (len(responses) - 1)
