@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from hpcrl.comm import Plane, all_reduce_sum_, init_distributed
+from hpcrl.envs import TorchVecEnv
 from hpcrl.replay import Batch
 from hpcrl.sac import FastSAC, UpdateNoise, preset
 from hpcrl.sac.normalizer import ObsNormalizer
@@ -74,3 +75,143 @@ def run_updates(mode: str, rank: int = 0, world: int = 1, ctx=None) -> dict:
 def dp_rank(modes: list[str]) -> dict:
     ctx = init_distributed(timeout_s=60)
     return {mode: run_updates(mode, ctx.rank, ctx.world_size, ctx) for mode in modes}
+
+
+# -- issue 12: the training recipe (critic obs, fp16 + scaler, clipping, shared state) -------------------
+
+CDIM = 7  # privileged critic observation width of the equivalence tests
+
+
+def recipe_data(step: int) -> tuple[Batch, UpdateNoise]:
+    """global_data plus privileged critic observations (a different function of the state than obs)."""
+    batch, noise = global_data(step)
+    g = torch.Generator().manual_seed(5000 + step)
+    B = GLOBAL_BATCH
+    return batch._replace(critic_obs=torch.randn(B, CDIM, generator=g),
+                          next_critic_obs=torch.randn(B, CDIM, generator=g)), noise
+
+
+def recipe_updates(opts: dict, rank: int = 0, world: int = 1, ctx=None) -> dict:
+    """UPDATES updates with critic obs and the recipe options in ``opts`` (amp, max_grad_norm; inf_rank /
+    inf_step: put an inf into that rank's critic gradient before the all-reduce of that update)."""
+    torch.manual_seed(0)
+    plane = ctx.device_plane if ctx is not None else Plane.local("device")
+    cfg = dataclasses.replace(small_config("flat"), amp=opts.get("amp", "none"),
+                              max_grad_norm=opts.get("max_grad_norm", 0.0))
+    agent = FastSAC(cfg, OBS, ACT, -torch.ones(ACT), torch.ones(ACT), torch.device("cpu"), plane=plane,
+                    critic_obs_dim=opts.get("cdim", CDIM))
+    real_all_reduce = agent.critic_sync.all_reduce
+
+    def maybe_inject():
+        if opts.get("inf_rank") == rank and agent.counters.critic_steps == opts.get("inf_step"):
+            next(agent.critic.parameters()).grad.view(-1)[0] = float("inf")
+        real_all_reduce()
+
+    agent.critic_sync.all_reduce = maybe_inject
+    norms, scales, after_inf = [], [], None  # noqa
+    for step in range(UPDATES):
+        batch, noise = recipe_data(step)
+        if opts.get("cdim", CDIM) is None:
+            batch = batch._replace(critic_obs=None, next_critic_obs=None)
+        before = {k: v.clone() for k, v in agent.critic.state_dict().items()}
+        out = agent.update(Batch(*[None if t is None else rows(t, rank, world) for t in batch]),
+                           UpdateNoise(*[rows(t, rank, world) for t in noise]))
+        norms.append(float(out["critic_grad_norm"]))
+        if "grad_scale" in out:
+            scales.append(float(out["grad_scale"]))
+        if step == opts.get("inf_step"):
+            after_inf = all(torch.equal(before[k], v) for k, v in agent.critic.state_dict().items()
+                            if not k.endswith("support"))
+    return {
+        "actor": {k: v.clone() for k, v in agent.actor.state_dict().items()},
+        "critic": {k: v.clone() for k, v in agent.critic.state_dict().items()},
+        "critic_target": {k: v.clone() for k, v in agent.critic_target.state_dict().items()},
+        "log_alpha": agent.log_alpha.detach().clone(), "norms": norms, "scales": scales,
+        "critic_unchanged_at_inf": after_inf, "counters": dataclasses.astuple(agent.counters),
+    }
+
+
+def recipe_rank(opts_list: list[dict]) -> list[dict]:
+    ctx = init_distributed(timeout_s=60)
+    return [recipe_updates(o, ctx.rank, ctx.world_size, ctx) for o in opts_list]
+
+
+class ToyPrivileged(TorchVecEnv):
+    """A point mass that must sit on a hidden goal: the actor sees [pos, vel], the critic also the goal
+    (information the actor obs lack). Shared state: a curriculum ``level`` (the goal range) that every
+    rank raises by its own episode ends; the learner reduces it across ranks each step."""
+
+    state_dim = 3
+    obs_dim = 2
+    critic_obs_dim = 3
+    INSTANCES: list = []
+
+    def __init__(self, num_envs: int, device="cpu", *, seed: int = 0, max_episode_steps: int = 20, **kw) -> None:
+        super().__init__(num_envs, device=device, seed=seed, max_episode_steps=max_episode_steps, **kw)
+        self.action_dim = 1
+        self.action_low = -torch.ones(1, device=self.device)
+        self.action_high = torch.ones(1, device=self.device)
+        self.level = torch.full((), 0.5, device=self.device)
+        self._seed = int(seed)
+        self._just_done = torch.zeros(num_envs, dtype=torch.bool, device=self.device)
+        ToyPrivileged.INSTANCES.append(self)
+
+    def _initial_state(self):
+        s = self._rand(self.num_envs, 3) * 2 - 1
+        s[:, 1] = 0
+        s[:, 2] = s[:, 2] * self.level
+        return s
+
+    def _prepare_action(self, action):
+        return action.to(self.device, self.dtype).reshape(self.num_envs).clamp(-1, 1)
+
+    def _transition(self, state, a):
+        pos, vel, goal = state.unbind(-1)
+        vel = 0.9 * vel + 0.1 * a
+        pos = pos + 0.1 * vel
+        reward = -(pos - goal).square() - 0.01 * a.square()
+        return torch.stack([pos, vel, goal], -1), reward, torch.zeros_like(pos, dtype=torch.bool)
+
+    def _observation(self, state):
+        return state[:, :2]
+
+    def observe_critic(self):
+        return self.state.clone()
+
+    def step(self, action):
+        before = self.state
+        result = super().step(action)
+        done = result.done
+        # next_critic_obs: the true final state where done (the same rule as next_obs)
+        final = self._transition(before, self._prepare_action(action))[0]
+        self.level = self.level + 0.01 * done.float().sum() * (1 + self._seed)  # ranks drift apart unreduced
+        return dataclasses.replace(result, critic_obs=self.state.clone(), next_critic_obs=final)
+
+    def shared_state(self):
+        return {"level": self.level}
+
+    def load_shared_state(self, state):
+        self.level = state["level"].clone()
+
+    def state_dict(self):
+        return {**super().state_dict(), "level": self.level.clone()}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.level = state["level"].to(self.device).clone()
+
+
+def register_toy() -> None:
+    from hpcrl import envs
+
+    envs._REGISTRY["toy_privileged"] = ToyPrivileged  # tests only: no public registration hook yet
+
+
+def train_rank(cfg) -> dict:
+    """One rank of hpcrl.sac.train on the toy env; returns the final row and the env's shared state."""
+    register_toy()
+    from hpcrl.sac.train import train
+
+    ToyPrivileged.INSTANCES.clear()
+    row = train(cfg)
+    return {"row": row, "level": float(ToyPrivileged.INSTANCES[0].level)}

@@ -2,7 +2,11 @@
 
 Data path: env.step -> ReplayShard.add -> ReplayShard.sample -> FastSAC.update (losses ->
 GradSync all-reduce -> optimizer step). Envs and replay are rank-local; parameters are broadcast
-from rank 0 at start and after a resume; normaliser statistics are reduced once per env step.
+from rank 0 at start and after a resume; normaliser statistics (actor and, when the env has
+privileged critic observations, critic) and the env's shared state are reduced once per env step
+on the device plane. The stop agreement runs every env step on the host plane (one gloo all-reduce
+of a CPU flag, no device sync), so a signal is acted on within one env step plus the checkpoint; a
+checkpoint taken mid metrics window carries the window, so a resumed run logs the same rows.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from hpcrl.envs import EpisodeStats, make_env
 from hpcrl.metrics import RunLogger
 from hpcrl.replay import ReplayShard
 
-from .agent import FastSAC, UpdateNoise
+from .agent import FastSAC, UpdateNoise, mirror_batch
 from .config import ConfigError, SACConfig
 from .normalizer import ObsNormalizer
 
@@ -61,7 +65,7 @@ def _run_dir_errors() -> Iterator[None]:
 # checkpoints and checks. Every other field, with the world size, is the run's identity: a
 # checkpoint resumes only into the run that wrote it (the first differing field is named).
 RESUMABLE_FIELDS = frozenset({"total_env_steps", "run_dir", "resume", "resume_missing", "device", "nproc", "threads",
-                              "timeout_s", "grad_sync", "bf16", "compile", "log_every", "checkpoint_every",
+                              "timeout_s", "grad_sync", "bf16", "amp", "compile", "log_every", "checkpoint_every",
                               "keep_checkpoints", "check_sync_every", "eval_episodes", "eval_every", "preset",
                               "config", "seeds", "nonfinite", "wandb_project", "wandb_mode"})
 
@@ -149,17 +153,25 @@ def _train(cfg: SACConfig, stop: StopRequest, ctx: DistContext, layout: Layout) 
         raise ConfigError(str(err)) from None
     if env.num_actions is not None:
         raise ConfigError(f"env {cfg.env!r} has discrete actions; FastSAC needs a continuous action space")
-    agent = FastSAC(cfg, env.obs_dim, env.action_dim, env.action_low, env.action_high, device, plane=data)
+    if cfg.symmetry and not env.has_symmetry:
+        raise ConfigError(f"--symmetry: env {cfg.env!r} has no mirror maps (mirror_obs/mirror_action"
+                          f"{'/mirror_critic_obs' if env.critic_obs_dim else ''}); drop --symmetry")
+    cdim = env.critic_obs_dim
+    agent = FastSAC(cfg, env.obs_dim, env.action_dim, env.action_low, env.action_high, device, plane=data,
+                    critic_obs_dim=cdim)
     normalizer = ObsNormalizer(env.obs_dim, enabled=cfg.obs_normalization).to(device)
+    # The critic's own normaliser over the privileged observations (None: the critic reads the actor's).
+    critic_normalizer = ObsNormalizer(cdim, enabled=cfg.obs_normalization).to(device) if cdim else None
     if cfg.compile:
         agent.actor.compile()
         agent.critic.compile()
         agent.critic_target.compile()
     replay = ReplayShard(layout.envs_per_rank, cfg.buffer_size, env.obs_dim, env.action_dim, cfg.n_step,
-                         cfg.gamma, device)
+                         cfg.gamma, device, critic_obs_dim=cdim or 0)
     generator = torch.Generator(device).manual_seed(cfg.seed * 1_000_003 + rank)
     stats = EpisodeStats(layout.envs_per_rank, device)
     obs = env.reset(seed=env_seed)
+    critic_obs = env.observe_critic() if cdim else None
     low, high = env.action_low, env.action_high
 
     run_dir = Path(cfg.run_dir)
@@ -169,15 +181,24 @@ def _train(cfg: SACConfig, stop: StopRequest, ctx: DistContext, layout: Layout) 
         learner, mine = resumed.learner, resumed.rank_state
         agent.load_learner_state(learner["agent"])
         normalizer.load_state_dict(learner["normalizer"])
+        if critic_normalizer is not None:
+            critic_normalizer.load_state_dict(learner["critic_normalizer"])
         replay.load_state_dict(mine["replay"])
         env.load_state_dict(mine["env"])
+        if mine.get("shared_state"):
+            env.load_shared_state({k: v.to(device) for k, v in mine["shared_state"].items()})
         stats.load_state_dict(mine["episode_stats"])
         generator.set_state(mine["generator"])
         obs = mine["obs"].to(device)
+        if cdim:
+            critic_obs = mine["critic_obs"].to(device)
     elif rank == 0 and (removed := checkpoint.clear(run_dir)):  # a fresh start: the run dir is this run's now
         print(f"hpcrl.sac: fresh start in {run_dir}: removed {len(removed)} checkpoint(s) of the run that used it "
               f"before (newest {removed[0].name}); pass --resume to continue a run instead", flush=True)
-    broadcast_([t.data for t in agent.broadcast_tensors()] + [normalizer.count, normalizer.mean, normalizer.m2], data)
+    norm_buffers = [normalizer.count, normalizer.mean, normalizer.m2]
+    if critic_normalizer is not None:
+        norm_buffers += [critic_normalizer.count, critic_normalizer.mean, critic_normalizer.m2]
+    broadcast_([t.data for t in agent.broadcast_tensors()] + norm_buffers, data)
 
     if rank == 0:
         resolved = {**dataclasses.asdict(cfg), "world_size": world, "envs_per_rank": layout.envs_per_rank,
@@ -219,16 +240,26 @@ def _train(cfg: SACConfig, stop: StopRequest, ctx: DistContext, layout: Layout) 
             best = eval_return
             snapshot("best", eval_return)
 
-    def save() -> None:
-        _save(cfg, ctx, agent, normalizer, replay, env, stats, generator, obs, sync_barrier, best)
-
     window: dict[str, list[torch.Tensor]] = {}
     window_start = time.time()
     window_iters = 0
     dropped = 0  # transitions with non-finite data replaced in this window (--nonfinite skip)
+    if resumed is not None and "window" in mine:  # a checkpoint taken mid-window (a stop): continue it
+        window = {k: list(v.to(device).unbind(0)) for k, v in mine["window"].items()}
+        window_iters, dropped = int(mine["window_iters"]), int(mine["dropped"])
+
+    def save() -> None:
+        extra = {"critic_obs": critic_obs, "shared_state": env.shared_state(),
+                 "window": {k: torch.stack(v) for k, v in window.items() if v},
+                 "window_iters": window_iters, "dropped": dropped}
+        _save(cfg, ctx, agent, normalizer, replay, env, stats, generator, obs, sync_barrier, best,
+              critic_normalizer=critic_normalizer, extra=extra)
+
     row: dict[str, float] = {}
     for it in range(start_iter, layout.iterations):
         normalizer.update(obs, reduce_sum if ctx.is_distributed else None)
+        if critic_normalizer is not None:
+            critic_normalizer.update(critic_obs, reduce_sum if ctx.is_distributed else None)
         if it < cfg.random_steps:
             action = low + (high - low) * torch.rand(obs.shape[0], env.action_dim, generator=generator,
                                                      device=device)
@@ -239,24 +270,40 @@ def _train(cfg: SACConfig, stop: StopRequest, ctx: DistContext, layout: Layout) 
         # its env's sum non-finite (so does a float overflow, which is unusable data too). The read
         # lands just before replay.add's own host sync (the finished-episode count), which then
         # finds the queue drained.
-        bad = int((~torch.isfinite(result.reward + result.next_obs.sum(-1) + result.obs.sum(-1))).sum())
+        total = result.reward + result.next_obs.sum(-1) + result.obs.sum(-1)
+        if cdim:
+            total = total + result.critic_obs.sum(-1) + result.next_critic_obs.sum(-1)
+        bad = int((~torch.isfinite(total)).sum())
         if bad:
             if cfg.nonfinite == "error":
                 raise NonFiniteEnvData(_nonfinite_message(cfg, rank, it + 1, result, bad))
-            result, next_obs_for_policy = _sanitize(result, obs)
+            result, next_obs_for_policy = _sanitize(result, obs, critic_obs)
             dropped += bad
         else:
             next_obs_for_policy = result.obs
         replay.add(obs, action, result.reward * cfg.reward_scale, result.next_obs, result.terminated,
-                   result.truncated)
+                   result.truncated, critic_obs=result.critic_obs if cdim else None,
+                   next_critic_obs=result.next_critic_obs if cdim else None)
         stats.update(result)
         obs = next_obs_for_policy
+        if cdim:
+            critic_obs = result.critic_obs
+        shared = env.shared_state()
+        if shared:  # episode-weighted mean over ranks, on the device plane, every env step
+            env.load_shared_state(reduce_shared_state(shared, result.done.sum(),
+                                                      reduce_sum if ctx.is_distributed else None))
 
         if it >= cfg.learning_starts:
             for _ in range(cfg.num_updates):
                 batch = replay.sample(layout.batch_per_rank, generator)
+                if cfg.symmetry:  # [sampled; mirrored]: 2 x batch_per_rank rows (raw obs are mirrored)
+                    batch = mirror_batch(batch, env.mirror_obs, env.mirror_action,
+                                         env.mirror_critic_obs if cdim else None)
                 batch = batch._replace(obs=normalizer(batch.obs), next_obs=normalizer(batch.next_obs))
-                noise = UpdateNoise.draw(layout.batch_per_rank, env.action_dim, generator, device)
+                if critic_normalizer is not None:
+                    batch = batch._replace(critic_obs=critic_normalizer(batch.critic_obs),
+                                           next_critic_obs=critic_normalizer(batch.next_critic_obs))
+                noise = UpdateNoise.draw(batch.obs.shape[0], env.action_dim, generator, device)
                 for key, value in agent.update(batch, noise).items():
                     window.setdefault(key, []).append(value)
                 if cfg.check_sync_every and agent.counters.critic_steps % cfg.check_sync_every == 0:
@@ -277,16 +324,19 @@ def _train(cfg: SACConfig, stop: StopRequest, ctx: DistContext, layout: Layout) 
                 eval_return = evaluate(cfg, agent, normalizer, device, ctx, episodes=eval_envs)["eval_return"]
                 logger.log(_eval_row(agent, cfg, eval_return))
                 keep_if_best(eval_return)
-            if not last and stop.agreed(control):
-                save()
-                if rank == 0:
-                    print(f"hpcrl.sac: stop requested ({stop.reason}); checkpoint at env step "
-                          f"{agent.counters.iteration * cfg.num_envs} written, resume with --resume", flush=True)
-                logger.close()
-                shutdown()
-                return {**row, "preempted": 1.0}
         if cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0 and not last:
             save()
+        # Every env step: one gloo all-reduce of a CPU flag on the host plane (no device sync); its cost
+        # per step is in the README (measured at 2 ranks). A stop mid-window checkpoints the window too.
+        if not last and stop.agreed(control):
+            if not (cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0):
+                save()
+            if rank == 0:
+                print(f"hpcrl.sac: stop requested ({stop.reason}); checkpoint at env step "
+                      f"{agent.counters.iteration * cfg.num_envs} written, resume with --resume", flush=True)
+            logger.close()
+            shutdown()
+            return {**row, "preempted": 1.0}
 
     final_eval = None
     if cfg.eval_episodes or cfg.eval_every:  # the last eval (of --eval-every too) runs at the end
@@ -325,17 +375,46 @@ def _nonfinite_message(cfg: SACConfig, rank: int, step: int, result: Any, bad: i
             "them (nonfinite_dropped)")
 
 
-def _sanitize(result: Any, obs: torch.Tensor) -> tuple[Any, torch.Tensor]:
+def _sanitize(result: Any, obs: torch.Tensor, critic_obs: torch.Tensor | None = None) -> tuple[Any, torch.Tensor]:
     """--nonfinite skip: the affected envs' transition becomes "nothing happened" (reward 0, the next
     observation is the one it acted on), so no NaN reaches the replay, the normaliser or the episode
-    stats; returns (result, the observation to act on next)."""
+    stats; returns (result, the observation to act on next). Critic observations alike."""
     reward_ok = torch.isfinite(result.reward)
     next_ok = torch.isfinite(result.next_obs).all(-1, keepdim=True)
     obs_ok = torch.isfinite(result.obs).all(-1, keepdim=True)
     reward = torch.where(reward_ok & next_ok.squeeze(-1), result.reward, torch.zeros_like(result.reward))
     fixed = dataclasses.replace(result, reward=reward, next_obs=torch.where(next_ok, result.next_obs, obs),
                                 obs=torch.where(obs_ok, result.obs, obs))
+    if critic_obs is not None:
+        c_next_ok = torch.isfinite(result.next_critic_obs).all(-1, keepdim=True)
+        c_ok = torch.isfinite(result.critic_obs).all(-1, keepdim=True)
+        fixed = dataclasses.replace(
+            fixed, reward=torch.where(c_next_ok.squeeze(-1), fixed.reward, torch.zeros_like(fixed.reward)),
+            next_critic_obs=torch.where(c_next_ok, result.next_critic_obs, critic_obs),
+            critic_obs=torch.where(c_ok, result.critic_obs, critic_obs))
     return fixed, fixed.obs
+
+
+def reduce_shared_state(state: dict[str, torch.Tensor], episodes: torch.Tensor,
+                        all_reduce_sum: Any = None) -> dict[str, torch.Tensor]:
+    """The episode-weighted mean of every rank's env shared state: sum_r w_r v_r / sum_r w_r with w_r the
+    episodes rank r finished this step, or the plain mean over ranks when no rank finished one. One
+    collective (``all_reduce_sum``, the device plane; None = one process), no host sync."""
+    keys = sorted(state)
+    flat = torch.cat([state[k].detach().reshape(-1).to(torch.float64) for k in keys])
+    w = episodes.detach().to(torch.float64).reshape(1)
+    packed = torch.cat([flat * w, flat, w, torch.ones_like(w)])
+    if all_reduce_sum is not None:
+        all_reduce_sum(packed)
+    n = flat.numel()
+    wsum, ranks = packed[2 * n], packed[2 * n + 1]
+    mean = torch.where(wsum > 0, packed[:n] / wsum.clamp(min=1e-300), packed[n:2 * n] / ranks)
+    out, i = {}, 0
+    for k in keys:
+        v = state[k]
+        out[k] = mean[i:i + v.numel()].reshape(v.shape).to(v.dtype)
+        i += v.numel()
+    return out
 
 
 def _log_row(agent: FastSAC, stats: EpisodeStats, window: dict[str, list[torch.Tensor]], iters: int,
@@ -377,12 +456,16 @@ def _resume(cfg: SACConfig, ctx: DistContext) -> checkpoint.Restored | None:
         return None
 
 
-def _save(cfg, ctx, agent, normalizer, replay, env, stats, generator, obs, sync_barrier, best=-math.inf) -> None:
+def _save(cfg, ctx, agent, normalizer, replay, env, stats, generator, obs, sync_barrier, best=-math.inf, *,
+          critic_normalizer=None, extra=None) -> None:
     # best_eval_return: what a resumed run's best/ must beat (rank 0's learner state; -inf = no eval yet)
     learner = ({"agent": agent.learner_state(), "normalizer": normalizer.state_dict(), "best_eval_return": best}
                if ctx.rank == 0 else None)
+    if learner is not None and critic_normalizer is not None:
+        learner["critic_normalizer"] = critic_normalizer.state_dict()
     rank_state = {"replay": replay.state_dict(), "env": env.state_dict(), "episode_stats": stats.state_dict(),
-                  "generator": generator.get_state(), "obs": obs}
+                  "generator": generator.get_state(), "obs": obs,
+                  **{k: v for k, v in (extra or {}).items() if v is not None}}
     checkpoint.save(cfg.run_dir, agent.counters.iteration, ctx.rank, ctx.world_size, learner, rank_state,
                     sync_barrier, keep=cfg.keep_checkpoints, identity=run_identity(cfg, ctx.world_size))
 
