@@ -1,0 +1,330 @@
+"""The ``hf`` workload (hpcrl.ppo.workloads.hf) on real transformers models built small in the test
+(random-init Llama and GPT-2, 2 layers, hidden 64; tokenizers trained here on a word corpus; all
+saved with save_pretrained and loaded back by path). No network, no mocks. Single-process tests drive
+the collector / learner directly; the ``slow`` ones run ``python -m hpcrl.ppo`` with real ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+import hf_fixtures as F  # noqa: E402
+from hpcrl.comm import GradSync, Plane  # noqa: E402
+from hpcrl.config_check import ConfigError  # noqa: E402
+from hpcrl.ppo.config import parse_args  # noqa: E402
+from hpcrl.ppo.run import build_workload  # noqa: E402
+from hpcrl.ppo.workloads.hf import HFWorkload, group_advantages, left_pad  # noqa: E402
+from hpcrl.ppo.workloads.hf_generate import (SamplingParams, filter_logits, generate, generate_recompute,  # noqa: E402
+                                             position_ids, response_mask, token_logp)
+from hpcrl.ppo.workloads.hf_prompts import PromptStream, epoch_order  # noqa: E402
+
+TESTS = Path(__file__).resolve().parent
+PLUGIN = "hpcrl.ppo.workloads.hf:HFWorkload"
+REWARD = "hf_fixtures:target_fraction"
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("hf")
+    out = {"llama": F.build_causal_lm(d / "llama"), "gpt2": F.build_causal_lm(d / "gpt2", arch="gpt2", kind="bpe"),
+           "rm": F.build_reward_model(d / "rm"), "rm2": F.build_reward_model(d / "rm2", labels=2),
+           "prompts": F.write_prompts(d / "prompts.jsonl"),
+           "long": F.write_prompts(d / "long.jsonl", n=8, words=20)}
+    chat = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}yes{% endif %}"
+    out["chat"] = F.build_causal_lm(d / "chat", chat_template=chat)
+    return out
+
+
+def _wl(art, arch="llama", **kw) -> HFWorkload:
+    opts = dict(model=str(art[arch]), reward_fn=REWARD, prompts=str(art["prompts"]), max_prompt_tokens=8,
+                max_new_tokens=8, batch_size=16)
+    return HFWorkload(**{**opts, **kw})
+
+
+def _loop(wl: HFWorkload, lr: float, iters: int):
+    cfg = dataclasses.replace(wl.default_config(), lr=lr)
+    model = wl.build_model(0)
+    collector = wl.make_collector(11)
+    learner = wl.make_learner(model, cfg, GradSync([p for p in model.parameters() if p.requires_grad],
+                                                   plane=Plane.local("device")))
+    gen = torch.Generator().manual_seed(2)
+    hist = []
+    for _ in range(iters):
+        batch, _ = collector.collect(model, gen)
+        hist.append(learner.update([batch], gen))
+    return model, hist
+
+
+# ------------------------------------------------------------------------------------ pure pieces
+
+
+def test_masks_padding_and_sampling_filters():
+    eos = 1
+    resp = torch.tensor([[5, 6, 1, 1, 1], [5, 1, 7, 1, 1], [5, 6, 7, 8, 9]])
+    assert response_mask(resp, eos).tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert response_mask(resp, eos, generated=3)[2].tolist() == [1, 1, 1, 0, 0]
+    ids, mask = left_pad([[4, 5], [6, 7, 8]], 4, pad_id=1)
+    assert ids.tolist() == [[1, 1, 4, 5], [1, 6, 7, 8]] and mask.tolist() == [[0, 0, 1, 1], [0, 1, 1, 1]]
+    assert position_ids(mask).tolist() == [[0, 0, 0, 1], [0, 0, 1, 2]]
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    assert torch.isinf(filter_logits(logits, 1.0, 2, 1.0)[0, 2:]).all()
+    assert torch.isfinite(filter_logits(logits, 1.0, 2, 1.0)[0, :2]).all()
+    # probabilities ~ [.64, .24, .09, .03]: top-p 0.7 keeps the first two (0.64 < 0.7), 0.5 only the first
+    assert torch.isfinite(filter_logits(logits, 1.0, 0, 0.7)).sum() == 2
+    assert torch.isfinite(filter_logits(logits, 1.0, 0, 0.5)).sum() == 1
+    assert torch.allclose(token_logp(logits, torch.tensor([0]), 2.0), torch.log_softmax(logits / 2, -1)[:, 0])
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.5]), 2)
+    assert torch.allclose(adv, torch.tensor([1.0, -1.0, 0.0, 0.0]), atol=1e-4)
+
+
+def test_prompt_stream_shuffles_per_epoch_and_resumes():
+    s = PromptStream(5, seed=3)
+    first = s.take(5)
+    assert sorted(first) == list(range(5)) and first == epoch_order(5, 3, 0)
+    second = s.take(5)
+    assert sorted(second) == list(range(5)) and second != first  # a new shuffle each epoch
+    s.take(2)
+    state = json.loads(json.dumps(s.state_dict()))
+    want = s.take(6)
+    resumed = PromptStream(5, seed=99)
+    resumed.load_state_dict(state)
+    assert resumed.take(6) == want  # a resume continues with the next prompt
+
+
+# ------------------------------------------------------------------------ models and generation
+
+
+def test_models_load_by_path_with_pad_fallback_and_chat_template(art):
+    wl = _wl(art)
+    assert wl.tokenizer.pad_token == wl.tokenizer.eos_token and wl.tokenizer.padding_side == "left"
+    model = wl.build_model(0)
+    assert type(model.actor).__name__ == "LlamaForCausalLM"
+    assert type(model.critic.backbone).__name__ == "LlamaModel"
+    assert float(model.critic.value_head.weight.detach().abs().sum()) == 0.0
+    chat = _wl(art, "chat")
+    raw = _wl(art, "chat", chat_template=False)
+    yes = chat.tokenizer.convert_tokens_to_ids("yes")
+    assert all(ids[-1] == yes for ids in chat.prompt_ids)  # the template's generation prompt
+    assert all(len(c) == len(r) + 1 for c, r in zip(chat.prompt_ids, raw.prompt_ids))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_generate_left_padding_masks_and_behaviour_logp(art, arch):
+    wl = _wl(art, arch, max_new_tokens=10)
+    model = wl.build_model(0)
+    collector = wl.make_collector(5)
+    batch, stats = collector.collect(model, torch.Generator().manual_seed(0))
+    p, g = wl.max_prompt_tokens, wl.max_new_tokens
+    tokens, attn, amask = batch["tokens"], batch["attention_mask"], batch["action_mask"]
+    assert tokens.shape == (16, p + g) and amask.shape == (16, g)
+    assert torch.equal(attn[:, p:], amask)
+    lengths = [len(wl.prompt_ids[i]) for i in range(len(wl.prompt_ids))]
+    assert attn[:, :p].sum(1).min() >= min(lengths) and (attn[:, :p].sum(1) <= p).all()
+    # variable-length responses: the mask ends right after the first EOS, and is 1 before it
+    resp = tokens[:, p:]
+    for r, m in zip(resp, amask):
+        n = int(m.sum())
+        assert m[:n].all() and not m[n:].any()
+        hits = (r[:n] == wl.eos_id).nonzero()
+        assert (hits.numel() == 0 and n == g) or hits.flatten().tolist() == [n - 1]
+    assert stats["env_steps"] == float(amask.sum())
+    # padding-invariance: row 0 alone, without left pads, gives the same log-probs (masks and positions real)
+    n0 = int(attn[0, :p].sum())
+    single = torch.cat([tokens[0, p - n0:p], resp[0]])[None]
+    with torch.no_grad():
+        logits = model.actor(input_ids=single, use_cache=False).logits[0, n0 - 1:-1]
+    alone = token_logp(logits, resp[0], wl.temperature) * amask[0]
+    assert torch.allclose(alone, batch["behaviour_logp"][0], atol=1e-4), (alone, batch["behaviour_logp"][0])
+    # at version 0 the trainer's log-probs equal the maker's (ratio 1) and the reference's
+    with torch.no_grad():
+        trainer = token_logp(model.action_logits(tokens, attn), resp, wl.temperature) * amask
+    assert torch.allclose(trainer, batch["behaviour_logp"], atol=1e-5)
+    assert torch.allclose(batch["ref_logp"], batch["behaviour_logp"], atol=1e-5)
+    # the verifiable reward is computed on the decoded response (special tokens dropped)
+    texts = [wl.tokenizer.decode(r[m > 0].tolist(), skip_special_tokens=True) for r, m in zip(resp, amask)]
+    assert batch["score"].tolist() == pytest.approx(F.target_fraction([], texts))
+
+
+def test_kv_cache_generate_matches_recompute_greedy(art):
+    # top-k 1 is greedy: with and without the KV cache the same tokens must come out
+    wl = _wl(art, "gpt2")
+    model = wl.build_model(0).actor.eval()
+    ids, mask = left_pad(wl.prompt_ids[:6], wl.max_prompt_tokens, wl.pad_id)
+    params = SamplingParams(max_new_tokens=8, top_k=1)
+    a, am = generate(model, ids, mask.long(), params, wl.eos_id, wl.pad_id, seed=0)
+    b, bm = generate_recompute(model, ids, mask.long(), params, wl.eos_id, wl.pad_id, torch.Generator())
+    assert torch.equal(am, bm) and torch.equal(a * am.long(), b * bm.long())
+
+
+def test_reward_model_scores_one_per_sequence(art):
+    wl = _wl(art, reward_fn=None, reward_model=str(art["rm"]))
+    model = wl.build_model(0)
+    batch, _ = wl.make_collector(1).collect(model, torch.Generator().manual_seed(0))
+    assert batch["score"].shape == (16,) and torch.isfinite(batch["score"]).all()
+    assert batch["score"].std() > 0  # real per-sequence scores, not a constant
+
+
+# -------------------------------------------------------------------------------------- learning
+
+
+def test_ppo_raises_verifiable_reward(art):
+    _, hist = _loop(_wl(art), lr=2e-3, iters=20)
+    scores = [h["score"] for h in hist]
+    # measured (seed 0): 0.03 -> ~0.9 within 20 updates; KL to the reference grows to a few nats
+    assert scores[0] < 0.1 and sum(scores[-3:]) / 3 > 0.4, [round(s, 3) for s in scores]
+    assert hist[0]["kl_to_ref"] == pytest.approx(0.0, abs=1e-4) and hist[-1]["kl_to_ref"] > 0.3
+    assert hist[0]["ratio_mean"] == pytest.approx(1.0, abs=0.1)
+    for key in ("value_loss", "entropy", "clip_frac", "response_len", "score_std", "maker_tokens_per_s"):
+        assert all(torch.isfinite(torch.tensor(h[key])) for h in hist), key
+    assert hist[-1]["entropy"] < hist[0]["entropy"]
+
+
+def test_grpo_raises_verifiable_reward_without_critic(art):
+    wl = _wl(art, algo="grpo", group_size=4, batch_size=8)
+    model, hist = _loop(wl, lr=2e-3, iters=16)
+    assert model.critic is None and "value_loss" not in hist[0]
+    scores = [h["score"] for h in hist]
+    assert scores[0] < 0.15 and sum(scores[-3:]) / 3 > 0.4, [round(s, 3) for s in scores]
+
+
+def test_lora_trains_and_publishes_only_adapters(art):
+    pytest.importorskip("peft")
+    wl = _wl(art, lora_rank=4, lora_alpha=16)
+    model = wl.build_model(0)
+    base = {n: p.detach().clone() for n, p in model.actor.named_parameters() if "lora_" not in n}
+    sync = wl.sync_tensors(model)
+    names = [n for n, p in model.actor.named_parameters() if "lora_" in n]
+    assert len(sync) == len(names) > 0 and sum(t.numel() for t in sync) < 0.2 * sum(b.numel() for b in base.values())
+    trained, hist = _loop(wl, lr=2e-2, iters=12)
+    scores = [h["score"] for h in hist]
+    assert sum(scores[-3:]) / 3 > scores[0] + 0.05, [round(s, 3) for s in scores]
+    assert all(torch.equal(p, base[n]) for n, p in trained.actor.named_parameters() if "lora_" not in n)
+    # a maker receives the adapters into its own model: the same logits as the trainer's, base untouched
+    maker = wl.build_model(0)
+    for dst, src in zip(wl.sync_tensors(maker), wl.sync_tensors(trained)):
+        dst.copy_(src)
+    wl.after_sync(maker)
+    ids, mask = left_pad(wl.prompt_ids[:4], 8, wl.pad_id)
+    with torch.no_grad():
+        assert torch.equal(maker.action_logits(ids, mask), trained.action_logits(ids, mask))
+
+
+def test_save_artifacts_loadable_by_auto_class(art, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    for kw in ({}, {"lora_rank": 4}):
+        if kw and not _has("peft"):
+            continue
+        wl = _wl(art, "gpt2", **kw)
+        model = wl.build_model(0)
+        with torch.no_grad():
+            for p in wl.sync_tensors(model):
+                p.add_(0.01)
+        out = wl.save_artifacts(model, tmp_path / str(len(kw)))
+        loaded = AutoModelForCausalLM.from_pretrained(out)
+        tok = AutoTokenizer.from_pretrained(out)
+        ids, mask = left_pad(wl.prompt_ids[:3], 8, wl.pad_id)
+        kw_in = dict(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids(mask))
+        with torch.no_grad():
+            assert torch.allclose(loaded(**kw_in).logits, model.actor(**kw_in).logits, atol=1e-4)
+        assert tok.eos_token == wl.tokenizer.eos_token
+
+
+def _has(mod: str) -> bool:
+    try:
+        __import__(mod)
+        return True
+    except ImportError:
+        return False
+
+
+# ------------------------------------------------------------------------------------ bad inputs
+
+
+def _build(args: list[str]):
+    return build_workload(parse_args(["--workload", PLUGIN, *args]))
+
+
+def _bad_cases(art, tmp_path):
+    base = ["--model", str(art["llama"]), "--prompts", str(art["prompts"]), "--max-prompt-tokens", "8",
+            "--max-new-tokens", "8"]
+    missing = str(tmp_path / "no-such-model")
+    return [
+        (["--model", missing, "--reward-fn", REWARD, "--prompts", str(art["prompts"])], f"--model {missing}: no such"),
+        ([*base, "--reward-model", str(art["rm2"])], "has 2 labels"),
+        ([*base, "--reward-fn", "hf_fixtures:broken_raises"], "--reward-fn hf_fixtures:broken_raises on batch probe"),
+        ([*base, "--reward-fn", "hf_fixtures:broken_length"], "returned 1 scores for 2 responses"),
+        (["--model", str(art["llama"]), "--reward-fn", REWARD, "--prompts", str(art["long"]), "--max-prompt-tokens",
+          "8"], "longer than --max-prompt-tokens 8"),
+        ([*base, "--reward-fn", REWARD, "--algo", "grpo", "--critic", str(art["llama"])], "--algo grpo has no critic"),
+        ([*base, "--reward-fn", REWARD, "--max-prompt-tokens", "60"], "more than the model's context of 64"),
+        ([*base], "neither given"),
+        ([*base, "--reward-fn", REWARD, "--prompt-key", "text"], "no string field 'text'"),
+    ]
+
+
+def test_bad_inputs_are_one_line_config_errors(art, tmp_path):
+    for args, want in _bad_cases(art, tmp_path):
+        with pytest.raises(ConfigError) as err:
+            _build(args)
+        msg = str(err.value)
+        assert want in msg and "\n" not in msg, (want, msg)
+    # --truncate-prompts keeps the long prompts' last tokens instead
+    wl, _ = _build(["--model", str(art["llama"]), "--reward-fn", REWARD, "--prompts", str(art["long"]),
+                    "--max-prompt-tokens", "8", "--truncate-prompts"])
+    assert max(len(p) for p in wl.prompt_ids) == 8
+
+
+def _cli(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "SBATCH_", "SRUN_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")]),
+               HF_HUB_OFFLINE="1", COLUMNS="200")
+    return subprocess.run([sys.executable, "-m", "hpcrl.ppo", "--workload", PLUGIN, *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=cwd)
+
+
+@pytest.mark.slow
+def test_cli_bad_inputs_exit_2_before_ranks_start(art, tmp_path):
+    for args, want in [c for i, c in enumerate(_bad_cases(art, tmp_path)) if i in (0, 2)]:
+        proc = _cli([*args, "--makers", "1", "--trainers", "1", "--run-dir", str(tmp_path / "run")], tmp_path)
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode == 2 and want in lines[-1] and lines[-1].startswith("hpcrl.ppo: error:"), proc.stderr
+        assert not (tmp_path / "run").exists()  # refused before any rank touched the run dir
+
+
+@pytest.mark.slow
+def test_detached_ppo_rises_and_writes_a_loadable_actor(art, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run = tmp_path / "run"
+    proc = _cli(["--model", str(art["llama"]), "--reward-fn", REWARD, "--prompts", str(art["prompts"]),
+                 "--max-prompt-tokens", "8", "--max-new-tokens", "8", "--batch-size", "16",
+                 "--save-dir", str(run / "hf"), "--makers", "1", "--trainers", "1", "--lag", "1",
+                 "--total-steps", "30", "--ppo.lr", "2e-3", "--run-dir", str(run)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "score" in r][:30]
+    scores = [r["score"] for r in rows]
+    # measured (seed 0, lag 1): 0.03 -> ~0.4-0.5 over 30 updates
+    assert sum(scores[:3]) / 3 < 0.1 and sum(scores[-5:]) / 5 > 0.25, [round(s, 2) for s in scores]
+    for key in ("kl_to_ref", "response_len", "entropy", "clip_frac", "value_loss", "maker_tokens_per_s", "score_std"):
+        assert all(key in r for r in rows), key
+    assert rows[-1]["maker_tokens_per_s"] > 0 and 0 < rows[-1]["response_len"] <= 8
+    actor = AutoModelForCausalLM.from_pretrained(run / "hf" / "actor")
+    tok = AutoTokenizer.from_pretrained(run / "hf" / "actor")
+    ids = tok(["red blue green"], return_tensors="pt")
+    out = actor.generate(**ids, max_new_tokens=6, do_sample=False, pad_token_id=tok.eos_token_id)
+    assert out.shape[1] > ids["input_ids"].shape[1]
+    text = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "yes" in text.split(), text  # the trained actor, not the initial one, was written
