@@ -1,4 +1,4 @@
-"""PPO math as pure functions (research/detached_ppo.md §5.4, §5.9), so tests can hit them directly.
+"""PPO math as pure functions (docs/coati.md#staleness-bound-and-correction), so tests can hit them directly.
 
 Conventions:
 

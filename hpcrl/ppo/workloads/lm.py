@@ -26,7 +26,7 @@ costs ~28 nats of KL(pi || initial) with the defaults (6 generated tokens), so w
 below ~1/28 the reward optimum is also the KL-regularised optimum (score -> ~1, KL -> ~25 nats and
 no further), while e.g. ``kl_coef = 0.3`` holds the policy within ~2 nats of the initial model.
 
-Division of labour (research/detached_ppo.md §1.6, §5.9): makers generate (temperature 1), score,
+Division of labour (docs/coati.md#experience, docs/coati.md#defects-of-coatiray-that-hpcrl-addresses): makers generate (temperature 1), score,
 and ship ``tokens``, masks, ``behaviour_logp`` (log pi_maker of the sampled tokens, recomputed by one
 full-sequence forward after sampling), ``ref_logp`` (frozen initial model) and ``score``. The
 trainer computes per-token rewards ``-kl_coef * KL_t(behaviour || ref)`` + score at the last token,

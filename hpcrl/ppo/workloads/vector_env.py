@@ -23,7 +23,7 @@ key                 shape       dtype      meaning
 ``dones``           [T, N]      float32    1 where the episode ended (terminated or truncated)
 ==================  ==========  =========  ==================================================
 
-No values or advantages travel: the learner computes them with its current critic (§5.9), from
+No values or advantages travel: the learner computes them with its current critic (docs/coati.md, "Defects of coati/ray that hpcrl addresses"), from
 ``V(obs)`` and ``V(next_obs)``. ``next_obs`` equals ``obs[t + 1]`` except at episode ends and the last
 step, so it costs what a fixed-shape "final obs where done" field plus the last obs would, and GAE
 needs no stitching.
@@ -176,7 +176,7 @@ class VectorEnvWorkload:
         return self.num_envs * self.rollout_len
 
     def default_config(self) -> PPOConfig:
-        """Discrete envs: SB3-zoo CartPole hyper-parameters (research/envs.md §4), with lr and clip
+        """Discrete envs: SB3-zoo CartPole hyper-parameters (docs/envs.md#hyper-parameter-sources), with lr and clip
         annealed to 0 over 100k env steps of single-batch updates (scale ``extra["anneal_updates"]``
         if each update consumes several batches). Continuous envs: 5 epochs x 4 minibatches,
         lr 1e-3, gamma 0.99, lambda 0.95, no annealing (measured on swing-up, 16 envs x 64 steps:
