@@ -133,7 +133,8 @@ def test_bf16_flag_is_an_alias_of_amp_bf16():
 
 # -- two ranks: critic obs + fp16 + clipping equal one rank; an inf on one rank is skipped by both --------
 
-OPTS = [{"amp": "fp16", "max_grad_norm": 0.5}, {"amp": "fp16", "inf_rank": 1, "inf_step": 2}]
+OPTS = [{"amp": "none", "max_grad_norm": 0.5}, {"amp": "fp16", "inf_rank": 1, "inf_step": 2},
+        {"amp": "fp16", "max_grad_norm": 0.5}]
 
 
 @pytest.fixture(scope="module")
@@ -142,13 +143,16 @@ def recipe_two_ranks():
 
 
 @pytest.mark.slow
-def test_two_ranks_equal_one_rank_with_critic_obs_fp16_and_clipping(recipe_two_ranks):
-    single = sac_workers.recipe_updates(OPTS[0])
-    results = [r[0] for r in recipe_two_ranks]
+@pytest.mark.parametrize("which,tol", [(0, 1e-5), (2, 5e-3)], ids=["fp32", "fp16"])
+def test_two_ranks_equal_one_rank_with_critic_obs_and_clipping(recipe_two_ranks, which, tol):
+    # fp16: weight gradients summed in half precision over 16 rows twice vs over 32 once round
+    # differently, and Adam amplifies that in small gradients: close, not equal. fp32: tight.
+    single = sac_workers.recipe_updates(OPTS[which])
+    results = [r[which] for r in recipe_two_ranks]
     for rank, res in enumerate(results):
         for group in ("actor", "critic", "critic_target"):
             for name, value in single[group].items():
-                torch.testing.assert_close(res[group][name], value, rtol=1e-4, atol=1e-5,
+                torch.testing.assert_close(res[group][name], value, rtol=tol * 10, atol=tol,
                                            msg=lambda m: f"rank {rank}: {group}.{name}: {m}")
         assert res["counters"] == single["counters"]
         assert res["norms"] == pytest.approx(single["norms"], rel=1e-3)
