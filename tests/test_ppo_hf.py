@@ -328,3 +328,26 @@ def test_detached_ppo_rises_and_writes_a_loadable_actor(art, tmp_path):
     assert out.shape[1] > ids["input_ids"].shape[1]
     text = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "yes" in text.split(), text  # the trained actor, not the initial one, was written
+
+
+@pytest.mark.slow
+def test_help_lists_the_typed_hf_options(tmp_path):
+    proc = _cli(["--help"], tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for flag in ("--model", "--critic", "--reward-model", "--reward-fn", "--prompts", "--prompt-key", "--algo",
+                 "--lora-rank", "--max-new-tokens", "--temperature", "--top-p", "--top-k", "--kl-coef",
+                 "--kl-estimator", "--group-size", "--max-prompt-tokens", "--truncate-prompts", "--save-dir"):
+        assert flag in proc.stdout, flag
+    assert "{ppo,grpo}" in proc.stdout and "{k1,k3}" in proc.stdout
+
+
+@pytest.mark.slow
+def test_generate_benchmark_quick_writes_json(tmp_path):
+    out = tmp_path / "hf_generate.json"
+    proc = subprocess.run([sys.executable, str(TESTS.parent / "benchmarks" / "hf_generate.py"), "--quick", "--json",
+                           str(out)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["kv_cache_tok_s"] > 0 and row["recompute_tok_s"] > 0 and row["new_tokens"] == 16
+    assert row["speedup"] == pytest.approx(row["recompute_s"] / row["kv_cache_s"])
