@@ -1,7 +1,18 @@
-"""Batched environments for hpcrl: the VecEnv protocol, pure-torch envs, a gymnasium adapter.
+"""Batched environments for hpcrl: the VecEnv protocol, pure-torch envs and adapters.
 
-This package stands alone: it imports nothing from the rest of hpcrl. gymnasium is imported only
-when a ``gym:<Id>`` env (or ``GymVecEnv``) is requested.
+This package stands alone: it imports nothing from the rest of hpcrl. Each adapter's simulator is
+imported only when an env of its kind is requested. Names ``make_env`` resolves:
+
+* ``pendulum``, ``cartpole``, ``cartpole_swingup``: the built-in pure-torch envs;
+* ``gym:<Id>``: a gymnasium env stepped through numpy (``GymVecEnv``);
+* ``playground:<EnvName>``: MuJoCo Playground, vmapped and jit-compiled in JAX (``PlaygroundVecEnv``);
+* ``torchvec:<Id>``: a gymnasium-registered env that steps batches of torch tensors itself, the
+  IsaacLab / ManiSkill3 / Genesis convention (``TorchNativeVecEnv``);
+* ``package.module:Class``: a user VecEnv subclass, built as ``Class(num_envs, device=..., seed=...)``.
+
+The adapters take options after ``?``: ``playground:CheetahRun?impl=jax&episode_length=500``,
+``torchvec:PickCube-v1?obs_mode=state``; values parse as int, float, true/false/none, else string, and
+go to the adapter like ``make_env`` keyword arguments (which win over them).
 
     env = make_env("pendulum", num_envs=64, device="cuda", seed=0)
     obs = env.reset()
@@ -10,6 +21,7 @@ when a ``gym:<Id>`` env (or ``GymVecEnv``) is requested.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Callable
 
 import torch
@@ -25,7 +37,9 @@ __all__ = [
     "EpisodeSummary",
     "GymVecEnv",
     "Pendulum",
+    "PlaygroundVecEnv",
     "StepResult",
+    "TorchNativeVecEnv",
     "TorchVecEnv",
     "VecEnv",
     "env_names",
@@ -38,11 +52,60 @@ _REGISTRY: dict[str, Callable[..., VecEnv]] = {
     "cartpole_swingup": CartPoleSwingUp,
 }
 GYM_PREFIX = "gym:"
+PLAYGROUND_PREFIX = "playground:"
+TORCHVEC_PREFIX = "torchvec:"
+_PREFIXES = (GYM_PREFIX, PLAYGROUND_PREFIX, TORCHVEC_PREFIX)
 
 
 def env_names() -> list[str]:
-    """Built-in names, plus the ``gym:<Id>`` pattern."""
-    return [*sorted(_REGISTRY), GYM_PREFIX + "<Id>"]
+    """Built-in names, plus the adapter and ``module:Class`` patterns."""
+    return [*sorted(_REGISTRY), GYM_PREFIX + "<Id>", PLAYGROUND_PREFIX + "<EnvName>",
+            TORCHVEC_PREFIX + "<Id>", "<package.module>:<VecEnvClass>"]
+
+
+def _value(text: str) -> Any:
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def split_options(name: str) -> tuple[str, dict[str, Any]]:
+    """``"playground:CheetahRun?impl=jax&episode_length=500"`` -> ("playground:CheetahRun", {...})."""
+    base, sep, query = name.partition("?")
+    options: dict[str, Any] = {}
+    if sep:
+        for item in query.split("&"):
+            key, eq, val = item.partition("=")
+            if not eq or not key.isidentifier():
+                raise ValueError(f"env option {item!r} in {name!r} is not key=value; e.g. {base}?impl=jax")
+            options[key] = _value(val)
+    return base, options
+
+
+def _user_class(name: str) -> Callable[..., VecEnv]:
+    """``package.module:Class`` -> the VecEnv subclass, or a one-line ValueError saying what is wrong."""
+    module_name, _, attr = name.partition(":")
+    hint = "expected 'package.module:Class' naming a VecEnv subclass"
+    if not module_name or not attr or not attr.isidentifier():
+        raise ValueError(f"env {name!r}: {hint}; or one of {', '.join(env_names())}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"env {name!r}: cannot import module {module_name!r} ({err}); {hint}") from None
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise ValueError(f"env {name!r}: module {module_name!r} has no attribute {attr!r}; {hint}")
+    if not (isinstance(cls, type) and issubclass(cls, VecEnv)):
+        raise ValueError(f"env {name!r}: {module_name}.{attr} is {type(cls).__name__}, not a VecEnv subclass")
+    return cls
 
 
 def make_env(
@@ -52,26 +115,44 @@ def make_env(
     seed: int = 0,
     **kwargs: Any,
 ) -> VecEnv:
-    """Build a VecEnv by name: "pendulum", "cartpole", "cartpole_swingup" or "gym:<gymnasium id>".
+    """Build a VecEnv by name (see the module docstring for the names and ``?key=value`` options).
 
     ``kwargs`` go to the env's constructor (e.g. ``dtype``, ``max_episode_steps`` for the torch
-    envs; ``gym.make_vec`` keyword arguments for gym ids). Call ``reset()`` before ``step()``.
+    envs; ``gym.make_vec`` keyword arguments for gym ids; config overrides for Playground). Bad names
+    and options raise a one-line ValueError. Call ``reset()`` before ``step()``.
     """
     check_num_envs(num_envs)
     if not isinstance(name, str):
         raise ValueError(f"env name must be a string, got {name!r}; known: {', '.join(env_names())}")
-    if name.startswith(GYM_PREFIX):
-        gym_id = name[len(GYM_PREFIX) :]
-        if not gym_id:
-            raise ValueError(f"empty gymnasium id in {name!r}; expected e.g. 'gym:HalfCheetah-v5'")
-        from .gym_adapter import GymVecEnv
-
-        return GymVecEnv(gym_id, num_envs, device, seed=seed, **kwargs)
+    if name in _REGISTRY:
+        return _REGISTRY[name](num_envs, device, seed=seed, **kwargs)
+    base, options = split_options(name)
+    options.update(kwargs)
+    for prefix in _PREFIXES:
+        if base.startswith(prefix):
+            ident = base[len(prefix) :]
+            if not ident:
+                raise ValueError(f"empty id in {name!r}; expected e.g. {prefix}{_EXAMPLE[prefix]}")
+            if prefix == GYM_PREFIX:
+                from .gym_adapter import GymVecEnv as cls
+            elif prefix == PLAYGROUND_PREFIX:
+                from .playground import PlaygroundVecEnv as cls
+            else:
+                from .torch_native import TorchNativeVecEnv as cls
+            return cls(ident, num_envs, device, seed=seed, **options)
+    if ":" not in base:
+        raise ValueError(f"unknown env {name!r}; known: {', '.join(env_names())}")
+    cls = _user_class(base)
     try:
-        factory = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown env {name!r}; known: {', '.join(env_names())}") from None
-    return factory(num_envs, device, seed=seed, **kwargs)
+        return cls(num_envs, device=device, seed=seed, **options)
+    except TypeError as err:
+        raise ValueError(
+            f"env {name!r}: {cls.__name__}(num_envs, device=..., seed=...) failed ({err}); "
+            "a user VecEnv must take these arguments"
+        ) from None
+
+
+_EXAMPLE = {GYM_PREFIX: "HalfCheetah-v5", PLAYGROUND_PREFIX: "CartpoleBalance", TORCHVEC_PREFIX: "<gym id>"}
 
 
 def __getattr__(name: str) -> Any:
@@ -80,4 +161,12 @@ def __getattr__(name: str) -> Any:
         from .gym_adapter import GymVecEnv
 
         return GymVecEnv
+    if name == "PlaygroundVecEnv":
+        from .playground import PlaygroundVecEnv
+
+        return PlaygroundVecEnv
+    if name == "TorchNativeVecEnv":
+        from .torch_native import TorchNativeVecEnv
+
+        return TorchNativeVecEnv
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
