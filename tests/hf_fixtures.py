@@ -117,3 +117,14 @@ def broken_raises(prompts: list[str], responses: list[str]) -> list[float]:
 
 def broken_length(prompts: list[str], responses: list[str]) -> list[float]:
     return [0.0] * (len(responses) - 1)
+
+
+_CALLS = {"n": 0}
+
+
+def fails_on_third_call(prompts: list[str], responses: list[str]) -> list[float]:
+    """Passes the construction probe and the first batch, then raises (a grader that breaks mid-run)."""
+    _CALLS["n"] += 1
+    if _CALLS["n"] >= 3:
+        raise ValueError("grader lost its answer key")
+    return target_fraction(prompts, responses)

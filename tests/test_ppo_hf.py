@@ -187,6 +187,8 @@ def test_ppo_raises_verifiable_reward(art):
     for key in ("value_loss", "entropy", "clip_frac", "response_len", "score_std", "maker_tokens_per_s"):
         assert all(torch.isfinite(torch.tensor(h[key])) for h in hist), key
     assert hist[-1]["entropy"] < hist[0]["entropy"]
+    # synchronous loop (lag 0): the trainer's log-probs before each update are the maker's
+    assert max(h["maker_logp_gap"] for h in hist) < 1e-4, [h["maker_logp_gap"] for h in hist]
 
 
 def test_grpo_raises_verifiable_reward_without_critic(art):
@@ -351,3 +353,30 @@ def test_generate_benchmark_quick_writes_json(tmp_path):
     row = json.loads(out.read_text())["rows"][0]
     assert row["kv_cache_tok_s"] > 0 and row["recompute_tok_s"] > 0 and row["new_tokens"] == 16
     assert row["speedup"] == pytest.approx(row["recompute_s"] / row["kv_cache_s"])
+
+
+@pytest.mark.slow
+def test_reward_fn_failing_mid_run_is_named(art, tmp_path):
+    # passes the probe and batch 0, raises on batch 1: the run stops and says which function, which batch
+    proc = _cli(["--model", str(art["llama"]), "--reward-fn", "hf_fixtures:fails_on_third_call", "--prompts",
+                 str(art["prompts"]), "--max-prompt-tokens", "8", "--max-new-tokens", "8", "--makers", "1",
+                 "--trainers", "1", "--total-steps", "6", "--run-dir", str(tmp_path / "run"),
+                 "--heartbeat-timeout-s", "3", "--timeout-s", "15"], tmp_path)
+    last = [line for line in proc.stderr.splitlines() if line.startswith("hpcrl.ppo: error:")]
+    assert proc.returncode != 0 and last, proc.stderr[-2000:]
+    assert "--reward-fn hf_fixtures:fails_on_third_call on batch 1" in last[-1] and "ValueError" in last[-1], last
+
+
+@pytest.mark.slow
+def test_two_makers_one_trainer_rises(art, tmp_path):
+    run = tmp_path / "run"
+    proc = _cli(["--model", str(art["llama"]), "--reward-fn", REWARD, "--prompts", str(art["prompts"]),
+                 "--max-prompt-tokens", "8", "--max-new-tokens", "8", "--batch-size", "8", "--makers", "2",
+                 "--trainers", "1", "--lag", "1", "--batches-per-step", "2", "--total-steps", "30",
+                 "--ppo.lr", "2e-3", "--run-dir", str(run)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "score" in r][:30]
+    scores = [r["score"] for r in rows]
+    assert sum(scores[:3]) / 3 < 0.1 and sum(scores[-5:]) / 5 > 0.25, [round(s, 2) for s in scores]
+    assert max(r["lag_max"] for r in rows) <= 1 and all(r["sequences"] == 16 for r in rows)

@@ -453,6 +453,8 @@ class HFLearner:
                 ent = masked_mean(-(logp_all.exp() * logp_all).sum(-1), m)
                 loss = pg_loss - cfg.ent_coef * ent
                 row = {"policy_loss": pg_loss, "entropy": ent}
+                if steps == 0:  # before this update's first step: trainer vs maker log-probs of the same tokens
+                    gap = masked_mean((logp.detach() - blogp[idx]).abs(), m)
                 if grpo:
                     kl_loss = masked_mean(approx_kl(logp, ref_logp[idx]), m)
                     loss = loss + cfg.kl_coef * kl_loss
@@ -475,6 +477,7 @@ class HFLearner:
                 steps += 1
         self.updates += 1
         out = {k: v / max(1, steps) for k, v in sums.items()}
+        out["maker_logp_gap"] = float(gap)  # |log pi_trainer - log pi_maker| per token: staleness + numerics
         lengths = mask.sum(-1)
         out.update(score=float(score.mean()), score_std=float(score.std(unbiased=False)),
                    kl_to_ref=float(((blogp - ref_logp) * mask).sum(-1).mean()),
