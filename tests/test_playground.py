@@ -78,15 +78,17 @@ def test_flags_and_final_obs_match_playground():
 
 
 @pytest.mark.slow
-def test_seed_and_exact_resume():
+def test_seed_and_exact_resume(tmp_path):
+    from hpcrl.h5io import load_h5, save_h5
+
     a, b = make_env(NAME, N, seed=5), make_env(NAME, N, seed=5)
     assert torch.equal(a.reset(), b.reset())
     assert not torch.equal(a.reset(seed=6), b.observe())
     acts = _actions(LIMIT + 10, N, seed=2)
     for x in acts[:LIMIT - 5]:
         a.step(x)
-    saved = a.state_dict()
-    torch.save(saved, "/dev/null")  # plain tensors and Python values
+    save_h5(tmp_path / "env.h5", a.state_dict(), 1)  # through the checkpoint format (HDF5 tree)
+    saved = load_h5(tmp_path / "env.h5", 1)
     first = [a.step(x) for x in acts[LIMIT - 5:]]
     b.load_state_dict(saved)
     second = [b.step(x) for x in acts[LIMIT - 5:]]

@@ -243,7 +243,9 @@ class PlaygroundVecEnv(VecEnv):
             view = {np.dtype(np.uint32): np.int32, np.dtype(np.uint64): np.int64}.get(a.dtype)
             return {"dtype": str(a.dtype), "data": torch.from_numpy((a.view(view) if view else a).copy())}
 
-        leaves = [] if self.state is None else [save(x) for x in self._jax.tree.leaves(self.state)]
+        # A dict, not a list: checkpoints are HDF5 trees (hpcrl.h5io) of dicts, tensors and scalars.
+        leaves = {} if self.state is None else {
+            f"{i:05d}": save(x) for i, x in enumerate(self._jax.tree.leaves(self.state))}
         return {"leaves": leaves, "key": save(self._key),
                 "steps": None if self._steps is None else save(self._steps), "impl": self.impl}
 
@@ -263,7 +265,7 @@ class PlaygroundVecEnv(VecEnv):
         if self.state is None:
             self.reset()  # only for the pytree structure; every leaf is overwritten below
         leaves, treedef = jax.tree.flatten(self.state)
-        saved = state["leaves"]
+        saved = [state["leaves"][k] for k in sorted(state["leaves"])]
         if len(saved) != len(leaves) or any(tuple(s["data"].shape) != x.shape for s, x in zip(saved, leaves)):
             raise ValueError(f"state_dict does not fit playground:{self.name} with num_envs={self.num_envs}")
         self.state = jax.tree.unflatten(treedef, [load(s) for s in saved])
