@@ -132,7 +132,8 @@ def make_env(
         if base.startswith(prefix):
             ident = base[len(prefix) :]
             if not ident:
-                raise ValueError(f"empty id in {name!r}; expected e.g. {prefix}{_EXAMPLE[prefix]}")
+                kind, example = _EXAMPLE[prefix]
+                raise ValueError(f"empty {kind} id in {name!r}; expected e.g. '{prefix}{example}'")
             if prefix == GYM_PREFIX:
                 from .gym_adapter import GymVecEnv as cls
             elif prefix == PLAYGROUND_PREFIX:
@@ -152,7 +153,8 @@ def make_env(
         ) from None
 
 
-_EXAMPLE = {GYM_PREFIX: "HalfCheetah-v5", PLAYGROUND_PREFIX: "CartpoleBalance", TORCHVEC_PREFIX: "<gym id>"}
+_EXAMPLE = {GYM_PREFIX: ("gymnasium", "HalfCheetah-v5"), PLAYGROUND_PREFIX: ("Playground", "CartpoleBalance"),
+            TORCHVEC_PREFIX: ("gymnasium", "mani_skill.envs:PickCube-v1")}
 
 
 def __getattr__(name: str) -> Any:

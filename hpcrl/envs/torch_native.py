@@ -76,10 +76,13 @@ class TorchNativeVecEnv(VecEnv):
         self.num_envs = check_num_envs(num_envs)
         self.device = resolve_device(device)
         self._missing = missing_final_obs
+        # gymnasium's passive checker expects numpy spaces and observations: off for tensor envs.
+        make_kwargs.setdefault("disable_env_checker", True)
         try:
             env = gym.make(env_id, num_envs=self.num_envs, **make_kwargs)
-        except gym.error.Error as err:  # unknown id, bad module, ...
-            raise ValueError(f"torchvec:{env_id}: {err}") from None
+        except (gym.error.Error, TypeError) as err:  # unknown id or module; no num_envs/option argument
+            msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ValueError(f"torchvec:{env_id}: gym.make(id, num_envs=N, ...) failed: {msg}") from None
         if wrapper is not None:
             env = _resolve(wrapper, "wrapper")(env)
         self.env = env
@@ -107,7 +110,6 @@ class TorchNativeVecEnv(VecEnv):
         self._critic: Tensor | None = None
         # Shapes from one reset: the contract needs obs_dim before the first reset() call.
         obs, _ = env.reset(seed=self._seed)
-        self._seeded = True
         self._set_current(obs)
         self.obs_dim = int(self._obs.shape[-1])
         self.critic_obs_dim = None if self._critic is None else int(self._critic.shape[-1])
