@@ -130,7 +130,8 @@ def test_sigusr2_checkpoints_stops_and_resumes_exactly(tmp_path, reference_run):
     assert "stop requested (SIGUSR2)" in out
     stopped_at = metrics(run)[-1]["env_steps"]
     assert stopped_at < 240, "the run finished before the signal arrived"
-    assert checkpoint.latest(run).name.endswith(f"{stopped_at // 4:012d}")
+    # the stop is agreed every env step: the checkpoint is at the step after the signal, at or past the last row
+    assert stopped_at // 4 <= int(checkpoint.latest(run).name.rsplit("_", 1)[1]) < 60
     resumed = run_cli(COMMON + ["--checkpoint-every", "0", "--run-dir", str(run), "--resume"])
     assert resumed.returncode == 0, resumed.stderr
     assert metrics(run) == metrics(ref)
