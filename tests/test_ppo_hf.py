@@ -380,3 +380,42 @@ def test_two_makers_one_trainer_rises(art, tmp_path):
     scores = [r["score"] for r in rows]
     assert sum(scores[:3]) / 3 < 0.1 and sum(scores[-5:]) / 5 > 0.25, [round(s, 2) for s in scores]
     assert max(r["lag_max"] for r in rows) <= 1 and all(r["sequences"] == 16 for r in rows)
+
+
+def test_prompts_from_parquet_and_datasets_dir_match_jsonl(art, tmp_path):
+    rows = [json.loads(line) for line in art["prompts"].read_text().splitlines()]
+    want = [r["prompt"] for r in rows]
+    from hpcrl.ppo.workloads.hf_prompts import load_prompts
+
+    assert load_prompts(str(art["prompts"]), "prompt") == want
+    if _has("pyarrow"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / "p.parquet")
+        assert load_prompts(str(tmp_path / "p.parquet"), "prompt") == want
+    if _has("datasets"):
+        import datasets
+
+        datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+        wl = _wl(art, prompts=str(tmp_path / "ds"))
+        assert wl.prompt_texts == want
+
+
+@pytest.mark.slow
+def test_resume_continues_from_the_checkpointed_version(art, tmp_path):
+    run = tmp_path / "run"
+    common = ["--model", str(art["gpt2"]), "--reward-fn", REWARD, "--prompts", str(art["prompts"]),
+              "--max-prompt-tokens", "8", "--max-new-tokens", "6", "--batch-size", "8", "--save-dir", str(run / "hf"),
+              "--makers", "1", "--trainers", "1", "--checkpoint-every", "2", "--ppo.lr", "1e-3", "--run-dir", str(run)]
+    first = _cli([*common, "--total-steps", "3"], tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    saved = (run / "hf" / "actor" / "model.safetensors").read_bytes()
+    second = _cli([*common, "--total-steps", "5", "--resume"], tmp_path)
+    assert second.returncode == 0, second.stderr[-2000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    versions = [r["policy_version"] for r in rows if "score" in r]
+    # the first run logs v1..v3 (its final row twice); the resumed one continues at v4, not at v1
+    after = versions[versions.index(3):]
+    assert versions[:3] == [1, 2, 3] and 1 not in after and after[-1] == 5 and 4 in after, versions
+    assert (run / "hf" / "actor" / "model.safetensors").read_bytes() != saved  # rewritten at the new checkpoint
