@@ -419,3 +419,15 @@ def test_resume_continues_from_the_checkpointed_version(art, tmp_path):
     after = versions[versions.index(3):]
     assert versions[:3] == [1, 2, 3] and 1 not in after and after[-1] == 5 and 4 in after, versions
     assert (run / "hf" / "actor" / "model.safetensors").read_bytes() != saved  # rewritten at the new checkpoint
+
+
+def test_flags_renamed_for_a_nested_group(art, tmp_path):
+    # registered as --workload hf with an --hf.* group, the same checks name --hf.FLAG
+    class Grouped(HFWorkload):
+        FLAG_PREFIX = "--hf."
+
+    with pytest.raises(ConfigError, match=r"^--hf\.max-prompt-tokens 8 \+ --hf\.max-new-tokens 60 = 68 tokens"):
+        Grouped(model=str(art["llama"]), reward_fn=REWARD, prompts=str(art["prompts"]), max_prompt_tokens=8,
+                max_new_tokens=60)
+    with pytest.raises(ConfigError, match=r"^--hf\.model .*no such model directory"):
+        Grouped(model=str(tmp_path / "nope"), reward_fn=REWARD, prompts=str(art["prompts"]))

@@ -36,9 +36,10 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
@@ -104,8 +105,18 @@ class HFOptions:
     save_dir: str | None = None
     """Trainer 0 writes the actor (save_pretrained + tokenizer) to SAVE_DIR/actor at every checkpoint."""
 
+    FLAG_PREFIX: ClassVar[str] = "--"
+    """How the flags are spelled in messages: "--" as a plugin's own flags, "--hf." as a nested group."""
+
     def flag(self, name: str) -> str:
-        return "--" + name.replace("_", "-")
+        return self.FLAG_PREFIX + name.replace("_", "-")
+
+    def renamed(self, err: ConfigError) -> ConfigError:
+        """``err`` with this workload's flags spelled with :attr:`FLAG_PREFIX` (``--model`` -> ``--hf.model``)."""
+        if self.FLAG_PREFIX == "--":
+            return err
+        names = "|".join(sorted((f.name.replace("_", "-") for f in fields(HFOptions)), key=len, reverse=True))
+        return ConfigError(re.sub(rf"(?<![\w.-])--({names})(?![\w-])", lambda m: self.flag(m.group(1)), str(err)))
 
     def fail(self, name: str, rule: str, fix: str) -> None:
         raise ConfigError(f"{self.flag(name)} {show(getattr(self, name))}: must be {rule}; {fix}")
@@ -188,6 +199,12 @@ class HFWorkload(HFOptions):
     name = "hf"
 
     def __post_init__(self) -> None:
+        try:
+            self._setup()
+        except ConfigError as err:
+            raise self.renamed(err) from None
+
+    def _setup(self) -> None:
         self.check()
         config = M.load_config(self.flag("model"), self.model)
         if self.critic is not None:
@@ -347,7 +364,10 @@ class HFCollector:
         texts = [wl.tokenizer.decode(r[m > 0].tolist(), skip_special_tokens=True)
                  for r, m in zip(response.cpu(), amask.cpu())]
         prompts = [wl.prompt_texts[i] for i in idx]
-        scores = M.call_reward_fn(wl.reward_callable, wl.reward_fn, prompts, texts, batch=self.batches)
+        try:
+            scores = M.call_reward_fn(wl.reward_callable, wl.reward_fn, prompts, texts, batch=self.batches)
+        except ConfigError as err:
+            raise wl.renamed(err) from None
         return torch.tensor(scores, dtype=torch.float32, device=tokens.device)
 
     @torch.no_grad()
