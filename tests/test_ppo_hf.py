@@ -211,14 +211,23 @@ def test_lora_trains_and_publishes_only_adapters(art):
     scores = [h["score"] for h in hist]
     assert sum(scores[-3:]) / 3 > scores[0] + 0.05, [round(s, 3) for s in scores]
     assert all(torch.equal(p, base[n]) for n, p in trained.actor.named_parameters() if "lora_" not in n)
-    # a maker receives the adapters into its own model: the same logits as the trainer's, base untouched
+    # a maker receives the adapters into its own model and merges them onto its pristine base: the
+    # trainer's logits (unmerged peft forward) up to float rounding; merging twice accumulates nothing
     maker = wl.build_model(0)
-    for dst, src in zip(wl.sync_tensors(maker), wl.sync_tensors(trained)):
-        dst.copy_(src)
-    wl.after_sync(maker)
+    pristine = {n: p.detach().clone() for n, p in maker.actor.named_parameters() if "lora_" not in n}
     ids, mask = left_pad(wl.prompt_ids[:4], 8, wl.pad_id)
-    with torch.no_grad():
-        assert torch.equal(maker.action_logits(ids, mask), trained.action_logits(ids, mask))
+    for _ in range(2):
+        for dst, src in zip(wl.sync_tensors(maker), wl.sync_tensors(trained)):
+            dst.copy_(src)
+        wl.after_sync(maker)
+        with torch.no_grad():
+            got, want = maker.action_logits(ids, mask), trained.action_logits(ids, mask)
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    changed = [n for n, p in maker.actor.named_parameters() if "lora_" not in n and not torch.equal(p, pristine[n])]
+    assert changed and all("base_layer" in n for n in changed)  # the merged matrices, nothing else
+    merged = {n: p.detach().clone() for n, p in maker.actor.named_parameters()}
+    wl.after_sync(maker)
+    assert all(torch.equal(p, merged[n]) for n, p in maker.actor.named_parameters())
 
 
 def test_save_artifacts_loadable_by_auto_class(art, tmp_path):
@@ -431,3 +440,21 @@ def test_flags_renamed_for_a_nested_group(art, tmp_path):
                 max_new_tokens=60)
     with pytest.raises(ConfigError, match=r"^--hf\.model .*no such model directory"):
         Grouped(model=str(tmp_path / "nope"), reward_fn=REWARD, prompts=str(art["prompts"]))
+
+
+@pytest.mark.slow
+def test_detached_lora_publishes_adapters_and_makers_merge(art, tmp_path):
+    pytest.importorskip("peft")
+    run = tmp_path / "run"
+    proc = _cli(["--model", str(art["llama"]), "--reward-fn", REWARD, "--prompts", str(art["prompts"]),
+                 "--max-prompt-tokens", "8", "--max-new-tokens", "8", "--batch-size", "16", "--lora-rank", "4",
+                 "--lora-alpha", "16", "--makers", "1", "--trainers", "1", "--lag", "0", "--total-steps", "20",
+                 "--ppo.lr", "2e-2", "--run-dir", str(run)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in (json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines())
+            if "score" in r][:20]
+    scores = [r["score"] for r in rows]
+    # measured (seed 0): 0.03 -> ~0.13 over 20 updates (adapters only, rank 4)
+    assert sum(scores[-5:]) / 5 > sum(scores[:3]) / 3 + 0.05, [round(s, 2) for s in scores]
+    # lag 0: each batch was made with the merged published adapters of the trainer's current version
+    assert max(r["maker_logp_gap"] for r in rows) < 1e-4, [r["maker_logp_gap"] for r in rows]

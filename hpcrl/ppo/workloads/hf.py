@@ -23,7 +23,8 @@ Roles (the same split as :mod:`hpcrl.ppo.workloads.lm`):
   on every response token; the KL to the reference as a k3 loss term (``kl_coef``).
 * **LoRA** (``--lora-rank R``, needs peft): adapters on every linear layer of actor and critic
   backbones; only they (and the value head) are trained; only the actor's adapters are published.
-  Makers run peft's unmerged forward, ``W0 x + s B A x``, over the pristine base that no sync writes.
+  Makers merge (:meth:`HFWorkload.after_sync`): each adapted weight is rebuilt as ``W0 + s B A`` from a
+  pristine copy of ``W0`` at every sync (as the ``lm`` workload's LoRA path does), never accumulated.
 * **artefacts**: with ``--save-dir DIR`` trainer 0 writes the actor with ``save_pretrained`` (LoRA
   merged into a copy) plus the tokenizer to ``DIR/actor`` at every checkpoint and at the end.
 """
@@ -309,9 +310,26 @@ class HFWorkload(HFOptions):
         """The actor's parameters (all, or only the LoRA adapters) in named_parameters order."""
         return [p.data for _, p in self._sync_items(model)]
 
+    @torch.no_grad()
     def after_sync(self, model: HFActorCritic) -> None:
-        """Nothing to rebuild: full weights are written in place; LoRA adapters are applied by peft's
-        forward on top of a base no publish writes (so nothing accumulates over syncs)."""
+        """Maker side. Full weights: nothing to do (written in place). LoRA: every adapted layer's base
+        weight becomes ``W0 + s * B @ A`` rebuilt from a pristine copy of ``W0`` taken at the first sync
+        (never accumulated), and peft is told the layer is merged, so inference runs on plain matrices.
+        Only makers call this; a trainer's forward stays peft's unmerged, differentiable one."""
+        if not self.lora_rank:
+            return
+        from peft.tuners.lora import LoraLayer
+
+        for module in model.actor.modules():
+            if not isinstance(module, LoraLayer):
+                continue
+            base = module.get_base_layer().weight
+            pristine = getattr(module, "_hpcrl_pristine", None)
+            if pristine is None:
+                pristine = module._hpcrl_pristine = base.detach().clone()
+            for name in module.active_adapters:
+                base.copy_(pristine + module.get_delta_weight(name).to(base.dtype))
+            module.merged_adapters = list(module.active_adapters)
 
     @torch.no_grad()
     def save_artifacts(self, model: HFActorCritic, out_dir: str | os.PathLike) -> Path:
