@@ -21,7 +21,7 @@ from hpcrl.envs import Pendulum
 from hpcrl.sac.__main__ import main, parse
 from hpcrl.sac.config import parse_seeds, preset, seed_runs
 from hpcrl.sac.policy import load_policy
-from hpcrl.sac.train import EXIT_NONFINITE
+from hpcrl.conventions import EXIT_NONFINITE
 
 TINY = ["--preset", "pendulum", "--num-envs", "4", "--batch-size", "32", "--actor-hidden", "32",
         "--critic-hidden", "32", "--num-atoms", "21", "--learning-starts", "4", "--random-steps", "4",
@@ -193,3 +193,17 @@ def test_help_shows_preset_config_and_descriptions(capsys):
     assert not re.search(r"-- (run|data|updates|networks|bookkeeping) -", out)  # no section comments as help
     assert "(default: True)" not in out.replace("\n", " ").split("--obs-normalization")[1][:40]  # described
     assert "Vector steps" in out and "Transitions" in out
+
+
+@pytest.mark.slow
+def test_nonfinite_on_one_of_two_ranks_stops_both_with_its_message(tmp_path):
+    # Rank 1's env turns NaN; rank 0 must not wait in a collective for it: both stop at that step's
+    # agreement and the run exits 65 with rank 1's one line (not "rank N failed", not a timeout).
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "hpcrl.sac", *TINY, "--env", "nonfinite_env:NaNRewardOnSeed2",
+                           "--nproc", "2", "--total-env-steps", "80", "--timeout-s", "60",
+                           "--run-dir", str(tmp_path / "r")], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == EXIT_NONFINITE, done.stderr[-3000:]
+    errors = [ln for ln in done.stderr.splitlines() if "error" in ln]
+    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "on rank 1 at vector step 7" in errors[0] and "non-finite reward" in errors[0], errors[0]

@@ -62,7 +62,8 @@ import torch.multiprocessing as mp
 
 from .secret import SECRET_ENV, new_secret
 
-__all__ = ["CONFIG_ERROR_NAMES", "FORWARD_SIGNALS", "SpawnConfigError", "SpawnError", "is_config_error", "spawn"]
+__all__ = ["CONFIG_ERROR_NAMES", "DATA_ERROR_NAMES", "FORWARD_SIGNALS", "SpawnConfigError", "SpawnDataError",
+           "SpawnError", "is_config_error", "is_data_error", "spawn"]
 
 _KILL_GRACE_S = 3.0  # SIGTERM -> SIGKILL when spawn stops ranks itself
 _EXPENDABLE_GRACE_S = 30.0  # expendable ranks still running this long after the others finished are stopped
@@ -85,6 +86,16 @@ def is_config_error(err: BaseException) -> bool:
     return any(cls.__name__ in CONFIG_ERROR_NAMES for cls in type(err).__mro__)
 
 
+DATA_ERROR_NAMES = frozenset({"NonFiniteEnvData"})
+"""Exception class names that mean "the run's data is unusable" (``hpcrl.sac.train.NonFiniteEnvData``):
+like configuration errors, reported as the rank's one line (:class:`SpawnDataError`), with their own
+exit code at the entry point."""
+
+
+def is_data_error(err: BaseException) -> bool:
+    return any(cls.__name__ in DATA_ERROR_NAMES for cls in type(err).__mro__)
+
+
 class SpawnError(RuntimeError):
     """A spawned rank failed (``rank``, ``exitcode``) or the run timed out (``rank`` is None)."""
 
@@ -92,6 +103,10 @@ class SpawnError(RuntimeError):
         super().__init__(message)
         self.rank = rank
         self.exitcode = exitcode
+
+
+class SpawnDataError(SpawnError):
+    """A rank stopped on unusable data (see :data:`DATA_ERROR_NAMES`); ``str(err)`` is its one-line message."""
 
 
 class SpawnConfigError(SpawnError):
@@ -198,7 +213,7 @@ def _child(fn: Callable[..., Any], args: Sequence[Any], env: dict[str, str], num
         # A file, not a queue: a queue's feeder thread can deadlock a child that exits right after.
         lines = traceback.format_exception_only(type(err), err)
         record = {"time": time.time(), "type": f"{type(err).__module__}.{type(err).__qualname__}",
-                  "config": is_config_error(err), "message": str(err),
+                  "config": is_config_error(err), "data": is_data_error(err), "message": str(err),
                   "last": (lines[-1] if lines else repr(err)).strip(), "traceback": traceback.format_exc()}
         _write_atomic(Path(tmp, f"error-{rank}"), json.dumps(record).encode())
         raise SystemExit(1) from None
@@ -391,6 +406,8 @@ class _Exits:
         code = self.procs[rank].exitcode
         if rec is not None and rec.get("config"):
             return SpawnConfigError(rec["message"] or rec["last"], rank, code, rec.get("type", ""))
+        if rec is not None and rec.get("data"):
+            return SpawnDataError(rec["message"] or rec["last"], rank, code)
         text = f"rank {rank} failed first ({self.describe(rank)})"
         earlier = [r for r in lost if r != rank]
         if earlier:

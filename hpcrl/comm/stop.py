@@ -24,6 +24,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.reason = ""
+        self.faults = 0  # ranks that reported a fault in the last agreement
 
     @classmethod
     def install(cls) -> "StopRequest":
@@ -36,13 +37,18 @@ class StopRequest:
     def _handle(self, signum, _frame) -> None:
         self.reason = signal.Signals(signum).name
 
-    def agreed(self, plane: Plane) -> bool:
+    def agreed(self, plane: Plane, fault: bool = False) -> bool:
         """True on every rank of a host ``plane`` if any of them was signalled (one tiny gloo
-        all-reduce of a CPU flag: never on the device plane, where NCCL refuses CPU tensors)."""
+        all-reduce of a CPU flag: never on the device plane, where NCCL refuses CPU tensors).
+
+        ``fault``: this rank must stop for a reason of its own (e.g. unusable env data); the same
+        all-reduce counts them, so afterwards :attr:`faults` (the number of ranks with one) is the same
+        on every rank and all can stop together instead of leaving peers blocked in a collective."""
         if plane.name != "host":
             raise ValueError(f"StopRequest.agreed runs on the host plane, got the {plane}")
-        flag = torch.tensor([1.0 if self.reason else 0.0])
-        all_reduce_sum_([flag], plane)
-        if flag.item() > 0 and not self.reason:
+        flags = torch.tensor([1.0 if self.reason else 0.0, 1.0 if fault else 0.0])
+        all_reduce_sum_([flags], plane)
+        stop, self.faults = flags[0].item() > 0, int(flags[1].item())
+        if stop and not self.reason:
             self.reason = "signal on another rank"
-        return flag.item() > 0
+        return stop

@@ -27,14 +27,14 @@ import sys
 import tyro
 
 from hpcrl.comm import SpawnError, check_local_gpus, cuda_count, spawn
-from hpcrl.comm.local import SpawnConfigError, is_config_error
-from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_STOPPED
+from hpcrl.comm.local import SpawnConfigError, SpawnDataError, is_config_error
+from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_NONFINITE, EXIT_STOPPED
 
 from hpcrl.config_check import ConfigError
 from hpcrl.config_file import load_config_file
 
 from .config import PRESETS, SACConfig, preset, seed_runs
-from .train import EXIT_NONFINITE, RESOLVED_KEYS, NonFiniteEnvData, plan, train
+from .train import RESOLVED_KEYS, NonFiniteEnvData, plan, train
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C twice
 
@@ -110,6 +110,9 @@ def _main_one(cfg: SACConfig) -> int:
     try:
         rows = _run(cfg)
     except NonFiniteEnvData as err:  # one process: the rank's one-line message
+        print(f"hpcrl.sac: error: {err}", file=sys.stderr)
+        return EXIT_NONFINITE
+    except SpawnDataError as err:  # every rank stopped on the same non-finite env data: its one line
         print(f"hpcrl.sac: error: {err}", file=sys.stderr)
         return EXIT_NONFINITE
     except SpawnConfigError as err:  # a rank found it: one line, however many ranks did

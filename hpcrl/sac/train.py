@@ -34,7 +34,6 @@ from .config import ConfigError, SACConfig
 from .normalizer import ObsNormalizer
 
 
-EXIT_NONFINITE = 65  # sysexits EX_DATAERR: the env's data, not the configuration, is bad
 
 # Keys of RUN_DIR/config.json that the run resolved (not SACConfig fields): --config skips them, so a
 # run's own config.json reruns as written.
@@ -274,11 +273,17 @@ def _train(cfg: SACConfig, stop: StopRequest, ctx: DistContext, layout: Layout) 
         if cdim:
             total = total + result.critic_obs.sum(-1) + result.next_critic_obs.sum(-1)
         bad = int((~torch.isfinite(total)).sum())
+        fault = bad and cfg.nonfinite == "error"
+        if fault:
+            message = _nonfinite_message(cfg, rank, it + 1, result, bad)
+            if not ctx.is_distributed:
+                raise NonFiniteEnvData(message)
+            # The other ranks are about to enter this step's collectives: post the message, finish the
+            # step on sanitized data, and stop together at the step's agreement below.
+            ctx.store.set(_NONFINITE_KEY.format(rank=rank), message)
         if bad:
-            if cfg.nonfinite == "error":
-                raise NonFiniteEnvData(_nonfinite_message(cfg, rank, it + 1, result, bad))
             result, next_obs_for_policy = _sanitize(result, obs, critic_obs)
-            dropped += bad
+            dropped += 0 if fault else bad
         else:
             next_obs_for_policy = result.obs
         replay.add(obs, action, result.reward * cfg.reward_scale, result.next_obs, result.terminated,
@@ -328,7 +333,10 @@ def _train(cfg: SACConfig, stop: StopRequest, ctx: DistContext, layout: Layout) 
             save()
         # Every env step: one gloo all-reduce of a CPU flag on the host plane (no device sync); its cost
         # per step is in the README (measured at 2 ranks). A stop mid-window checkpoints the window too.
-        if not last and stop.agreed(control):
+        stopping = stop.agreed(control, fault=bool(fault)) if ctx.is_distributed or not last else False
+        if stop.faults:  # every rank raises the same message (the lowest faulty rank's)
+            raise NonFiniteEnvData(_posted_nonfinite(ctx))
+        if not last and stopping:
             if not (cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0):
                 save()
             if rank == 0:
@@ -358,6 +366,18 @@ def _eval_row(agent: FastSAC, cfg: SACConfig, eval_return: float) -> dict[str, f
     """An eval row: its own line in metrics.jsonl (``eval_return`` at this ``env_steps``; transitions)."""
     return {"env_steps": agent.counters.iteration * cfg.num_envs, "updates": agent.counters.critic_steps,
             "eval_return": round(eval_return, 6)}
+
+
+_NONFINITE_KEY = "sac/nonfinite/{rank}"
+
+
+def _posted_nonfinite(ctx: DistContext) -> str:
+    """The message the lowest rank that found non-finite env data posted before the agreement."""
+    for r in range(ctx.world_size):
+        key = _NONFINITE_KEY.format(rank=r)
+        if ctx.store.check([key]):
+            return ctx.store.get(key).decode(errors="replace")[:2000]
+    return "another rank found non-finite env data (its message did not reach the store)"
 
 
 def _nonfinite_message(cfg: SACConfig, rank: int, step: int, result: Any, bad: int) -> str:
