@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from hpcrl.h5io import load_h5, save_h5
 from hpcrl.envs import (
     CartPole,
     CartPoleSwingUp,
@@ -527,24 +528,24 @@ def test_gym_adapter_cartpole_discrete_final_obs():
     env.close()
 
 
-def test_gym_adapter_halfcheetah():
+def test_gym_adapter_halfcheetah(tmp_path):
     env = make_env("gym:HalfCheetah-v5", 2, seed=0)
     assert (env.obs_dim, env.action_dim, env.max_episode_steps) == (17, 6, 1000)
     assert env.action_low.tolist() == [-1.0] * 6
     env.reset()
     gen = torch.Generator().manual_seed(0)
     _rollout(env, 10, 0)
-    buf = io.BytesIO()
-    torch.save(env.state_dict(), buf)
+    # Through the checkpoint format itself (HDF5 via hpcrl.h5io: nested dicts, no lists, no 128-bit ints).
+    path = tmp_path / "env.h5"
+    save_h5(path, {"env": env.state_dict()})
     cont = _rollout(env, 10, 1)
     assert cont[-1].obs.dtype == torch.float32 and cont[-1].reward.shape == (2,)
     assert all(torch.isfinite(r.reward).all() for r in cont)
 
     # Exact resume from the checkpoint, in a fresh adapter with another seed.
-    buf.seek(0)
     other = make_env("gym:HalfCheetah-v5", 2, seed=123)
     other.reset()
-    other.load_state_dict(torch.load(buf, weights_only=True))
+    other.load_state_dict(load_h5(path)["env"])
     _assert_same_results(cont, _rollout(other, 10, 1))
     other.close()
 

@@ -23,6 +23,8 @@ should use seeds ``base + rank * num_envs`` to keep their streams disjoint.
 
 from __future__ import annotations
 
+import json
+
 from typing import Any
 
 import numpy as np
@@ -174,7 +176,8 @@ class GymVecEnv(VecEnv):
         subs = []
         for e in self._sub_envs():
             u = e.unwrapped
-            item: dict[str, Any] = {"rng": u.np_random.bit_generator.state}
+            # JSON: numpy's PCG64 state holds 128-bit ints, which HDF5 attributes cannot
+            item: dict[str, Any] = {"rng": json.dumps(u.np_random.bit_generator.state)}
             tl = self._time_limit(e)
             if tl is not None:
                 item["elapsed"] = tl._elapsed_steps
@@ -193,15 +196,17 @@ class GymVecEnv(VecEnv):
                 raise NotImplementedError(f"no known way to save the state of {u}")
             subs.append(item)
         obs = None if self._obs is None else self._obs.cpu().clone()
-        return {"envs": subs, "obs": obs, "seeded": self._seeded}
+        # a dict keyed by index, not a list: checkpoints store nested dicts (hpcrl.h5io)
+        return {"envs": {f"{i:05d}": item for i, item in enumerate(subs)}, "obs": obs, "seeded": self._seeded}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         subs = self._sub_envs()
-        if len(state["envs"]) != len(subs):
-            raise ValueError(f"state_dict has {len(state['envs'])} envs, this one {len(subs)}")
-        for e, item in zip(subs, state["envs"]):
+        saved = [state["envs"][k] for k in sorted(state["envs"])]
+        if len(saved) != len(subs):
+            raise ValueError(f"state_dict has {len(saved)} envs, this one {len(subs)}")
+        for e, item in zip(subs, saved):
             u = e.unwrapped
-            u.np_random.bit_generator.state = item["rng"]
+            u.np_random.bit_generator.state = json.loads(item["rng"])
             tl = self._time_limit(e)
             if tl is not None and "elapsed" in item:
                 tl._elapsed_steps = item["elapsed"]
