@@ -98,6 +98,10 @@ class HFOptions:
     lora_rank: int = 0
     """LoRA rank (0 = full fine-tuning); needs peft."""
     lora_alpha: float | None = None
+    maker_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
+    """Makers' precision: bf16 copy, or int8 by torch's dynamic quantization of the Linear layers (CPU),
+    rebuilt from the received full-precision weights at every swap; trainers stay fp32. The maker's own
+    log-probs are the behaviour ones (the off-policy correction covers the gap; see maker_logp_gap)."""
     """LoRA alpha (default: the rank, i.e. scale 1)."""
     kl_coef: float = 0.05
     """Per-token KL penalty to the reference (the workload's default; --ppo.kl-coef overrides)."""
@@ -179,6 +183,7 @@ class HFActorCritic(nn.Module):
         super().__init__()
         self.actor, self.critic = actor, critic
         self.prompt_len, self.temperature = prompt_len, temperature
+        self.syncs = 0
 
     def action_logits(self, tokens: Tensor, attn: Tensor, net: nn.Module | None = None) -> Tensor:
         """``[B, G, V]`` logits scoring the ``G`` response tokens (positions ``P - 1 .. P + G - 2``)."""
@@ -312,6 +317,36 @@ class HFWorkload(HFOptions):
 
     @torch.no_grad()
     def after_sync(self, model: HFActorCritic) -> None:
+        """Maker side, after new weights were written: merge LoRA (:meth:`_merge`); a reduced-precision
+        maker copy (:meth:`maker_actor`) is rebuilt from them at the next collect."""
+        model.syncs += 1  # a reduced-precision maker copy is rebuilt from these weights (maker_actor)
+        self._merge(model)
+
+    def maker_actor(self, model: HFActorCritic) -> nn.Module:
+        """The network a maker generates and scores with: the actor itself (fp32), or a bf16 / int8 copy
+        made from its current (merged) weights, cached until the next sync."""
+        if self.maker_dtype == "fp32":
+            return model.actor
+        cached = model.__dict__.get("_maker_copy")
+        if cached is not None and cached[0] == model.syncs:
+            return cached[1]
+        net = copy.deepcopy(model.actor)
+        if self.lora_rank:
+            net = net.unload()  # the base layers already hold W0 + s B A (after_sync), or W0 with B = 0
+        if self.maker_dtype == "bf16":
+            net = net.to(torch.bfloat16)
+        else:
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice
+                net = torch.ao.quantization.quantize_dynamic(net.cpu(), {nn.Linear}, dtype=torch.qint8)
+        net = net.eval().requires_grad_(False)
+        model.__dict__["_maker_copy"] = (model.syncs, net)  # not a submodule: never synced or checkpointed
+        return net
+
+    @torch.no_grad()
+    def _merge(self, model: HFActorCritic) -> None:
         """Maker side. Full weights: nothing to do (written in place). LoRA: every adapted layer's base
         weight becomes ``W0 + s * B @ A`` rebuilt from a pristine copy of ``W0`` taken at the first sync
         (never accumulated), and peft is told the layer is merged, so inference runs on plain matrices.
@@ -352,6 +387,10 @@ class HFWorkload(HFOptions):
 
     # -- roles -----------------------------------------------------------------------------------
     def make_collector(self, rank_seed: int, device: torch.device | str = "cpu") -> "HFCollector":
+        if self.maker_dtype == "int8" and torch.device(device).type != "cpu":
+            raise self.renamed(ConfigError(f"--maker-dtype int8 on {device}: int8 makers use torch's dynamic "
+                                           "quantization, which runs on CPU; pass --maker-device cpu, or "
+                                           "--maker-dtype bf16 on GPU makers"))
         return HFCollector(self, rank_seed, torch.device(device))
 
     def make_learner(self, model: HFActorCritic, cfg: PPOConfig, grad_sync: Any) -> "HFLearner":
@@ -396,13 +435,14 @@ class HFCollector:
         prompt, pmask = prompt.to(device), pmask.to(device)
         seed = int(torch.randint(2**62, (1,), generator=generator))
         model.actor.eval()
+        net = wl.maker_actor(model)
         t0 = time.perf_counter()
-        response, amask = generate(model.actor, prompt, pmask.long(), wl.sampling, wl.eos_id, wl.pad_id, seed)
+        response, amask = generate(net, prompt, pmask.long(), wl.sampling, wl.eos_id, wl.pad_id, seed)
         gen_s = max(time.perf_counter() - t0, 1e-9)
         tokens = torch.cat([prompt, response.to(device)], 1)
         attn = torch.cat([pmask, amask.to(device)], 1)
         amask = amask.to(device)
-        logp = token_logp(model.action_logits(tokens, attn), response, wl.temperature) * amask
+        logp = token_logp(model.action_logits(tokens, attn, net), response, wl.temperature) * amask
         ref_logp = token_logp(model.action_logits(tokens, attn, wl.reference_model(device)), response,
                               wl.temperature) * amask
         score = self._scores(idx, tokens, attn, response, amask)
