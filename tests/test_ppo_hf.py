@@ -481,3 +481,19 @@ def test_reduced_precision_makers_learn_with_a_measured_gap(art, dtype, gap_lo, 
     assert gap_lo < sum(gaps) / len(gaps) < gap_hi, gaps
     scores = [h["score"] for h in hist]
     assert sum(scores[-3:]) / 3 > 0.3, [round(x, 3) for x in scores]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_gradient_checkpointing_gives_the_same_update(art, arch):
+    # GPT-2's config has dropout 0.1: build_model turns every dropout off, so train mode (where
+    # checkpointing acts) computes the maker's function; with and without checkpointing, the same update
+    out = []
+    for gc in (False, True):
+        wl = _wl(art, arch, gradient_checkpointing=gc)
+        model, hist = _loop(wl, lr=1e-3, iters=1)
+        assert model.actor.is_gradient_checkpointing == gc and model.critic.backbone.is_gradient_checkpointing == gc
+        out.append((hist[0], torch.cat([p.detach().reshape(-1) for p in model.parameters()])))
+    (h0, p0), (h1, p1) = out
+    assert h0["maker_logp_gap"] < 1e-5 and h1["maker_logp_gap"] < 1e-5
+    assert torch.allclose(p0, p1, atol=1e-6), (p0 - p1).abs().max()
+    assert h0["trainer_tokens_per_s"] > 0

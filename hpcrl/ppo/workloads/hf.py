@@ -25,6 +25,14 @@ Roles (the same split as :mod:`hpcrl.ppo.workloads.lm`):
   backbones; only they (and the value head) are trained; only the actor's adapters are published.
   Makers merge (:meth:`HFWorkload.after_sync`): each adapted weight is rebuilt as ``W0 + s B A`` from a
   pristine copy of ``W0`` at every sync (as the ``lm`` workload's LoRA path does), never accumulated.
+* **maker precision** (``--maker-dtype bf16|int8``): makers generate and score with a bf16 copy or an
+  int8 dynamically quantized copy (torch's, CPU) of the actor, re-made from the received fp32 weights
+  at every swap; its log-probs are the behaviour ones, and ``maker_logp_gap`` (mean |log pi_trainer -
+  log pi_maker| per token before each update) measures the gap the off-policy correction absorbs.
+* **metrics** (``metrics.jsonl`` / TensorBoard through the trainer's row): ``score`` (reward mean),
+  ``score_std``, ``kl_to_ref`` (k1, per sequence), ``kl_to_ref_k3``, ``response_len``, ``eos_frac``,
+  ``entropy``, ``clip_frac``, ``value_loss``, ``explained_variance``, ``maker_tokens_per_s``,
+  ``trainer_tokens_per_s``, ``maker_logp_gap``.
 * **artefacts**: with ``--save-dir DIR`` trainer 0 writes the actor with ``save_pretrained`` (LoRA
   merged into a copy) plus the tokenizer to ``DIR/actor`` at every checkpoint and at the end.
 """
@@ -98,6 +106,8 @@ class HFOptions:
     lora_rank: int = 0
     """LoRA rank (0 = full fine-tuning); needs peft."""
     lora_alpha: float | None = None
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (trainers: less memory, ~1 more forward per step)."""
     maker_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
     """Makers' precision: bf16 copy, or int8 by torch's dynamic quantization of the Linear layers (CPU),
     rebuilt from the received full-precision weights at every swap; trainers stay fp32. The maker's own
@@ -283,6 +293,15 @@ class HFWorkload(HFOptions):
         """Pretrained weights by path (identical on every rank); the value head is zero-initialised."""
         actor = M.load_causal_lm(self.model)
         critic = None if self.algo == "grpo" else M.load_value_model(self.critic or self.model)
+        for net in (actor, critic):
+            if net is None:
+                continue
+            for m in net.modules():  # no dropout anywhere: maker and trainer evaluate the same function
+                if isinstance(m, nn.Dropout):
+                    m.p = 0.0
+            if self.gradient_checkpointing:
+                inner = net.backbone if isinstance(net, M.ValueModel) else net
+                inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.lora_rank:
             actor = self._lora(actor)
             if critic is not None:
@@ -508,7 +527,8 @@ class HFLearner:
         tokens, attn, mask = b["tokens"], b["attention_mask"], b["action_mask"]
         blogp, ref_logp, score = b["behaviour_logp"].float(), b["ref_logp"].float(), b["score"].float()
         response = tokens[:, wl.max_prompt_tokens:]
-        model.eval()  # no dropout: maker and trainer evaluate the same function
+        model.train()  # dropout is off (build_model); train mode is what gradient checkpointing acts in
+        t_start = time.perf_counter()
         with torch.no_grad():
             adv, returns, old_values, rewards = self._advantages(b)
             prox_logp = None
@@ -562,7 +582,8 @@ class HFLearner:
                    kl_to_ref_k3=float((approx_kl(blogp, ref_logp) * mask).sum(-1).mean()),
                    reward=float((rewards * mask).sum(-1).mean()), response_len=float(lengths.mean()),
                    eos_frac=float((lengths < mask.shape[1]).float().mean()),
-                   maker_tokens_per_s=float(tps.mean()), sequences=float(n))
+                   maker_tokens_per_s=float(tps.mean()), sequences=float(n),
+                   trainer_tokens_per_s=float(attn.sum()) * cfg.epochs / max(time.perf_counter() - t_start, 1e-9))
         if old_values is not None:
             var_ret = returns[mask > 0].var()
             out["value_mean"] = float(masked_mean(old_values, mask))
