@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from .base import EpisodeStats, EpisodeSummary, StepResult, TorchVecEnv, VecEnv, check_num_envs
+from .base import EpisodeStats, EpisodeSummary, StepResult, TorchVecEnv, VecEnv, check_num_envs, first_episode_returns
 from .cartpole import CartPole, CartPoleSwingUp
 from .pendulum import Pendulum
 
@@ -34,6 +34,7 @@ __all__ = [
     "CartPole",
     "CartPoleSwingUp",
     "EpisodeStats",
+    "first_episode_returns",
     "EpisodeSummary",
     "GymVecEnv",
     "Pendulum",

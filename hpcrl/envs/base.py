@@ -371,3 +371,23 @@ class EpisodeStats:
         self.running_return = state["running_return"].to(self.device, self.dtype).clone()
         self.running_length = state["running_length"].to(self.device, torch.int64).clone()
         self._sum = state["sum"].to(self.device, self.dtype).clone()
+
+
+@torch.no_grad()
+def first_episode_returns(env: VecEnv, obs: Tensor, act: Any, max_steps: int = 1000) -> Tensor:
+    """The return of each env's first episode from ``obs`` (the env freshly reset), stepping with
+    ``act(obs) -> action``; an episode still running after ``env.max_episode_steps`` (or ``max_steps``)
+    steps counts with the return it has so far. What evaluation (training's and ``hpcrl.sac.play``'s)
+    measures; one host sync per step (the all-finished check)."""
+    stats = EpisodeStats(env.num_envs, env.device)
+    finished = torch.zeros(env.num_envs, dtype=torch.bool, device=env.device)
+    returns = torch.zeros(env.num_envs, dtype=stats.running_return.dtype, device=env.device)
+    for _ in range(env.max_episode_steps or max_steps):
+        result = env.step(act(obs))
+        done, episode_return, _ = stats.update(result)
+        returns = torch.where(done & ~finished, episode_return, returns)
+        finished |= done
+        obs = result.obs
+        if bool(finished.all()):
+            break
+    return torch.where(finished, returns, stats.running_return)

@@ -27,7 +27,7 @@ import tyro
 
 from hpcrl.config_check import MAX_SEED, Check, ConfigError
 from hpcrl.conventions import EXIT_BAD_CONFIG
-from hpcrl.envs import GYM_PREFIX, EpisodeStats, make_env
+from hpcrl.envs import GYM_PREFIX, first_episode_returns, make_env
 
 from .policy import Policy, load
 
@@ -77,19 +77,7 @@ def evaluate_policy(policy: Policy, env_name: str, episodes: int, seed: int, dev
     episode still running after the step limit counts with the return it has so far."""
     env = make_env(env_name, episodes, device=device, seed=seed)
     _check_dims(policy, env, env_name)
-    obs = env.reset(seed=seed)
-    stats = EpisodeStats(episodes, env.device)
-    finished = torch.zeros(episodes, dtype=torch.bool, device=env.device)
-    returns = torch.zeros(episodes, dtype=stats.running_return.dtype, device=env.device)
-    for _ in range(env.max_episode_steps or max_steps):
-        result = env.step(policy(obs.float()))
-        done, episode_return, _ = stats.update(result)
-        returns = torch.where(done & ~finished, episode_return, returns)
-        finished |= done
-        obs = result.obs
-        if bool(finished.all()):
-            break
-    returns = torch.where(finished, returns, stats.running_return)
+    returns = first_episode_returns(env, env.reset(seed=seed), lambda obs: policy(obs.float()), max_steps)
     close = getattr(env, "close", None)
     if close is not None:
         close()

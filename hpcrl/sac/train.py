@@ -25,7 +25,7 @@ import torch
 from hpcrl import checkpoint, rundir
 from hpcrl.comm import (DistContext, StopRequest, all_reduce_sum_, barrier, broadcast_, check_parameters_in_sync,
                         hosts, init_distributed, reduce_metrics, shutdown)
-from hpcrl.envs import EpisodeStats, make_env
+from hpcrl.envs import EpisodeStats, first_episode_returns, make_env
 from hpcrl.metrics import RunLogger
 from hpcrl.replay import ReplayShard
 
@@ -498,16 +498,6 @@ def evaluate(cfg: SACConfig, agent: FastSAC, normalizer: ObsNormalizer, device: 
     rank; mean return over ranks. Collective. Touches no training state or random stream."""
     episodes = episodes or cfg.eval_episodes
     env = make_env(cfg.env, episodes, device=device, seed=10_000 + cfg.seed + ctx.rank)
-    obs = env.reset()
-    stats = EpisodeStats(episodes, device)
-    finished = torch.zeros(episodes, dtype=torch.bool, device=device)
-    returns = torch.zeros(episodes, device=device)
-    for _ in range(env.max_episode_steps or 1000):
-        result = env.step(agent.actor.act(normalizer(obs), deterministic=True))
-        done, episode_return, _ = stats.update(result)
-        returns = torch.where(done & ~finished, episode_return, returns)
-        finished |= done
-        obs = result.obs
-        if bool(finished.all()):
-            break
+    act = lambda obs: agent.actor.act(normalizer(obs), deterministic=True)  # noqa: E731
+    returns = first_episode_returns(env, env.reset(), act)
     return {"eval_return": reduce_metrics({"r": returns.mean()}, ctx.host_plane)["r"]}
