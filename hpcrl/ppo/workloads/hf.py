@@ -40,133 +40,27 @@ Roles (the same split as :mod:`hpcrl.ppo.workloads.lm`):
 from __future__ import annotations
 
 import copy
-import math
 import os
 import shutil
 import sys
 import time
-import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from hpcrl.config_check import ConfigError, show
+from hpcrl.config_check import ConfigError
 
 from ..losses import approx_kl, gae, masked_mean, policy_loss, sequence_rewards_with_kl, value_loss, whiten
 from ..workload import PPOConfig
 from . import hf_models as M
+from .hf_options import HFOptions
 from .hf_generate import SamplingParams, generate, position_ids, token_logp
 from .hf_prompts import PromptStream, load_prompts
 
 __all__ = ["HFActorCritic", "HFOptions", "HFWorkload", "group_advantages", "left_pad"]
-
-MAX_TOKENS = 1 << 20
-
-
-@dataclass
-class HFOptions:
-    """Options of the Hugging Face RLHF workload (real transformers models, token-level PPO / GRPO)."""
-
-    model: str = ""
-    """Actor and frozen reference: a directory written by save_pretrained (config.json, weights, tokenizer)
-    or a hub id; loaded with AutoModelForCausalLM (required)."""
-    critic: str | None = None
-    """Critic backbone (a causal-LM directory); default: the actor's. Not with --algo grpo."""
-    reward_model: str | None = None
-    """An AutoModelForSequenceClassification directory with one label (exactly one of --reward-model, --reward-fn)."""
-    reward_fn: str | None = None
-    """package.module:function, called as fn(prompts: list[str], responses: list[str]) -> list[float]."""
-    prompts: str = ""
-    """Prompt dataset: a .jsonl file (one object per line), a .parquet file, or a datasets directory (required)."""
-    prompt_key: str = "prompt"
-    """The field of each record that holds the prompt."""
-    chat_template: bool = True
-    """Apply the tokenizer's chat template (user turn + generation prompt) when it has one."""
-    max_prompt_tokens: int = 64
-    """Prompts are left-padded to this many tokens; a longer prompt is an error (or see --truncate-prompts)."""
-    truncate_prompts: bool = False
-    """Keep the last --max-prompt-tokens tokens of a longer prompt (with a warning) instead of refusing it."""
-    max_new_tokens: int = 16
-    """Response tokens per sample (generation stops earlier at EOS); in [1, 1048576]."""
-    temperature: float = 1.0
-    """Sampling temperature, > 0; the optimised policy is the tempered one (maker and trainer alike)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass in (0, 1]; 1 = off."""
-    top_k: int = 0
-    """Top-k sampling; 0 = off."""
-    batch_size: int = 16
-    """Prompts per experience batch (x --group-size sequences with --algo grpo)."""
-    algo: Literal["ppo", "grpo"] = "ppo"
-    """ppo: critic + GAE; grpo: no critic, group-normalised scores over --group-size samples per prompt."""
-    group_size: int = 4
-    """Samples per prompt with --algo grpo (>= 2)."""
-    lora_rank: int = 0
-    """LoRA rank (0 = full fine-tuning); needs peft."""
-    lora_alpha: float | None = None
-    gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass (trainers: less memory, ~1 more forward per step)."""
-    maker_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
-    """Makers' precision: bf16 copy, or int8 by torch's dynamic quantization of the Linear layers (CPU),
-    rebuilt from the received full-precision weights at every swap; trainers stay fp32. The maker's own
-    log-probs are the behaviour ones (the off-policy correction covers the gap; see maker_logp_gap)."""
-    """LoRA alpha (default: the rank, i.e. scale 1)."""
-    kl_coef: float = 0.05
-    """Per-token KL penalty to the reference (the workload's default; --ppo.kl-coef overrides)."""
-    kl_estimator: Literal["k1", "k3"] = "k1"
-    """k1: log pi - log pi_ref (its sequence sum is exact); k3: (u - 1) - log u, never negative."""
-    save_dir: str | None = None
-    """Trainer 0 writes the actor (save_pretrained + tokenizer) to SAVE_DIR/actor at every checkpoint."""
-
-    FLAG_PREFIX: ClassVar[str] = "--"
-    """How the flags are spelled in messages: "--" as a plugin's own flags, "--hf." as a nested group."""
-
-    def flag(self, name: str) -> str:
-        return self.FLAG_PREFIX + name.replace("_", "-")
-
-    def renamed(self, err: ConfigError) -> ConfigError:
-        """``err`` with this workload's flags spelled with :attr:`FLAG_PREFIX` (``--model`` -> ``--hf.model``)."""
-        if self.FLAG_PREFIX == "--":
-            return err
-        names = "|".join(sorted((f.name.replace("_", "-") for f in fields(HFOptions)), key=len, reverse=True))
-        return ConfigError(re.sub(rf"(?<![\w.-])--({names})(?![\w-])", lambda m: self.flag(m.group(1)), str(err)))
-
-    def fail(self, name: str, rule: str, fix: str) -> None:
-        raise ConfigError(f"{self.flag(name)} {show(getattr(self, name))}: must be {rule}; {fix}")
-
-    def check(self) -> None:
-        """Ranges and combinations (no files read)."""
-        if not self.model:
-            raise ConfigError(f"{self.flag('model')} is required: a save_pretrained directory or a hub id")
-        if not self.prompts:
-            raise ConfigError(f"{self.flag('prompts')} is required: a .jsonl file with a {self.prompt_key!r} field")
-        for name, lo, hi in (("max_prompt_tokens", 1, MAX_TOKENS), ("max_new_tokens", 1, MAX_TOKENS),
-                             ("batch_size", 1, 1 << 16), ("top_k", 0, MAX_TOKENS), ("lora_rank", 0, 4096)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-                self.fail(name, f"an integer in [{lo}, {hi}]", f"e.g. {self.flag(name)} {getattr(HFOptions, name)}")
-        finite = lambda v: isinstance(v, (int, float)) and math.isfinite(v)  # noqa: E731
-        if not (finite(self.temperature) and self.temperature > 0):
-            self.fail("temperature", "a finite number > 0", "e.g. --temperature 1.0")
-        if not (finite(self.top_p) and 0 < self.top_p <= 1):
-            self.fail("top_p", "in (0, 1]", "e.g. --top-p 1.0 (off) or 0.9")
-        if not (finite(self.kl_coef) and self.kl_coef >= 0):
-            self.fail("kl_coef", "a finite number >= 0", "e.g. --kl-coef 0.05")
-        if self.lora_alpha is not None and not (finite(self.lora_alpha) and self.lora_alpha > 0):
-            self.fail("lora_alpha", "a finite number > 0", "e.g. --lora-alpha 16, or leave it unset (= rank)")
-        if self.algo == "grpo":
-            if self.critic is not None:
-                raise ConfigError(f"{self.flag('critic')} {self.critic}: --algo grpo has no critic (advantages are "
-                                  "group-normalised scores); drop --critic, or use --algo ppo")
-            if not isinstance(self.group_size, int) or not 2 <= self.group_size <= 1024:
-                self.fail("group_size", "an integer in [2, 1024] with --algo grpo", "e.g. --group-size 4")
-        if (self.reward_model is None) == (self.reward_fn is None):
-            both = "both" if self.reward_model is not None else "neither"
-            raise ConfigError(f"{self.flag('reward_model')} / {self.flag('reward_fn')}: {both} given; pass exactly "
-                              "one (a one-label sequence-classification model, or package.module:function)")
-
 
 def left_pad(rows: list[list[int]], length: int, pad_id: int) -> tuple[Tensor, Tensor]:
     """``(ids [B, length], mask [B, length])``: each row right-aligned (left padding)."""
