@@ -434,8 +434,13 @@ def test_resume_continues_from_the_checkpointed_version(art, tmp_path):
 
 def test_flags_renamed_for_a_nested_group(art, tmp_path):
     # registered as --workload hf with an --hf.* group, the same checks name --hf.FLAG
-    class Grouped(HFWorkload):
-        FLAG_PREFIX = "--hf."
+    from hpcrl.ppo.workloads.hf import RegisteredHFWorkload as Grouped
+    from hpcrl.ppo.workloads.hf_options import HFOptions
+
+    HFOptions().check_ranges()  # a default group (another --workload) passes
+    with pytest.raises(ConfigError, match=r"^--hf\.model is required"):
+        Grouped(prompts=str(art["prompts"]), reward_fn=REWARD)
+    assert set(HFOptions(model="m").kwargs()) == {f.name for f in dataclasses.fields(HFOptions)}
 
     with pytest.raises(ConfigError, match=r"^--hf\.max-prompt-tokens 8 \+ --hf\.max-new-tokens 60 = 68 tokens"):
         Grouped(model=str(art["llama"]), reward_fn=REWARD, prompts=str(art["prompts"]), max_prompt_tokens=8,

@@ -60,7 +60,7 @@ from .hf_options import HFOptions
 from .hf_generate import SamplingParams, generate, position_ids, token_logp
 from .hf_prompts import PromptStream, load_prompts
 
-__all__ = ["HFActorCritic", "HFOptions", "HFWorkload", "group_advantages", "left_pad"]
+__all__ = ["HFActorCritic", "HFOptions", "HFWorkload", "RegisteredHFWorkload", "group_advantages", "left_pad"]
 
 def left_pad(rows: list[list[int]], length: int, pad_id: int) -> tuple[Tensor, Tensor]:
     """``(ids [B, length], mask [B, length])``: each row right-aligned (left padding)."""
@@ -493,3 +493,10 @@ class HFLearner:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.opt.load_state_dict(state["optimizer"])
         self.updates = int(state["updates"])
+
+
+@dataclass
+class RegisteredHFWorkload(HFWorkload):
+    """:class:`HFWorkload` as ``--workload hf`` with an ``--hf.*`` option group: messages say ``--hf.model``."""
+
+    FLAG_PREFIX = "--hf."

@@ -57,13 +57,13 @@ class HFOptions:
     lora_rank: int = 0
     """LoRA rank (0 = full fine-tuning); needs peft."""
     lora_alpha: float | None = None
+    """LoRA alpha (default: the rank, i.e. scale 1)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (trainers: less memory, ~1 more forward per step)."""
     maker_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
     """Makers' precision: bf16 copy, or int8 by torch's dynamic quantization of the Linear layers (CPU),
     rebuilt from the received full-precision weights at every swap; trainers stay fp32. The maker's own
     log-probs are the behaviour ones (the off-policy correction covers the gap; see maker_logp_gap)."""
-    """LoRA alpha (default: the rank, i.e. scale 1)."""
     kl_coef: float = 0.05
     """Per-token KL penalty to the reference (the workload's default; --ppo.kl-coef overrides)."""
     kl_estimator: Literal["k1", "k3"] = "k1"
@@ -87,12 +87,24 @@ class HFOptions:
     def fail(self, name: str, rule: str, fix: str) -> None:
         raise ConfigError(f"{self.flag(name)} {show(getattr(self, name))}: must be {rule}; {fix}")
 
+    def kwargs(self) -> dict[str, object]:
+        """What :class:`~hpcrl.ppo.workloads.hf.HFWorkload` receives (every field)."""
+        return {f.name: getattr(self, f.name) for f in fields(HFOptions)}
+
     def check(self) -> None:
-        """Ranges and combinations (no files read)."""
+        """Ranges and combinations (no files read); --model and --prompts are required."""
         if not self.model:
             raise ConfigError(f"{self.flag('model')} is required: a save_pretrained directory or a hub id")
         if not self.prompts:
             raise ConfigError(f"{self.flag('prompts')} is required: a .jsonl file with a {self.prompt_key!r} field")
+        self.check_ranges()
+        if (self.reward_model is None) == (self.reward_fn is None):
+            both = "both" if self.reward_model is not None else "neither"
+            raise ConfigError(f"{self.flag('reward_model')} / {self.flag('reward_fn')}: {both} given; pass exactly "
+                              "one (a one-label sequence-classification model, or package.module:function)")
+
+    def check_ranges(self) -> None:
+        """:meth:`check` without the required fields: what a default group (another --workload) passes."""
         for name, lo, hi in (("max_prompt_tokens", 1, MAX_TOKENS), ("max_new_tokens", 1, MAX_TOKENS),
                              ("batch_size", 1, 1 << 16), ("top_k", 0, MAX_TOKENS), ("lora_rank", 0, 4096)):
             v = getattr(self, name)
@@ -113,7 +125,3 @@ class HFOptions:
                                   "group-normalised scores); drop --critic, or use --algo ppo")
             if not isinstance(self.group_size, int) or not 2 <= self.group_size <= 1024:
                 self.fail("group_size", "an integer in [2, 1024] with --algo grpo", "e.g. --group-size 4")
-        if (self.reward_model is None) == (self.reward_fn is None):
-            both = "both" if self.reward_model is not None else "neither"
-            raise ConfigError(f"{self.flag('reward_model')} / {self.flag('reward_fn')}: {both} given; pass exactly "
-                              "one (a one-label sequence-classification model, or package.module:function)")
