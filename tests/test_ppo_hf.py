@@ -437,7 +437,11 @@ def test_flags_renamed_for_a_nested_group(art, tmp_path):
     from hpcrl.ppo.workloads.hf import RegisteredHFWorkload as Grouped
     from hpcrl.ppo.workloads.hf_options import HFOptions
 
+    from hpcrl.ppo.workloads.hf_options import HFGroupOptions
+
     HFOptions().check_ranges()  # a default group (another --workload) passes
+    with pytest.raises(ConfigError, match=r"^--hf\.top-p 2: must be in \(0, 1\]"):
+        HFGroupOptions(top_p=2.0).check_ranges()
     with pytest.raises(ConfigError, match=r"^--hf\.model is required"):
         Grouped(prompts=str(art["prompts"]), reward_fn=REWARD)
     assert set(HFOptions(model="m").kwargs()) == {f.name for f in dataclasses.fields(HFOptions)}

@@ -32,7 +32,7 @@ def _transformers():
     try:
         import transformers
     except ImportError:
-        raise ConfigError("--workload hf needs the transformers package: pip install 'transformers>=4.45' "
+        raise ConfigError("--workload hf needs the transformers package: pip install transformers "
                           "tokenizers safetensors (or the hpcrl[hf] extra)") from None
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()

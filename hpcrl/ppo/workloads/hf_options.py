@@ -12,7 +12,7 @@ from typing import ClassVar, Literal
 
 from hpcrl.config_check import ConfigError, show
 
-__all__ = ["HFOptions"]
+__all__ = ["HFGroupOptions", "HFOptions"]
 
 MAX_TOKENS = 1 << 20
 
@@ -125,3 +125,10 @@ class HFOptions:
                                   "group-normalised scores); drop --critic, or use --algo ppo")
             if not isinstance(self.group_size, int) or not 2 <= self.group_size <= 1024:
                 self.fail("group_size", "an integer in [2, 1024] with --algo grpo", "e.g. --group-size 4")
+
+
+@dataclass
+class HFGroupOptions(HFOptions):
+    """:class:`HFOptions` as the ``--hf.*`` group of ``python -m hpcrl.ppo`` (``--workload hf``)."""
+
+    FLAG_PREFIX: ClassVar[str] = "--hf."
