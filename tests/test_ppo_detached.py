@@ -231,7 +231,7 @@ def test_chaos_frozen_and_killed_makers_are_dropped_and_the_rest_finish(tmp_path
         out, err = procs[0].communicate(timeout=100)
         assert procs[0].returncode == 0, err[-3000:]
         assert procs[2].wait(timeout=30) == 0
-        woke_out, woke_err = frozen.communicate(timeout=30)
+        woke_out, woke_err = frozen.communicate(timeout=60)  # 30 s was exceeded once on a loaded machine
         assert frozen.returncode == 0, woke_err[-2000:]
         assert time.time() - t0 < 60
     finally:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -66,7 +67,11 @@ def test_local_spawn_opens_no_port_beyond_loopback():
         assert r["parent"], "the spawn parent hosts the store: it must listen somewhere"
         bad = [(a, p) for a, p in r["self"] + r["parent"] if not _loopback(a)]
         assert not bad, f"rank {r['rank']}: listening beyond loopback: {bad}"
-    store_ports = {p for p, in [(p,) for _, p in ranks[0]["parent"]]}
+    store_ports = {p for _, p in ranks[0]["parent"]}
+    deadline = time.monotonic() + 10  # the store's server thread closes its socket as it shuts down
+    while store_ports & {p for _, p in parent} and time.monotonic() < deadline:
+        time.sleep(0.1)
+        parent = listening(os.getpid())
     assert not store_ports & {p for _, p in parent}, "the store must be gone once spawn returned"
 
 
