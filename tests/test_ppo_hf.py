@@ -298,12 +298,12 @@ def test_bad_inputs_are_one_line_config_errors(art, tmp_path):
     assert max(len(p) for p in wl.prompt_ids) == 8
 
 
-def _cli(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+def _cli(args: list[str], cwd: Path, timeout: float = 240, workload: str = PLUGIN) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "SBATCH_", "SRUN_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")]),
                HF_HUB_OFFLINE="1", COLUMNS="200")
-    return subprocess.run([sys.executable, "-m", "hpcrl.ppo", "--workload", PLUGIN, *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "hpcrl.ppo", "--workload", workload, *args], capture_output=True,
                           text=True, timeout=timeout, env=env, cwd=cwd)
 
 
@@ -320,11 +320,11 @@ def test_cli_bad_inputs_exit_2_before_ranks_start(art, tmp_path):
 def test_detached_ppo_rises_and_writes_a_loadable_actor(art, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    run = tmp_path / "run"
-    proc = _cli(["--model", str(art["llama"]), "--reward-fn", REWARD, "--prompts", str(art["prompts"]),
-                 "--max-prompt-tokens", "8", "--max-new-tokens", "8", "--batch-size", "16",
-                 "--save-dir", str(run / "hf"), "--makers", "1", "--trainers", "1", "--lag", "1",
-                 "--total-steps", "30", "--ppo.lr", "2e-3", "--run-dir", str(run)], tmp_path)
+    run = tmp_path / "run"  # the registered route, as users type it; the actor lands in RUN_DIR/hf/actor
+    proc = _cli(["--hf.model", str(art["llama"]), "--hf.reward-fn", REWARD, "--hf.prompts", str(art["prompts"]),
+                 "--hf.max-prompt-tokens", "8", "--hf.max-new-tokens", "8", "--hf.batch-size", "16",
+                 "--makers", "1", "--trainers", "1", "--lag", "1",
+                 "--total-steps", "30", "--ppo.lr", "2e-3", "--run-dir", str(run)], tmp_path, workload="hf")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "score" in r][:30]

@@ -22,6 +22,7 @@ import tyro
 from hpcrl.config_check import DEVICE, MAX_SEED, MAX_TIMEOUT_S, Check, ConfigError, show
 from hpcrl.conventions import DEFAULT_MAKERS, DEFAULT_TRAINERS
 
+from .workloads.hf_options import HFGroupOptions
 from .workloads.options import LMOptions, PPOOptions, VectorEnvOptions
 
 MAX_LAG = 64
@@ -36,6 +37,7 @@ MIN_BUCKET_MB = 1e-4
 VECTOR_WORKLOADS = ("cartpole", "swingup", "continuous", "pendulum")
 """Built-in workloads that take the --env.* options (hpcrl.ppo.workloads registry)."""
 LM_WORKLOADS = ("lm",)
+HF_WORKLOADS = ("hf",)
 """Built-in workloads that take the --lm.* options."""
 
 
@@ -98,6 +100,9 @@ class DetachedConfig:
     """Options of the vector-env workloads (--workload cartpole, swingup, continuous, pendulum)."""
     lm: LMOptions = field(default_factory=LMOptions)
     """Options of the token-level LM workload (--workload lm)."""
+    hf: HFGroupOptions = field(default_factory=HFGroupOptions)
+    """Options of the Hugging Face RLHF workload (--workload hf): models by path or hub id, prompts,
+    reward model or function, generation, PPO/GRPO, LoRA, maker precision."""
     ppo: PPOOptions = field(default_factory=PPOOptions)
     """PPO hyper-parameters (unset: the workload's own)."""
     plugin_args: Annotated[tuple[str, ...], tyro.conf.Suppress] = ()
@@ -148,14 +153,18 @@ class DetachedConfig:
 
     def _check_options(self, c: Check) -> None:
         """Each option group's ranges, and that the groups given are the workload's own."""
-        for name, kind in (("env", VectorEnvOptions), ("lm", LMOptions), ("ppo", PPOOptions)):
+        for name, kind in (("env", VectorEnvOptions), ("lm", LMOptions), ("hf", HFGroupOptions),
+                           ("ppo", PPOOptions)):
             if not isinstance(getattr(self, name), kind):
                 c.fail(name, f"a {kind.__name__}", f"set its fields as --{name}.FIELD VALUE (see --help)")
-            getattr(self, name).check()
+            if name == "hf" and self.workload not in HF_WORKLOADS:
+                self.hf.check_ranges()  # check() also requires --hf.model, --hf.prompts and a reward
+            else:
+                getattr(self, name).check()
         if not isinstance(self.plugin_args, tuple) or not all(isinstance(a, str) for a in self.plugin_args):
             c.fail("plugin_args", "a tuple of command-line strings", "e.g. ('--rollout-s', '0.05')")
         plugin = is_plugin(self.workload)
-        for name, family in (("env", VECTOR_WORKLOADS), ("lm", LM_WORKLOADS)):
+        for name, family in (("env", VECTOR_WORKLOADS), ("lm", LM_WORKLOADS), ("hf", HF_WORKLOADS)):
             if getattr(self, name) != type(getattr(self, name))() and self.workload not in family:
                 changed, value = next((f, v) for f, v in vars(getattr(self, name)).items()
                                       if v != getattr(type(getattr(self, name))(), f))
@@ -166,7 +175,7 @@ class DetachedConfig:
         if self.plugin_args and not plugin:
             raise ConfigError(f"unrecognized option(s) {' '.join(self.plugin_args)} for --workload {self.workload}: "
                               "only a package.module:Class workload takes flags of its own; see python -m hpcrl.ppo "
-                              "--help for the --env.*, --lm.* and --ppo.* options")
+                              "--help for the --env.*, --lm.*, --hf.* and --ppo.* options")
 
     def bucket_numel(self, dtype: torch.dtype) -> int:
         """Elements of ``dtype`` per weight bucket (``bucket_mb``)."""
@@ -206,7 +215,8 @@ def parse_args(argv: list[str], prog: str = "python -m hpcrl.ppo") -> DetachedCo
 
 
 DESCRIPTION = ("Detached PPO: experience makers and PPO trainers as separate process groups. Workload options: "
-               "--env.* (cartpole, swingup, continuous, pendulum), --lm.* (lm); PPO hyper-parameters: --ppo.* "
+               "--env.* (cartpole, swingup, continuous, pendulum), --lm.* (lm), --hf.* (hf: Hugging Face models); PPO "
+               "hyper-parameters: --ppo.* "
                "(unset: the workload's own). A package.module:Class workload takes its own flags, parsed against "
                "its constructor's typed arguments (python -m hpcrl.ppo --workload pkg.mod:Cls --help lists them).")
 

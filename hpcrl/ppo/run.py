@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from pathlib import Path
 
 import torch
 import tyro
@@ -12,7 +13,7 @@ from hpcrl import checkpoint, rundir
 from hpcrl.comm import StopRequest, detect_launch, init_distributed, shutdown
 from hpcrl.conventions import ppo_role
 
-from .config import LM_WORKLOADS, ConfigError, DetachedConfig, is_plugin, tyro_call
+from .config import HF_WORKLOADS, LM_WORKLOADS, ConfigError, DetachedConfig, is_plugin, tyro_call
 from .events import Events, ignore
 from .groups import make_groups
 from .liveness import Heartbeat, liveness_store, remember_hosts
@@ -48,7 +49,10 @@ def build_workload(cfg: DetachedConfig):
     else:
         from .workloads import make_workload
 
-        options = cfg.lm.kwargs() if cfg.workload in LM_WORKLOADS else cfg.env.kwargs()
+        if cfg.workload in HF_WORKLOADS:  # the actor lands in RUN_DIR/hf/actor unless --hf.save-dir says
+            options = {**cfg.hf.kwargs(), "save_dir": cfg.hf.save_dir or str(Path(cfg.run_dir) / "hf")}
+        else:
+            options = cfg.lm.kwargs() if cfg.workload in LM_WORKLOADS else cfg.env.kwargs()
         try:
             workload = make_workload(cfg.workload, **options)
         except (ValueError, TypeError) as err:

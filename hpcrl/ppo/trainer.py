@@ -42,7 +42,7 @@ _LOOK_S = 0.5  # how often the trainer reads the peers' heartbeats while waiting
 # they are the run's identity. Everything else (steps, lag, makers, devices, timeouts, checkpoint
 # cadence) may change between the jobs of one run dir.
 # The option groups (--env.*, --lm.*, --ppo.*) are part of it: they change the model or the update.
-IDENTITY_FIELDS = ("seed", "workload", "env", "lm", "ppo", "plugin_args")
+IDENTITY_FIELDS = ("seed", "workload", "env", "lm", "hf", "ppo", "plugin_args")
 
 
 def run_identity(cfg: DetachedConfig, trainers: int) -> dict:

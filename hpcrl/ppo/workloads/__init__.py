@@ -36,12 +36,19 @@ def _lm(**kwargs: Any) -> Any:
     return LMWorkload(**kwargs)
 
 
+def _hf(**kwargs: Any) -> Any:
+    from .hf import RegisteredHFWorkload  # lazy: needs transformers (pip install '.[hf]')
+
+    return RegisteredHFWorkload(**kwargs)
+
+
 _REGISTRY: dict[str, Callable[..., Any]] = {
     "cartpole": _vector("cartpole", "cartpole"),
     "swingup": _vector("cartpole_swingup", "swingup", **_CONTINUOUS),
     "continuous": _vector("cartpole_swingup", "continuous", **_CONTINUOUS),
     "pendulum": _vector("pendulum", "pendulum", **_CONTINUOUS),
     "lm": _lm,
+    "hf": _hf,
 }
 
 
