@@ -267,6 +267,17 @@ PRESETS: dict[str, dict] = {
         v_min=-250.0, v_max=250.0, critic_hidden=512, actor_hidden=256, alpha_init=0.001, target_entropy_ratio=0.0,
         weight_decay=0.001, log_every=100, checkpoint_every=5000, eval_episodes=4, eval_every=2000,
     ),
+    # MuJoCo Playground's DM-suite CartpoleBalance (the Playground task that runs without the menagerie
+    # files). FastTD3's Playground arguments (younggyoseo/FastTD3 fast_td3/hyperparams.py, MuJoCoPlaygroundArgs:
+    # gamma 0.97, a 10,240-slot replay per env, return support [-10, 10]) on holosoma's learner; 128 envs
+    # instead of 1024 for a CPU, and rewards (in [0, 1] per step, up to 1/(1 - 0.97) = 33 discounted) scaled
+    # by 0.25 into that support.
+    "playground": dict(
+        env="playground:CartpoleBalance", num_envs=128, total_env_steps=500_000, batch_size=4096,
+        buffer_size=10_240, gamma=0.97, tau=0.1, num_updates=2, policy_frequency=2, v_min=-10.0, v_max=10.0,
+        reward_scale=0.25, critic_hidden=512, actor_hidden=256, learning_starts=10, random_steps=10,
+        log_every=20, checkpoint_every=400, eval_episodes=4, eval_every=400,
+    ),
 }
 
 
