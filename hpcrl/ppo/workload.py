@@ -86,3 +86,20 @@ class Learner(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class AdamLearner:
+    """What the token-level learners (``lm``, ``hf``) share: Adam over the trainable parameters, an update
+    counter, and zeroing the gradients where GradSync keeps them (its flat buffer) as well as in Adam."""
+
+    def __init__(self, model: nn.Module, cfg: PPOConfig, grad_sync: Any) -> None:
+        self.model, self.cfg, self.grad_sync = model, cfg, grad_sync
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.Adam(self.params, lr=cfg.lr, eps=1e-5)
+        self.updates = 0
+
+    def _zero_grad(self) -> None:
+        zero = getattr(self.grad_sync, "zero_grad", None)
+        if zero is not None:
+            zero()
+        self.opt.zero_grad(set_to_none=False)

@@ -54,7 +54,7 @@ from torch import Tensor, nn
 from hpcrl.config_check import ConfigError
 
 from ..losses import approx_kl, gae, masked_mean, policy_loss, sequence_rewards_with_kl, value_loss, whiten
-from ..workload import PPOConfig
+from ..workload import AdamLearner, PPOConfig
 from . import hf_models as M
 from .hf_options import HFOptions
 from .hf_generate import SamplingParams, generate, position_ids, token_logp
@@ -378,20 +378,12 @@ class HFCollector:
         self.batches = int(state["batches"])
 
 
-class HFLearner:
+class HFLearner(AdamLearner):
     """Trainer side: token-level PPO (KL-shaped rewards, GAE, clipped losses) or GRPO; Adam."""
 
     def __init__(self, wl: HFWorkload, model: HFActorCritic, cfg: PPOConfig, grad_sync: Any) -> None:
-        self.wl, self.model, self.cfg, self.grad_sync = wl, model, cfg, grad_sync
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = torch.optim.Adam(self.params, lr=cfg.lr, eps=1e-5)
-        self.updates = 0
-
-    def _zero_grad(self) -> None:
-        zero = getattr(self.grad_sync, "zero_grad", None)
-        if zero is not None:
-            zero()
-        self.opt.zero_grad(set_to_none=False)
+        super().__init__(model, cfg, grad_sync)
+        self.wl = wl
 
     def _advantages(self, b: dict[str, Tensor]) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
         """(advantages [B, G], returns, old values, token rewards) at the start of the update."""

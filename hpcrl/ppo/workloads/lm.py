@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..losses import approx_kl, gae, masked_mean, policy_loss, sequence_rewards_with_kl, value_loss, whiten
-from ..workload import PPOConfig
+from ..workload import AdamLearner, PPOConfig
 
 __all__ = [
     "CausalTransformer",
@@ -489,20 +489,12 @@ class LMCollector:
 # ---------------------------------------------------------------------------------------- learner
 
 
-class LMLearner:
+class LMLearner(AdamLearner):
     """Trainer side: KL-shaped token rewards, GAE with the current critic, clipped PPO, Adam."""
 
     def __init__(self, wl: LMWorkload, model: LMActorCritic, cfg: PPOConfig, grad_sync: Any) -> None:
-        self.wl, self.model, self.cfg, self.grad_sync = wl, model, cfg, grad_sync
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = torch.optim.Adam(self.params, lr=cfg.lr, eps=1e-5)
-        self.updates = 0
-
-    def _zero_grad(self) -> None:
-        zero = getattr(self.grad_sync, "zero_grad", None)
-        if zero is not None:
-            zero()
-        self.opt.zero_grad(set_to_none=False)
+        super().__init__(model, cfg, grad_sync)
+        self.wl = wl
 
     def update(self, batches: list[dict[str, Tensor]], generator: torch.Generator) -> dict[str, float]:
         cfg, model = self.cfg, self.model
