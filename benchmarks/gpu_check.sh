@@ -8,7 +8,9 @@
 #   5. run every entry point on the GPU, each to finite metrics: FastSAC pendulum (W = 1; with one GPU no
 #      NCCL group of two can exist) at the preset's size and at --num-envs 4096; detached PPO 1:1 with GPU
 #      trainer + GPU maker (they share the GPU: weights by gloo staged through host memory) and with GPU
-#      trainer + CPU maker. $OUT/gpu_check.json: exit code, wall time and last metrics row of each.
+#      trainer + CPU maker; FastSAC with --amp fp16 (GradScaler on the GPU) and clipping; then play (and
+#      ONNX export where onnx/onnxruntime exist) on the trained policy. $OUT/gpu_check.json: exit code,
+#      wall time and last metrics row of each.
 # Results land in $OUT (the device tool's output folder) or benchmarks/results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,15 +45,35 @@ entry sac_pendulum 90 "$PY" -m hpcrl.sac --preset pendulum --total-env-steps 640
 entry sac_4096_envs 90 "$PY" -m hpcrl.sac --preset pendulum --num-envs 4096 --batch-size 8192 --total-env-steps 409600 --learning-starts 10 --log-every 20 --eval-episodes 4
 entry ppo_gpu_trainer_gpu_maker 90 "$PY" -m hpcrl.ppo --workload cartpole --makers 1 --trainers 1 --trainer-device cuda --maker-device cuda --total-steps 30
 entry ppo_gpu_trainer_cpu_maker 90 "$PY" -m hpcrl.ppo --workload cartpole --makers 1 --trainers 1 --trainer-device cuda --maker-device cpu --total-steps 30
-"$PY" - "$OUT" "${runs[@]}" <<'PYEOF'
+entry sac_amp_fp16_clipped 90 "$PY" -m hpcrl.sac --preset pendulum --amp fp16 --max-grad-norm 1 --total-env-steps 3200 --eval-episodes 2
+echo "== tools on the trained policy (play on the GPU; ONNX export where onnx/onnxruntime are installed)"
+tools=()
+tool() {  # tool NAME TIMEOUT_S CMD...: an entry point that trains nothing; rc and wall time only
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s) rc=0
+  timeout "$limit" "$@" > "$OUT/runs/$name.log" 2>&1 || rc=$?
+  echo "$name rc=$rc $(( $(date +%s) - t0 )) s"; tail -2 "$OUT/runs/$name.log"
+  tools+=("$name:$rc:$(( $(date +%s) - t0 ))")
+}
+tool sac_play 60 "$PY" -m hpcrl.sac.play "$OUT/runs/sac_pendulum" --episodes 4 --device cuda
+if "$PY" -c "import onnx, onnxruntime" 2>/dev/null; then
+  tool sac_export 120 "$PY" -m hpcrl.sac.export "$OUT/runs/sac_pendulum" --out "$OUT/runs/policy.onnx"
+fi
+"$PY" - "$OUT" "${runs[@]}" -- "${tools[@]}" <<'PYEOF'
 import json, math, sys
 from pathlib import Path
 out, summary, ok = Path(sys.argv[1]), {}, True
-for item in sys.argv[2:]:
+split = sys.argv.index("--")
+for item in sys.argv[split + 1:]:  # tools: the exit code is the check
+    name, rc, wall = item.split(":")
+    ok &= rc == "0"
+    summary[name] = {"rc": int(rc), "wall_s": int(wall), "rows": 0, "finite_losses": rc == "0", "last_row": {}}
+for item in sys.argv[2:split]:
     name, rc, wall = item.split(":")
     path = out / "runs" / name / "metrics.jsonl"
     rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
-    last = rows[-1] if rows else {}
+    trained = [r for r in rows if any(k.endswith("loss") for k in r)]  # eval rows carry no losses
+    last = trained[-1] if trained else (rows[-1] if rows else {})
     losses = {k: v for k, v in last.items() if k.endswith("loss") and isinstance(v, (int, float))}
     finite = bool(losses) and all(math.isfinite(v) for v in losses.values())
     ok &= rc == "0" and finite
