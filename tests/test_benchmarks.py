@@ -290,3 +290,30 @@ def test_scaling_launcher_from_slurm_and_srun_prefix() -> None:
     assert (uneven.tasks_per_node, uneven.capacity) == (1, 3)  # every step must fit on every node
     local = scaling.Launcher()
     assert local.prefix(64) == [] and local.per_node(4) == 4
+
+
+def test_learning_quick_writes_curves(tmp_path: Path) -> None:
+    """benchmarks/learning.py --quick: FastSAC (CLI) and the CleanRL-style baseline on HalfCheetah at equal
+    samples, tiny sizes, in seconds (Playground is skipped under --quick: its JAX compilation alone is ~40 s)."""
+    proc = subprocess.run([sys.executable, "benchmarks/learning.py", "--quick", "--out", str(tmp_path / "out"),
+                           "--work", str(tmp_path / "runs")], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    path = tmp_path / "out" / "learning_halfcheetah.json"
+    assert schema.validate_file(path) == []
+    doc = json.loads(path.read_text())
+    res = doc["results"]
+    fast, base = res["fastsac"], res["baseline_cleanrl_style"]
+    assert fast["returncode"] == 0 and fast["env_steps"] == 96 and not fast["stopped_by_budget"]
+    assert base["env_steps"] == fast["env_steps"] and base["reached_equal_samples"] and res["equal_samples"]
+    for run in (fast, base):
+        assert run["eval_curve"]["env_steps"] == [48, 96] and len(run["eval_curve"]["eval_return"]) == 2
+        assert run["env_steps_per_s"] > 0 and run["updates_per_s"] > 0 and run["wall_s"] > 0
+    assert base["updates"] == fast["updates_at_last_row"] == (96 // 2 - 8) * 2
+    assert res["at_equal_samples"]["eval_env_steps"] == 96
+    assert res["cleanrl_published"]["value"] == 9634.89 and res["cleanrl_published"]["env_steps"] == 1_000_000
+    for key in ("fastsac_env_steps", "fastsac_final_eval_return", "baseline_final_eval_return",
+                "fastsac_updates_per_s", "baseline_env_steps_per_s"):
+        assert key in doc["figures"], key
+    assert (tmp_path / "out" / "learning_halfcheetah.png").stat().st_size > 10_000
+    assert not (tmp_path / "out" / "learning_playground.json").exists()
