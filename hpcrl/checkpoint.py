@@ -39,8 +39,9 @@ import torch
 from hpcrl.h5io import atomic_path, load_h5, save_h5
 from hpcrl.rundir import RunDirError, identity_difference, identity_hash, make_dir, normalize_identity
 
-__all__ = ["CheckpointError", "CorruptCheckpoint", "Restored", "checkpoint_root", "clear", "committed", "latest",
-           "load", "nothing_to_resume", "preflight", "read_manifest", "restore", "save", "store_agree", "verify"]
+__all__ = ["CheckpointError", "CorruptCheckpoint", "Restored", "checkpoint_root", "clear", "committed", "fresh_or_refuse",
+           "latest", "load", "nothing_to_resume", "preflight", "read_manifest", "restore", "save", "store_agree",
+           "verify"]
 
 PREFIX = "step_"
 FORMAT_VERSION = 1  # of the HDF5 rank files
@@ -351,6 +352,17 @@ def nothing_to_resume(run_dir: str | os.PathLike) -> str:
     torn = root.is_dir() and any(p.name.startswith(f".tmp-{PREFIX}") for p in root.iterdir())
     return f"no checkpoint in {root}" + (" (only an uncommitted one: the run was stopped while writing its first "
                                          "checkpoint)" if torn else "")
+
+
+def fresh_or_refuse(run_dir: str | os.PathLike, resume_missing: str, announce: bool, prog: str) -> None:
+    """``--resume`` found no usable checkpoint: with ``--resume-missing fresh`` the run starts fresh (the
+    ``announce`` rank says so), else :class:`RunDirError` saying what is there and what to pass."""
+    what = nothing_to_resume(run_dir)
+    if resume_missing != "fresh":
+        raise RunDirError(f"--resume: {what}; run without --resume to start fresh, or pass --resume-missing fresh "
+                          "to start fresh whenever there is nothing to resume")
+    if announce:
+        print(f"{prog}: --resume: {what}; starting fresh (--resume-missing fresh)", flush=True)
 
 
 @dataclass

@@ -135,7 +135,7 @@ def identity_difference(saved: Mapping[str, Any], current: Mapping[str, Any]) ->
 
 
 # -- the lock ---------------------------------------------------------------------------------------
-def _proc_start(pid: int) -> str:
+def proc_start(pid: int) -> str:
     """The process's start time in clock ticks since boot ("" where /proc is not available)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -144,7 +144,8 @@ def _proc_start(pid: int) -> str:
     return stat.rsplit(")", 1)[-1].split()[19]  # field 22, counted after the "(comm)" field
 
 
-def _pid_alive(pid: int, start: str) -> bool:
+def pid_alive(pid: int, start: str) -> bool:
+    """``pid`` runs and is the process that started at ``start`` (:func:`proc_start`; "" = unknown)."""
     if pid <= 0:  # never os.kill(0 or -1, ...): those address process groups
         return False
     try:
@@ -153,7 +154,7 @@ def _pid_alive(pid: int, start: str) -> bool:
         return False
     except PermissionError:  # someone else's process: alive
         pass
-    return not start or not (now := _proc_start(pid)) or now == start  # a reused pid is another process
+    return not start or not (now := proc_start(pid)) or now == start  # a reused pid is another process
 
 
 def _when(t: Any) -> str:
@@ -302,7 +303,7 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 def _my_record() -> dict[str, Any]:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _proc_start(os.getpid()),
+    return {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": proc_start(os.getpid()),
             "started": time.time(), "slurm_job": os.environ.get("SLURM_JOB_ID", ""), "argv": sys.argv, "beat": 0}
 
 
@@ -345,7 +346,7 @@ def acquire(run_dir: str | os.PathLike) -> RunDirLock:
                     # flock may be node-local here (or missing): only a stopped heartbeat proves it dead
                     if _heartbeat_moves(path, previous):
                         raise _in_use(run_dir, _read_record(path), " (its heartbeat is live)")
-                elif previous and locked is None and _pid_alive(_int(previous.get("pid")),
+                elif previous and locked is None and pid_alive(_int(previous.get("pid")),
                                                                 str(previous.get("pid_start", ""))):
                     raise _in_use(run_dir, previous)
                 elif not previous and locked is None:

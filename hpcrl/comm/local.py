@@ -60,6 +60,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hpcrl import rundir
+
 from .secret import SECRET_ENV, new_secret
 
 __all__ = ["CONFIG_ERROR_NAMES", "DATA_ERROR_NAMES", "FORWARD_SIGNALS", "SpawnConfigError", "SpawnDataError",
@@ -229,22 +231,13 @@ def _host_tag() -> str:
 
 
 def _proc_start(pid: int) -> str:
-    """The process's start time in clock ticks since boot ("0" where /proc is not available)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return "0"
-    return stat.rsplit(")", 1)[-1].split()[19]  # field 22, counted after the "(comm)" field
+    """The process's start time (:func:`hpcrl.rundir.proc_start`), "0" where /proc is not available: a
+    field of the scratch directory's name."""
+    return rundir.proc_start(pid) or "0"
 
 
 def _owner_alive(pid: int, start: str) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return start == "0" or _proc_start(pid) in ("0", start)  # a reused pid is another process
+    return rundir.pid_alive(pid, "" if start == "0" else start)
 
 
 _SCRATCH = re.compile(re.escape(_PREFIX) + r"(?P<host>.+)-(?P<pid>\d+)-(?P<start>\d+)-[A-Za-z0-9_]+")

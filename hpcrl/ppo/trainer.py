@@ -287,12 +287,7 @@ class Trainer:
                                    agree=checkpoint.store_agree(self.ctx, ranks=list(range(top.trainers)),
                                                                 name="ppo/ckpt-restore"))
         if found is None:
-            what = checkpoint.nothing_to_resume(cfg.run_dir)
-            if getattr(cfg, "resume_missing", "error") != "fresh":
-                raise rundir.RunDirError(f"--resume: {what}; run without --resume to start fresh, or pass "
-                                         "--resume-missing fresh")
-            if self.index == 0:
-                print(f"hpcrl.ppo: --resume: {what}; starting fresh (--resume-missing fresh)", flush=True)
+            checkpoint.fresh_or_refuse(cfg.run_dir, cfg.resume_missing, self.index == 0, "hpcrl.ppo")
         return found
 
     def _write_config(self, run_dir: Path) -> None:

@@ -465,15 +465,9 @@ def _resume(cfg: SACConfig, ctx: DistContext) -> checkpoint.Restored | None:
     with _run_dir_errors():
         found = checkpoint.restore(cfg.run_dir, ctx.rank, ctx.world_size, ctx.device,
                                    identity=run_identity(cfg, ctx.world_size), agree=checkpoint.store_agree(ctx))
-        if found is not None:
-            return found
-        what = checkpoint.nothing_to_resume(cfg.run_dir)
-        if getattr(cfg, "resume_missing", "error") != "fresh":
-            raise rundir.RunDirError(f"--resume: {what}; run without --resume to start fresh, or pass "
-                                     "--resume-missing fresh to start fresh whenever there is nothing to resume")
-        if ctx.rank == 0:
-            print(f"hpcrl.sac: --resume: {what}; starting fresh (--resume-missing fresh)", flush=True)
-        return None
+        if found is None:
+            checkpoint.fresh_or_refuse(cfg.run_dir, cfg.resume_missing, ctx.rank == 0, "hpcrl.sac")
+        return found
 
 
 def _save(cfg, ctx, agent, normalizer, replay, env, stats, generator, obs, sync_barrier, best=-math.inf, *,
