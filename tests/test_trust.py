@@ -59,6 +59,7 @@ def test_loopback_store_listens_on_loopback_only(server):
 
 @pytest.mark.slow
 def test_local_spawn_opens_no_port_beyond_loopback():
+    before = {p for _, p in listening(os.getpid())}  # earlier tests' stores in this process are not spawn's
     ranks = spawn(report_listeners, 2, timeout_s=90)
     parent = listening(os.getpid())
     for r in ranks:
@@ -67,7 +68,8 @@ def test_local_spawn_opens_no_port_beyond_loopback():
         assert r["parent"], "the spawn parent hosts the store: it must listen somewhere"
         bad = [(a, p) for a, p in r["self"] + r["parent"] if not _loopback(a)]
         assert not bad, f"rank {r['rank']}: listening beyond loopback: {bad}"
-    store_ports = {p for _, p in ranks[0]["parent"]}
+    store_ports = {p for _, p in ranks[0]["parent"]} - before
+    assert store_ports, "the spawn's store was not among the parent's listeners while the ranks ran"
     deadline = time.monotonic() + 10  # the store's server thread closes its socket as it shuts down
     while store_ports & {p for _, p in parent} and time.monotonic() < deadline:
         time.sleep(0.1)
