@@ -8,7 +8,9 @@
 #   5. run every entry point on the GPU, each to finite metrics: FastSAC pendulum (W = 1; with one GPU no
 #      NCCL group of two can exist) at the preset's size and at --num-envs 4096; detached PPO 1:1 with GPU
 #      trainer + GPU maker (they share the GPU: weights by gloo staged through host memory) and with GPU
-#      trainer + CPU maker; FastSAC with --amp fp16 (GradScaler on the GPU) and clipping; then play (and
+#      trainer + CPU maker; FastSAC with --amp fp16 (GradScaler on the GPU) and clipping; detached PPO on
+#      the hf workload (a tiny Llama built here) with FSDP bf16 trainer + bf16 maker and with FSDP CPU
+#      offload (where transformers is installed); then play (and
 #      ONNX export where onnx/onnxruntime exist) on the trained policy. $OUT/gpu_check.json: exit code,
 #      wall time and last metrics row of each.
 # Results land in $OUT (the device tool's output folder) or benchmarks/results/.
@@ -46,6 +48,12 @@ entry sac_4096_envs 90 "$PY" -m hpcrl.sac --preset pendulum --num-envs 4096 --ba
 entry ppo_gpu_trainer_gpu_maker 90 "$PY" -m hpcrl.ppo --workload cartpole --makers 1 --trainers 1 --trainer-device cuda --maker-device cuda --total-steps 30
 entry ppo_gpu_trainer_cpu_maker 90 "$PY" -m hpcrl.ppo --workload cartpole --makers 1 --trainers 1 --trainer-device cuda --maker-device cpu --total-steps 30
 entry sac_amp_fp16_clipped 90 "$PY" -m hpcrl.sac --preset pendulum --amp fp16 --max-grad-norm 1 --total-env-steps 3200 --eval-episodes 2
+if "$PY" -c "import transformers, tokenizers" 2>/dev/null; then  # RLHF on a tiny Llama built here (no network)
+  PYTHONPATH=tests "$PY" -c "import hf_fixtures as F, pathlib as p; d = p.Path('$OUT/hf'); F.build_causal_lm(d / 'llama'); F.write_prompts(d / 'prompts.jsonl')" > /dev/null 2>&1
+  HF=(--workload hf --hf.model "$OUT/hf/llama" --hf.prompts "$OUT/hf/prompts.jsonl" --hf.reward-fn hf_fixtures:target_fraction --hf.max-prompt-tokens 8 --hf.max-new-tokens 16 --makers 1 --trainers 1 --trainer-device cuda --maker-device cuda --total-steps 10)
+  PYTHONPATH=tests entry ppo_hf_fsdp_bf16 120 "$PY" -m hpcrl.ppo "${HF[@]}" --strategy fsdp --trainer-dtype bf16 --hf.maker-dtype bf16
+  PYTHONPATH=tests entry ppo_hf_fsdp_offload 120 "$PY" -m hpcrl.ppo "${HF[@]}" --strategy fsdp --offload
+fi
 echo "== tools on the trained policy (play on the GPU; ONNX export where onnx/onnxruntime are installed)"
 tools=()
 tool() {  # tool NAME TIMEOUT_S CMD...: an entry point that trains nothing; rc and wall time only

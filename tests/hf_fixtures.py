@@ -128,3 +128,15 @@ def fails_on_third_call(prompts: list[str], responses: list[str]) -> list[float]
     if _CALLS["n"] >= 3:
         raise ValueError("grader lost its answer key")
     return target_fraction(prompts, responses)
+
+
+def logged_target_fraction(prompts: list[str], responses: list[str]) -> list[float]:
+    """:func:`target_fraction`, appending each batch's prompts (one json line) to the file named by
+    ``HF_TEST_PROMPT_LOG``: which prompts the makers were given, and in which order."""
+    import os
+
+    path = os.environ.get("HF_TEST_PROMPT_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "prompts": prompts}) + "\n")
+    return target_fraction(prompts, responses)

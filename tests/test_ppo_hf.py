@@ -243,7 +243,7 @@ def test_save_artifacts_loadable_by_auto_class(art, tmp_path):
         with torch.no_grad():
             for p in wl.sync_tensors(model):
                 p.add_(0.01)
-        out = wl.save_artifacts(model, tmp_path / str(len(kw)))
+        out = wl.save_artifacts(model.state_dict(), tmp_path / str(len(kw)))
         loaded = AutoModelForCausalLM.from_pretrained(out)
         tok = AutoTokenizer.from_pretrained(out)
         ids, mask = left_pad(wl.prompt_ids[:3], 8, wl.pad_id)

@@ -8,7 +8,7 @@ constructor (:func:`parse_args`, :attr:`DetachedConfig.plugin_args`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Literal
 
 import contextlib
 import io
@@ -63,6 +63,16 @@ class DetachedConfig:
     """Makers' device, same choices. Any mix with --trainer-device works: experience crosses on the host
     plane, weights by NCCL broadcast when trainer 0 and every maker have GPUs of their own, else by gloo
     staged through host memory (e.g. a maker sharing trainer 0's GPU)."""
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """How the trainers hold the model: "ddp" (a whole copy each, gradients all-reduced) or "fsdp" (FSDP2
+    fully_shard: parameters, gradients and Adam state split over the trainers, gathered layer by layer;
+    --workload hf). Checkpoints are the same file under both: a run may change strategy between jobs."""
+    offload: bool = False
+    """With --strategy fsdp: keep the trainers' parameter shards, gradients and optimizer state in host
+    memory (the optimizer steps on the CPU; FSDP2 CPUOffloadPolicy). For models that do not fit on the GPUs."""
+    trainer_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Trainers' compute precision: "fp32", or "bf16" (with --strategy fsdp: bf16 parameters in forward and
+    backward, fp32 gradient reduction, fp32 master weights and Adam). Published weights stay fp32."""
     lag: int = 1
     """Staleness bound: trainers keep (lag + 1) x batches_per_step credits out, each requiring weights at
     least as new as the trainer's version when it was granted. 0 = synchronous (generate <-> train barrier).
@@ -121,6 +131,21 @@ class DetachedConfig:
         for name in ("trainer_device", "maker_device"):
             if not isinstance(getattr(self, name), str) or not DEVICE.fullmatch(getattr(self, name)):
                 c.fail(name, "one of auto, cpu, cuda or cuda:K")
+        if self.strategy not in ("ddp", "fsdp"):
+            c.fail("strategy", "one of ddp, fsdp")
+        c.boolean("offload")
+        if self.trainer_dtype not in ("fp32", "bf16"):
+            c.fail("trainer_dtype", "one of fp32, bf16")
+        if self.strategy != "fsdp":
+            if self.offload:
+                raise ConfigError("--offload: offloads FSDP shards to host memory; e.g. add --strategy fsdp, or drop it")
+            if self.trainer_dtype != "fp32":
+                raise ConfigError(f"--trainer-dtype {self.trainer_dtype}: mixed precision is FSDP's; e.g. add "
+                                  "--strategy fsdp, or drop it (fp32)")
+        elif self.workload not in HF_WORKLOADS and not is_plugin(self.workload):
+            raise ConfigError(f"--strategy fsdp: shards a transformer layer by layer (--workload hf, or a "
+                              f"package.module:Class workload with shard_units); drop it: --workload {self.workload} "
+                              "trains with --strategy ddp")
         c.integer("lag", 0, MAX_LAG, hint="staleness in policy versions; each one keeps more experience in flight")
         if self.max_lag is not None:
             c.integer("max_lag", self.lag, hint=f"not below --lag {self.lag}; unset = --lag",

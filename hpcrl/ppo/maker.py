@@ -54,11 +54,13 @@ class Maker:
         self.ctx, self.top, self.cfg, self.workload, self.events = ctx, top, cfg, workload, events
         self.index = top.maker_index(ctx.rank)
         self.device = ctx.device
-        self.model = workload.build_model(cfg.seed, self.device)
+        build = getattr(workload, "build_maker_model", workload.build_model)  # e.g. an RLHF actor without its critic
+        self.model = build(cfg.seed, self.device)
         self.sync_tensors = workload.sync_tensors(self.model)
         self.version = 0
         self.collector = workload.make_collector(maker_seed(cfg.seed, self.index), self.device)
         self.generator = torch.Generator().manual_seed(maker_seed(cfg.seed, self.index) + 1)
+        self._assign = getattr(self.collector, "assign", None)
         self.credits = CreditChannel(groups.exchange, top.trainers)
         self.experience = ExperienceChannel(groups.exchange)
         numel = sum(t.numel() for t in self.sync_tensors)
@@ -105,6 +107,8 @@ class Maker:
             self._wait_for_version(credit.min_version)
             t_collect = time.monotonic()
             waiting_s += t_collect - t0
+            if self._assign is not None:  # the credit numbers the run's batch: a fixed slice of a dataset
+                self._assign(credit.credit_id * self.top.trainers + credit.trainer, self.cfg.seed)
             batch, stats = self.collector.collect(self.model, self.generator)
             # Timing travels with the batch so the trainers can log the makers' idle fraction: wait = since
             # the previous rollout ended (packing, send queue, credit, weights), busy = collecting this one.

@@ -44,12 +44,16 @@ class SyncPPO:
         self.learner_generator = torch.Generator().manual_seed(seed + 2)
         self.iteration = 0
         self.env_steps = 0.0
+        self.seed = seed
 
     def step(self) -> dict[str, float]:
         """One collect + update. The row: ``iteration`` (= policy version after the update),
         cumulative ``env_steps``, this rollout's ``episodes``, ``episode_return_sum`` and
         ``episode_return`` (their mean, NaN if none finished), then the collector's other stats and
         the learner's stats."""
+        assign = getattr(self.collector, "assign", None)
+        if assign is not None:  # iteration k is batch k, as detached credit k of trainer 0 is
+            assign(self.iteration, self.seed)
         batch, rollout = self.collector.collect(self.model, self.maker_generator)
         stats = self.learner.update([batch], self.learner_generator)
         self.iteration += 1

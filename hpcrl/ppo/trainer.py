@@ -20,14 +20,15 @@ from pathlib import Path
 
 import torch
 
-from hpcrl import checkpoint, ops, rundir
-from hpcrl.comm import IDLE_TIMEOUT, DistContext, GradSync, StopRequest, barrier, hosts, reduce_metrics
+from hpcrl import checkpoint, rundir
+from hpcrl.comm import IDLE_TIMEOUT, DistContext, StopRequest, barrier, hosts, reduce_metrics
 from hpcrl.metrics import RunLogger
 
 from .channels import ChannelError, Credit, CreditChannel, ExperienceChannel, Header, Schema, WeightChannel
 from .config import DetachedConfig
 from .events import BatchReceived, Events, RowLogged, WeightsPublished
 from .groups import Groups, staging_note
+from .strategy import Strategy
 from .liveness import FINISHED_KEY, PeerLost, Watcher, describe, done_key, dropped_key, liveness_store, produced_key
 from .topology import Topology
 from .workload import PPOConfig, Workload
@@ -79,10 +80,10 @@ class Trainer:
         self.index = ctx.rank
         self.device = ctx.device
         self.model = workload.build_model(cfg.seed, self.device)
-        self.sync_tensors = workload.sync_tensors(self.model)
-        grad_sync = GradSync([p for p in self.model.parameters() if p.requires_grad], "flat",
-                             plane=groups.trainer_device)
-        self.learner = workload.make_learner(self.model, ppo, grad_sync)
+        self.strategy = Strategy(cfg.strategy, self.model, workload, groups.trainer_device, self.device,
+                                 keep=self.index == 0, offload=cfg.offload, dtype=cfg.trainer_dtype)
+        self.sync_tensors = workload.sync_tensors(self.model)  # sharded under fsdp: snapshot() gathers them
+        self.learner = workload.make_learner(self.model, ppo, self.strategy.grad_sync)
         self.generator = torch.Generator().manual_seed(cfg.seed + 2 + 1000 * self.index)
         self.version = 0
         self.credits = CreditChannel(groups.exchange, top.trainers)
@@ -109,6 +110,7 @@ class Trainer:
         self.publish_ms = float("nan")
         # A one-slot mailbox, not a queue: a busy publisher must not pile up model copies (GPU memory).
         self._mailbox: list = []  # [] empty, [(version, flat)] a snapshot, [None] end of stream
+        self._latest: tuple[int, torch.Tensor] | None = None  # trainer 0: the newest snapshot posted
         self._mail = threading.Condition()
         self._publish_error: BaseException | None = None
         # One receiver per maker, linked or not: when makers die the modulo rule re-links the live ones.
@@ -132,11 +134,13 @@ class Trainer:
         found = self._restore() if cfg.resume else None
         if found is not None:
             learner_state, mine = found.learner, found.rank_state
-            self.model.load_state_dict(learner_state["model"])
-            self.learner.load_state_dict(learner_state["learner"])
+            self.strategy.load_full_state(self.learner, learner_state["model"], learner_state["learner"])
             self.version = int(learner_state["version"])
             env_steps = float(learner_state["env_steps"])
             self.generator.set_state(mine["generator"])
+            # credits number the batches, and batch b is a fixed slice of a dataset workload's data
+            # (Collector.assign): the first batch not trained on is the one to collect next
+            self._next_credit_id = int(mine.get("next_credit", 0))
             if self.version > 0:
                 self._publish()  # makers start from the initial weights: bring them to the resumed version
         elif main and (removed := checkpoint.clear(run_dir)):  # a fresh start: the run dir is this run's now
@@ -179,9 +183,9 @@ class Trainer:
             wait_s = time.perf_counter() - wait_t0
             try:
                 learn = self.learner.update(batches, self.generator)
-            except RuntimeError as err:  # a collective of the trainer group failed: name who is missing
+            except RuntimeError as err:  # if a collective of the trainer group failed: name who is missing
                 self._name_lost_trainer()
-                raise PeerLost(f"trainer {self.index}: gradient all-reduce failed: {err}") from err
+                raise PeerLost(f"trainer {self.index}: the PPO update failed with every trainer alive: {err}") from err
             self.version += 1
             self._publish()
             self._grant(cfg.batches_per_step)
@@ -325,11 +329,18 @@ class Trainer:
         def trainer_barrier(name: str) -> None:
             barrier(self.ctx, f"ppo/{name}", ranks=trainers)
 
-        learner = ({"model": self.model.state_dict(), "learner": self.learner.state_dict(), "version": self.version,
-                    "env_steps": env_steps} if self.index == 0 else None)
-        return checkpoint.save(self.cfg.run_dir, self.version, self.index, self.top.trainers, learner,
-                        {"generator": self.generator.get_state()}, trainer_barrier,
-                        identity=run_identity(self.cfg, self.top.trainers))
+        model_state = self.strategy.full_state(self.model.state_dict())  # gathered under fsdp (every trainer)
+        learner_state = self.strategy.full_state(self.learner.state_dict())
+        learner = ({"model": model_state, "learner": learner_state, "version": self.version, "env_steps": env_steps}
+                   if self.index == 0 else None)
+        untrained = self._pending[0] if self._pending else self._next_credit_id  # outstanding: collected again
+        saved = checkpoint.save(self.cfg.run_dir, self.version, self.index, self.top.trainers, learner,
+                                {"generator": self.generator.get_state(), "next_credit": untrained}, trainer_barrier,
+                                identity=run_identity(self.cfg, self.top.trainers))
+        export = getattr(self.workload, "save_artifacts", None)
+        if self.index == 0 and export is not None:  # e.g. the HF actor with save_pretrained
+            export(model_state)
+        return saved
 
     def _drain(self) -> float:
         """Collect every outstanding rollout (or give up on dead makers); count them as dropped at shutdown."""
@@ -346,10 +357,20 @@ class Trainer:
 
     # weights ------------------------------------------------------------------------------------
     def _publish(self) -> None:
+        """Every trainer, after each update (fsdp gathers the shards): trainer 0 posts the new version."""
         if self._publish_error is not None:
             raise PeerLost(f"trainer {self.index}: publishing weights to the makers failed: {self._publish_error}")
+        flat = self.strategy.snapshot(self.sync_tensors, self.cfg.bucket_numel(self.sync_tensors[0].dtype))
         if self.index == 0:  # a fresh flat tensor: a snapshot the next update cannot change
-            self._post((self.version, ops.flatten(self.sync_tensors)))
+            self._latest = (self.version, flat)
+            self._post(self._latest)
+
+    def _republish(self) -> None:
+        """Trainer 0 posts its newest snapshot again (one trainer alone: no collective)."""
+        if self._publish_error is not None:
+            raise PeerLost(f"trainer {self.index}: publishing weights to the makers failed: {self._publish_error}")
+        if self.index == 0 and self._latest is not None:  # None: the makers hold v0 from their own build
+            self._post(self._latest)
 
     def _post(self, item) -> None:
         with self._mail:
@@ -450,7 +471,7 @@ class Trainer:
             return
         # Makers behind the lost one in the broadcast tree may miss the current version: publishing it
         # again moves the weight channel to point-to-point copies for the live makers.
-        self._publish()
+        self._republish()
         if lost:
             self._grant(len(lost))  # its unfinished rollouts are re-issued to the live makers
 

@@ -63,12 +63,22 @@ class Workload(Protocol):
     def default_config(self) -> PPOConfig:
         """The workload's PPO hyper-parameters (optional; ``PPOConfig()`` otherwise)."""
 
+    # Optional hooks: ``build_maker_model(seed, device)`` (what makers build instead of build_model,
+    # e.g. without a critic; sync_tensors must be the same), ``shard_units(model)`` (the FSDP units
+    # for --strategy fsdp: submodules innermost first, then the roots whose forward the learner calls),
+    # ``save_artifacts(model_state)`` (trainer 0 after every checkpoint, with the full model state).
+
     def make_learner(self, model: nn.Module, cfg: PPOConfig, grad_sync: Any) -> "Learner":
         """Trainer-side optimiser state; ``grad_sync`` averages gradients over the trainer group
         (an :class:`hpcrl.comm.GradSync` over ``model``'s trainable parameters)."""
 
 
 class Collector(Protocol):
+    """Optional: ``assign(batch, seed)`` — called by a maker before each ``collect`` with the run's
+    batch number (from the trainer's credit: ``credit_id x trainers + trainer``, unique in the run and
+    continued across a resume) and the run's seed; a collector over a dataset (prompts) serves a fixed
+    slice for each batch, so makers split the data and a resumed run continues with the next item."""
+
     def collect(self, model: nn.Module, generator: torch.Generator) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """One experience batch (fixed shapes) and rollout stats (e.g. ``episode_return_sum``,
         ``episodes``, ``env_steps``) as plain floats."""

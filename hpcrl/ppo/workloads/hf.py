@@ -33,8 +33,13 @@ Roles (the same split as :mod:`hpcrl.ppo.workloads.lm`):
   ``score_std``, ``kl_to_ref`` (k1, per sequence), ``kl_to_ref_k3``, ``response_len``, ``eos_frac``,
   ``entropy``, ``clip_frac``, ``value_loss``, ``explained_variance``, ``maker_tokens_per_s``,
   ``trainer_tokens_per_s``, ``maker_logp_gap``.
-* **artefacts**: with ``--save-dir DIR`` trainer 0 writes the actor with ``save_pretrained`` (LoRA
-  merged into a copy) plus the tokenizer to ``DIR/actor`` at every checkpoint and at the end.
+* **artefacts**: with ``--save-dir DIR`` (``RUN_DIR/hf`` under ``--workload hf``) trainer 0 writes the
+  actor with ``save_pretrained`` (LoRA merged into a copy) plus the tokenizer to ``DIR/actor`` at
+  every checkpoint and at the end (:meth:`HFWorkload.save_artifacts`, from the checkpoint's state).
+* **trainer strategies** (``--strategy ddp|fsdp``, :mod:`hpcrl.ppo.strategy`): FSDP2 units are the
+  decoder layers of actor and critic, then actor and critic (:meth:`HFWorkload.shard_units`).
+* **prompts**: batch ``b`` of a run is a fixed slice of the shuffled dataset (:meth:`HFCollector.assign`,
+  numbered by the trainers' credits): makers split the dataset, a resume continues with the next prompt.
 """
 
 from __future__ import annotations
@@ -183,10 +188,11 @@ class HFWorkload(HFOptions):
                               target_modules="all-linear", bias="none")
         return peft.get_peft_model(net, cfg)
 
-    def build_model(self, seed: int, device: torch.device | str = "cpu") -> HFActorCritic:
-        """Pretrained weights by path (identical on every rank); the value head is zero-initialised."""
+    def build_model(self, seed: int, device: torch.device | str = "cpu", critic: bool = True) -> HFActorCritic:
+        """Pretrained weights by path (identical on every rank); the value head is zero-initialised.
+        ``critic=False``: the actor alone (what a maker needs)."""
         actor = M.load_causal_lm(self.model)
-        critic = None if self.algo == "grpo" else M.load_value_model(self.critic or self.model)
+        critic = None if self.algo == "grpo" or not critic else M.load_value_model(self.critic or self.model)
         for net in (actor, critic):
             if net is None:
                 continue
@@ -202,6 +208,28 @@ class HFWorkload(HFOptions):
                 critic.backbone = self._lora(critic.backbone)
                 critic.value_head.requires_grad_(True)
         return HFActorCritic(actor, critic, self.max_prompt_tokens, self.temperature).to(device)
+
+    def build_maker_model(self, seed: int, device: torch.device | str = "cpu") -> HFActorCritic:
+        """Makers generate and score with the actor only: no critic is loaded."""
+        return self.build_model(seed, device, critic=False)
+
+    def shard_units(self, model: HFActorCritic) -> list[nn.Module]:
+        """FSDP units (``--strategy fsdp``): every decoder layer of actor and critic (the classes
+        transformers names in ``_no_split_modules``), then actor and critic themselves as roots (the
+        learner calls their forward)."""
+        units: list[nn.Module] = []
+        for net in (model.actor, model.critic):
+            if net is None:
+                continue
+            inner = net.backbone if isinstance(net, M.ValueModel) else net
+            base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+            names = set(getattr(base, "_no_split_modules", None) or ())
+            layers = [m for m in net.modules() if type(m).__name__ in names]
+            if not layers:
+                raise ConfigError(f"--strategy fsdp: {type(base).__name__} names no decoder layer class "
+                                  "(_no_split_modules) to shard by; use --strategy ddp")
+            units += [*layers, net]
+        return units
 
     def reference_model(self, device: torch.device) -> nn.Module:
         key = str(device)
@@ -280,15 +308,23 @@ class HFWorkload(HFOptions):
             module.merged_adapters = list(module.active_adapters)
 
     @torch.no_grad()
-    def save_artifacts(self, model: HFActorCritic, out_dir: str | os.PathLike) -> Path:
-        """``out_dir/actor``: the actor (LoRA merged into a copy) and the tokenizer, with save_pretrained;
-        written to a temporary sibling and renamed, so a reader never sees half a model."""
+    def save_artifacts(self, state: dict[str, Tensor], out_dir: str | os.PathLike | None = None) -> Path | None:
+        """``out_dir/actor`` (default ``--save-dir``; nothing without one): the actor of the full model
+        state ``state`` (LoRA merged) and the tokenizer, with save_pretrained, loadable by
+        ``AutoModelForCausalLM.from_pretrained``. Trainer 0 calls it after every checkpoint with the
+        checkpoint's state (gathered under fsdp). Written to a temporary sibling and renamed, so a
+        reader never sees half a model."""
+        out_dir = out_dir if out_dir is not None else self.save_dir
+        if out_dir is None:
+            return None
         out = Path(out_dir) / "actor"
         tmp = out.with_name(f".actor.tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        actor = model.actor
-        if self.lora_rank:
-            actor = copy.deepcopy(actor).merge_and_unload()
+        export = self.__dict__.get("_export")
+        if export is None:  # one host copy of the actor, made once: the sharded live model cannot save itself
+            export = self.__dict__["_export"] = self.build_model(0, "cpu", critic=False).actor
+        export.load_state_dict({k.removeprefix("actor."): v for k, v in state.items() if k.startswith("actor.")})
+        actor = copy.deepcopy(export).merge_and_unload() if self.lora_rank else export
         actor.save_pretrained(tmp)
         self.tokenizer.save_pretrained(tmp)
         old = out.with_name(f".actor.old{os.getpid()}")
@@ -317,6 +353,16 @@ class HFCollector:
         self.wl, self.device = wl, device
         self.stream = PromptStream(len(wl.prompt_ids), rank_seed)
         self.batches = 0
+        self._sample_seed: int | None = None  # set by assign() for the next collect
+
+    def assign(self, batch: int, seed: int) -> None:
+        """The next collect serves the run's batch ``batch``: prompts ``[batch * B, (batch + 1) * B)`` of
+        the run's prompt order (each epoch shuffled from ``seed``), sampled from a seed of its own,
+        whichever maker collects it. So the makers split the dataset between them, and a resumed run
+        continues with the first batch its trainers had not trained on, exactly as it would have
+        (the maker calls this with the credit's batch number)."""
+        self.stream.seek(batch * self.wl.batch_size, seed)
+        self._sample_seed = (seed * 2**32 + batch) % 2**62  # its sampling too: a resumed run is the same run
 
     def prompt_batch(self) -> tuple[list[int], Tensor, Tensor]:
         wl = self.wl
@@ -346,7 +392,8 @@ class HFCollector:
         device = next(model.actor.parameters()).device
         idx, prompt, pmask = self.prompt_batch()
         prompt, pmask = prompt.to(device), pmask.to(device)
-        seed = int(torch.randint(2**62, (1,), generator=generator))
+        seed = int(torch.randint(2**62, (1,), generator=generator)) if self._sample_seed is None else self._sample_seed
+        self._sample_seed = None
         model.actor.eval()
         net = wl.maker_actor(model)
         t0 = time.perf_counter()
@@ -478,8 +525,6 @@ class HFLearner(AdamLearner):
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        if self.wl.save_dir:  # trainer 0 only is asked, at every checkpoint and at the end
-            self.wl.save_artifacts(self.model, self.wl.save_dir)
         return {"optimizer": self.opt.state_dict(), "updates": self.updates}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -120,7 +120,7 @@ class ValueModel(nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
         h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False).last_hidden_state
-        return self.value_head(h.float()).squeeze(-1)
+        return self.value_head(h.to(self.value_head.weight.dtype)).float().squeeze(-1)  # bf16 under FSDP mixed precision
 
 
 def load_value_model(path: str) -> ValueModel:

@@ -84,6 +84,13 @@ class PromptStream:
             self.pos += 1
         return out
 
+    def seek(self, position: int, seed: int) -> None:
+        """Continue at ``position`` of the endless order (epoch ``position // n``) shuffled from ``seed``."""
+        epoch, pos = divmod(int(position), self.n)
+        if (epoch, seed) != (self.epoch, self.seed):
+            self._order = epoch_order(self.n, seed, epoch)
+        self.seed, self.epoch, self.pos = seed, epoch, pos
+
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "pos": self.pos, "n": self.n, "seed": self.seed}
 

@@ -1,0 +1,206 @@
+"""How the trainers hold the model: ``ddp`` or ``fsdp``.
+
+* ``ddp``: every trainer holds the whole model, its gradients and its Adam moments; gradients are
+  averaged by one flat all-reduce (:class:`hpcrl.comm.GradSync`) before each optimizer step.
+* ``fsdp``: FSDP2 ``fully_shard`` over the trainers: each of T trainers holds 1/T of every parameter,
+  gradient and Adam moment (dim-0 shards); FSDP all-gathers one unit's parameters (a decoder layer,
+  then the rest of the model) for its forward and backward and reduce-scatters (averages) the
+  gradients itself. ``offload``: the shards, their gradients and the optimizer step live in host
+  memory (``CPUOffloadPolicy``). ``bf16``: FSDP mixed precision (bf16 parameters in compute, fp32
+  gradient reduction, fp32 master weights and Adam).
+
+Both run on the trainers' device plane (NCCL on GPUs, gloo on CPU). The rest of the trainer sees the
+same three things under either strategy:
+
+* :meth:`Strategy.snapshot` — the flat weight vector trainer 0 publishes (a collective under fsdp:
+  parameters gathered bucket by bucket into trainer 0's one snapshot; no trainer ever holds a second
+  full copy of the model, only the snapshot and one bucket);
+* :meth:`Strategy.full_state` / :meth:`Strategy.load_full_state` — checkpoint contents as full,
+  unsharded tensors, so a checkpoint is the same file under both strategies and a run may change
+  strategy between jobs.
+
+Which submodules become FSDP units is the workload's ``shard_units(model)`` (innermost first, then
+the roots whose ``forward`` the learner calls); only workloads that define it can run under fsdp.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from hpcrl import ops
+from hpcrl.comm import GradSync, Plane
+from hpcrl.config_check import ConfigError
+
+from .sync import NoGradSync
+
+__all__ = ["Strategy", "StrategyName", "gather_flat", "shard_lengths"]
+
+StrategyName = Literal["ddp", "fsdp"]
+
+
+def shard_lengths(rows: int, world: int) -> list[int]:
+    """Rows of dim 0 on each of ``world`` ranks, as FSDP2 shards them (``torch.chunk``: ceil-sized
+    pieces, the last ones shorter or empty)."""
+    chunk = math.ceil(rows / world) if rows else 0
+    return [max(0, min(chunk, rows - r * chunk)) for r in range(world)]
+
+
+def _buckets(tensors: list[Tensor], bucket_numel: int) -> list[list[int]]:
+    """Consecutive tensor indices, each group <= ``bucket_numel`` elements (a bigger tensor alone)."""
+    groups: list[list[int]] = [[]]
+    size = 0
+    for i, t in enumerate(tensors):
+        if groups[-1] and size + t.numel() > bucket_numel:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += t.numel()
+    return [g for g in groups if g]
+
+
+def gather_flat(tensors: list[Tensor], plane: Plane, bucket_numel: int, keep: bool,
+                out_device: torch.device) -> Tensor | None:
+    """The full tensors of dim-0 sharded DTensors ``tensors``, flattened and concatenated in order
+    (what :func:`hpcrl.ops.flatten` gives for unsharded ones). Collective over ``plane`` (every member
+    calls it with the same tensors); returns the vector on ``out_device`` where ``keep``, else None.
+
+    One ``all_gather_single`` per bucket of <= ``bucket_numel`` elements: each rank sends its
+    shards padded to the ceil-sized chunk, and the full rows are cut back out of the gathered buffer."""
+    world = plane.size
+    me = plane.group_rank(dist.get_rank())
+    dtype = tensors[0].dtype
+    out = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=out_device) if keep else None
+    starts = [0]
+    for t in tensors:
+        starts.append(starts[-1] + t.numel())
+    for group in _buckets(tensors, bucket_numel):
+        layout = []  # (tensor index, elements per row, ceil chunk rows, each rank's rows, offset in the bucket)
+        offset = 0
+        for i in group:
+            t = tensors[i]
+            if t.dim() == 0:
+                raise ValueError(f"weight tensor {i} is a scalar: FSDP shards along dim 0")
+            per_row = t.numel() // t.shape[0] if t.shape[0] else 0
+            lengths = shard_lengths(t.shape[0], world)
+            local = t.to_local()
+            if local.shape[0] != lengths[me]:
+                raise ValueError(f"weight tensor {i} {tuple(t.shape)}: rank {me} holds {local.shape[0]} rows, "
+                                 f"a dim-0 chunk over {world} ranks has {lengths[me]}")
+            layout.append((i, per_row, max(lengths), lengths, offset))
+            offset += max(lengths) * per_row
+        send = torch.zeros(offset, dtype=dtype, device=plane.device)
+        for i, per_row, _, lengths, at in layout:
+            send[at:at + lengths[me] * per_row].copy_(tensors[i].to_local().reshape(-1))
+        recv = torch.empty(world * offset, dtype=dtype, device=plane.device)
+        dist.all_gather_single(recv, send, group=plane.group)
+        if out is None:
+            continue
+        for i, per_row, chunk, lengths, at in layout:
+            dst = starts[i]
+            for r, rows in enumerate(lengths):
+                n = rows * per_row
+                out[dst:dst + n].copy_(recv[r * offset + at:r * offset + at + n])
+                dst += n
+    return out
+
+
+class Strategy:
+    """``ddp`` or ``fsdp`` for one trainer's model (see the module docstring). ``plane``: the trainers'
+    device plane; ``keep`` (trainer 0): whether this rank keeps gathered results."""
+
+    def __init__(self, name: StrategyName, model: nn.Module, workload: Any, plane: Plane, device: torch.device,
+                 keep: bool, offload: bool = False, dtype: str = "fp32") -> None:
+        self.name, self.model, self.plane, self.device, self.keep = name, model, plane, device, keep
+        self.offload = offload
+        params = [p for p in model.parameters() if p.requires_grad]
+        if name == "ddp":
+            self.grad_sync: Any = GradSync(params, "flat", plane=plane)
+            return
+        self._shard(model, workload, offload, dtype)
+        self.grad_sync = NoGradSync()  # FSDP reduce-scatters (averages) the gradients in backward
+
+    def _shard(self, model: nn.Module, workload: Any, offload: bool, dtype: str) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        units = getattr(workload, "shard_units", None)
+        if units is None:
+            raise ConfigError(f"--strategy fsdp: workload {getattr(workload, 'name', workload)!r} does not say which "
+                              "submodules to shard (no shard_units method); use --strategy ddp")
+        if self.plane.group is None:
+            raise ValueError(f"--strategy fsdp needs the trainers' device plane as a process group ({self.plane})")
+        self.mesh = DeviceMesh.from_group(self.plane.group, self.device.type)
+        kwargs: dict[str, Any] = {"mesh": self.mesh}
+        kwargs["offload_policy"] = (CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if offload
+                                    else OffloadPolicy())
+        if dtype == "bf16":
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for unit in units(model):
+            fully_shard(unit, **kwargs)
+
+    # -- what the trainer calls ------------------------------------------------------------------
+    def snapshot(self, tensors: list[Tensor], bucket_numel: int) -> Tensor | None:
+        """The flat weight vector of ``tensors`` on trainer 0 (None elsewhere); a fresh tensor that
+        later updates cannot change. Under fsdp a collective of every trainer; in host memory with
+        ``offload``."""
+        if self.name == "ddp":
+            return ops.flatten(tensors) if self.keep else None
+        where = torch.device("cpu") if self.offload else self.device
+        return gather_flat(tensors, self.plane, bucket_numel, self.keep, where)
+
+    def full_state(self, state: Any) -> Any:
+        """``state`` (a state dict, nested dicts / lists) with every sharded tensor gathered to a full
+        host tensor, on trainer 0 (None elsewhere). Under fsdp a collective of every trainer, leaf by
+        leaf in the state's order (the same on every trainer)."""
+        if self.name == "ddp":
+            return state if self.keep else None
+        from torch.distributed.tensor import DTensor
+
+        def walk(obj: Any) -> Any:
+            if isinstance(obj, DTensor):
+                full = obj.full_tensor()
+                return full.cpu() if self.keep else None
+            if isinstance(obj, dict):
+                return {k: walk(v) for k, v in obj.items()}
+            if isinstance(obj, (list, tuple)):
+                return type(obj)(walk(v) for v in obj)
+            return obj
+
+        walked = walk(state)
+        return walked if self.keep else None
+
+    def load_full_state(self, learner: Any, model_state: dict[str, Tensor], learner_state: Any) -> None:
+        """Load a checkpoint's full model and learner states (every trainer has them): each trainer
+        keeps its own shards of the parameters and of the optimizer's moments."""
+        if self.name == "ddp":
+            self.model.load_state_dict(model_state)
+            learner.load_state_dict(learner_state)
+            return
+        from torch.distributed.tensor import DTensor
+
+        current = self.model.state_dict()
+        self.model.load_state_dict({k: self._local(model_state[k], v) if isinstance(v, DTensor) else model_state[k]
+                                    for k, v in current.items()})
+        learner.load_state_dict(learner_state)
+        opt = getattr(learner, "opt", None)
+        if opt is None:
+            raise ValueError("--strategy fsdp: the workload's learner has no .opt optimizer to reshard")
+        for param, moments in opt.state.items():  # loaded as full tensors: keep this trainer's shard
+            if isinstance(param, DTensor):
+                for key, value in moments.items():
+                    if torch.is_tensor(value) and not isinstance(value, DTensor) and value.shape == param.shape:
+                        moments[key] = self._local(value, param)
+
+    @staticmethod
+    def _local(full: Tensor, like: Any) -> Any:
+        """``full`` as a DTensor placed like ``like`` (this rank's chunk cut out locally, no communication)."""
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(full.to(device=like.to_local().device, dtype=like.dtype), like.device_mesh,
+                                 like.placements, src_data_rank=None)
+
