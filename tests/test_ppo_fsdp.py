@@ -70,6 +70,30 @@ def test_gather_flat_is_the_full_tensors_bucket_by_bucket(bucket_numel):
     assert out[1]["got"] is None and out[2]["got"] is None  # only the publisher keeps a snapshot
 
 
+def _ddp_rank(same: bool) -> str:
+    from hpcrl.comm import RankDivergenceError, init_distributed, new_plane, shutdown
+    from hpcrl.ppo.strategy import Strategy
+
+    ctx = init_distributed(timeout_s=60)
+    try:
+        torch.manual_seed(0 if same else ctx.rank)  # a workload whose build is not deterministic for a seed
+        model = torch.nn.Linear(4, 3)
+        plane = new_plane("device", range(ctx.world_size), ctx.rank, ctx.device, "gloo", ctx.timeout)
+        try:
+            Strategy("ddp", model, None, plane, ctx.device, keep=ctx.rank == 0)
+        except RankDivergenceError as err:
+            return str(err)
+        return "in sync"
+    finally:
+        shutdown()
+
+
+def test_ddp_refuses_replicas_that_start_different():
+    assert spawn(_ddp_rank, 2, args=(True,), timeout_s=60) == ["in sync", "in sync"]
+    out = spawn(_ddp_rank, 2, args=(False,), timeout_s=60)
+    assert all("weight" in text and "bias" in text for text in out), out  # named, on every rank
+
+
 # ------------------------------------------------------------------------- through the detached roles
 
 
@@ -139,23 +163,32 @@ def test_fsdp_gives_the_ddp_update_and_resumes(art, tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_offload_and_bf16_train(art, tmp_path):
-    common = ["--makers", "1", "--trainers", "2", "--lag", "1", "--total-steps", "2", "--strategy", "fsdp",
+def test_fsdp_offload_lora_and_bf16_train(art, tmp_path):
+    common = ["--makers", "1", "--trainers", "2", "--lag", "1", "--total-steps", "2",
               "--hf.batch-size", "16"]  # batches are fixed by their number (prompts and sampling seed)
-    plain = _run(art, tmp_path / "plain", *common)
-    off = _run(art, tmp_path / "off", *common, "--offload")
-    bf16 = _run(art, tmp_path / "bf16", *common, "--trainer-dtype", "bf16")
-    for proc in (plain, off, bf16):
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    p, o, h = (_rows(tmp_path / n)[0] for n in ("plain", "off", "bf16"))
+    runs = {"plain": ["--strategy", "fsdp"],
+            "off": ["--strategy", "fsdp", "--offload", "--hf.gradient-checkpointing"],
+            "bf16": ["--strategy", "fsdp", "--trainer-dtype", "bf16"],
+            "lora_ddp": ["--hf.lora-rank", "4"],
+            "lora_fsdp": ["--strategy", "fsdp", "--hf.lora-rank", "4"]}
+    for name, extra in runs.items():
+        proc = _run(art, tmp_path / name, *common, *extra)
+        assert proc.returncode == 0, (name, proc.stderr[-3000:])
+    p, o, h, ld, lf = (_rows(tmp_path / n)[0] for n in runs)
     assert p["grad_norm"] > 0.1, p  # a batch with some reward: a gradient to compare
-    # offload moves shards, gradients and the Adam step to host memory: on CPU trainers the same numbers
+    # offload moves shards, gradients and the Adam step to host memory, and gradient checkpointing
+    # recomputes activations: on CPU trainers the same numbers
     assert o["policy_loss"] == pytest.approx(p["policy_loss"], abs=1e-6)
     assert o["grad_norm"] == pytest.approx(p["grad_norm"], rel=1e-5)
     # bf16 compute: the same update up to bf16 rounding (8 mantissa bits), not bit-equal
     assert h["grad_norm"] == pytest.approx(p["grad_norm"], rel=0.1) and h["grad_norm"] != p["grad_norm"]
-    w_plain, w_bf16 = _final(tmp_path / "plain")["model"], _final(tmp_path / "bf16")["model"]
-    assert all(v.dtype == torch.float32 for v in w_bf16.values())  # fp32 master weights are what is saved
+    assert all(v.dtype == torch.float32 for v in _final(tmp_path / "bf16")["model"].values())  # fp32 masters
+    # LoRA: the frozen base sharded with its adapters; the same update as ddp's (the adapters' random
+    # A matrices come from the seed, so both trainers of the ddp run start as one replica)
+    for key in ("policy_loss", "value_loss", "grad_norm"):
+        assert lf[key] == pytest.approx(ld[key], rel=1e-4, abs=1e-6), key
+    a, b = _final(tmp_path / "lora_ddp")["model"], _final(tmp_path / "lora_fsdp")["model"]
+    assert max(float((a[k] - b[k]).abs().max()) for k in a if "lora_" in k) < 1e-5
 
 
 @pytest.mark.slow

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from hpcrl import ops
-from hpcrl.comm import GradSync, Plane
+from hpcrl.comm import GradSync, Plane, check_parameters_in_sync
 from hpcrl.config_check import ConfigError
 
 from .sync import NoGradSync
@@ -119,6 +119,9 @@ class Strategy:
         self.offload = offload
         params = [p for p in model.parameters() if p.requires_grad]
         if name == "ddp":
+            # replicas must start equal (workload.build_model is deterministic for a seed): checked by
+            # checksums, not fixed by a broadcast, which would hold a second copy of a large model
+            check_parameters_in_sync(model.named_parameters(), plane)
             self.grad_sync: Any = GradSync(params, "flat", plane=plane)
             return
         self._shard(model, workload, offload, dtype)

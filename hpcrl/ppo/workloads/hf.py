@@ -202,11 +202,13 @@ class HFWorkload(HFOptions):
             if self.gradient_checkpointing:
                 inner = net.backbone if isinstance(net, M.ValueModel) else net
                 inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.lora_rank:
-            actor = self._lora(actor)
-            if critic is not None:
-                critic.backbone = self._lora(critic.backbone)
-                critic.value_head.requires_grad_(True)
+        if self.lora_rank:  # adapters' A matrices are random: from the seed, so every rank builds the same ones
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                actor = self._lora(actor)
+                if critic is not None:
+                    critic.backbone = self._lora(critic.backbone)
+                    critic.value_head.requires_grad_(True)
         return HFActorCritic(actor, critic, self.max_prompt_tokens, self.temperature).to(device)
 
     def build_maker_model(self, seed: int, device: torch.device | str = "cpu") -> HFActorCritic:
