@@ -137,6 +137,8 @@ class Strategy:
                               "submodules to shard (no shard_units method); use --strategy ddp")
         if self.plane.group is None:
             raise ValueError(f"--strategy fsdp needs the trainers' device plane as a process group ({self.plane})")
+        if self.device.type == "cuda":  # the mesh's device is the current one: FSDP moves each unit there
+            torch.cuda.set_device(self.device)
         self.mesh = DeviceMesh.from_group(self.plane.group, self.device.type)
         kwargs: dict[str, Any] = {"mesh": self.mesh}
         kwargs["offload_policy"] = (CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if offload
@@ -165,9 +167,9 @@ class Strategy:
         from torch.distributed.tensor import DTensor
 
         def walk(obj: Any) -> Any:
-            if isinstance(obj, DTensor):
-                full = obj.full_tensor()
-                return full.cpu() if self.keep else None
+            if isinstance(obj, DTensor):  # through the device plane, also for shards offloaded to host memory
+                full = gather_flat([obj], self.plane, obj.numel(), self.keep, torch.device("cpu"))
+                return None if full is None else full.view(obj.shape)
             if isinstance(obj, dict):
                 return {k: walk(v) for k, v in obj.items()}
             if isinstance(obj, (list, tuple)):
@@ -199,11 +201,17 @@ class Strategy:
                     if torch.is_tensor(value) and not isinstance(value, DTensor) and value.shape == param.shape:
                         moments[key] = self._local(value, param)
 
-    @staticmethod
-    def _local(full: Tensor, like: Any) -> Any:
-        """``full`` as a DTensor placed like ``like`` (this rank's chunk cut out locally, no communication)."""
-        from torch.distributed.tensor import distribute_tensor
+    def _local(self, full: Tensor, like: Any) -> Any:
+        """``full`` as a DTensor placed like ``like``: this rank's dim-0 chunk, cut out locally (no
+        communication) and kept on the device ``like``'s shard lives on (host memory with offload)."""
+        from torch.distributed.tensor import DTensor, Shard
 
-        return distribute_tensor(full.to(device=like.to_local().device, dtype=like.dtype), like.device_mesh,
-                                 like.placements, src_data_rank=None)
-
+        if tuple(like.placements) != (Shard(0),):
+            raise ValueError(f"--strategy fsdp: a tensor placed {like.placements}, not sharded on dim 0")
+        me = self.plane.group_rank(dist.get_rank())
+        rows = shard_lengths(full.shape[0], self.plane.size)
+        start = sum(rows[:me])
+        local = like.to_local()
+        chunk = full[start:start + rows[me]].to(device=local.device, dtype=like.dtype).contiguous()
+        return DTensor.from_local(chunk, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                                  stride=like.stride())

@@ -79,7 +79,9 @@ class Trainer:
         self.stop, self.events = stop, events
         self.index = ctx.rank
         self.device = ctx.device
-        self.model = workload.build_model(cfg.seed, self.device)
+        # fsdp: built in host memory; fully_shard moves one unit at a time to the device, so no trainer
+        # holds the whole model there
+        self.model = workload.build_model(cfg.seed, torch.device("cpu") if cfg.strategy == "fsdp" else self.device)
         self.strategy = Strategy(cfg.strategy, self.model, workload, groups.trainer_device, self.device,
                                  keep=self.index == 0, offload=cfg.offload, dtype=cfg.trainer_dtype)
         self.sync_tensors = workload.sync_tensors(self.model)  # sharded under fsdp: snapshot() gathers them

@@ -94,6 +94,18 @@ class HFActorCritic(nn.Module):
         self.prompt_len, self.temperature = prompt_len, temperature
         self.syncs = 0
 
+    @property
+    def compute_device(self) -> torch.device:
+        """Where forward passes run: the parameters' device, or under FSDP the mesh's (the shards may be
+        offloaded to host memory; FSDP gathers them onto the device for compute)."""
+        p = next(self.parameters())
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is None:
+            return p.device
+        if mesh.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(mesh.device_type)
+
     def action_logits(self, tokens: Tensor, attn: Tensor, net: nn.Module | None = None) -> Tensor:
         """``[B, G, V]`` logits scoring the ``G`` response tokens (positions ``P - 1 .. P + G - 2``)."""
         g = tokens.shape[1] - self.prompt_len
@@ -456,7 +468,7 @@ class HFLearner(AdamLearner):
 
     def update(self, batches: list[dict[str, Tensor]], generator: torch.Generator) -> dict[str, float]:
         cfg, model, wl = self.cfg, self.model, self.wl
-        device = next(model.parameters()).device
+        device = model.compute_device
         b = {k: torch.cat([x[k] for x in batches]).to(device) for k in batches[0]}
         tps = b.pop("maker_tokens_per_s")
         tokens, attn, mask = b["tokens"], b["attention_mask"], b["action_mask"]
