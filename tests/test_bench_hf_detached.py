@@ -21,7 +21,7 @@ def test_hf_detached_quick_writes_ratio_and_publish(tmp_path):
            if not k.startswith(("SLURM_", "SBATCH_", "SRUN_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "hf_detached.py"), "--quick", "--json", str(out)],
-                          capture_output=True, text=True, timeout=90, env=env, cwd=REPO)
+                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     d = json.loads(out.read_text())
     assert d["benchmark"] == "hf_detached" and d["quick"] is True

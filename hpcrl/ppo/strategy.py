@@ -36,7 +36,6 @@ from hpcrl import ops
 from hpcrl.comm import GradSync, Plane, check_parameters_in_sync
 from hpcrl.config_check import ConfigError
 
-from .sync import NoGradSync
 
 __all__ = ["Strategy", "StrategyName", "gather_flat", "shard_lengths"]
 
@@ -109,6 +108,33 @@ def gather_flat(tensors: list[Tensor], plane: Plane, bucket_numel: int, keep: bo
     return out
 
 
+class ShardedGrads:
+    """What a learner calls on the gradients under fsdp: FSDP has already averaged them (reduce-scatter
+    in backward), so ``all_reduce`` is a no-op; ``clip_grad_norm_`` adds the shards' squared norms on the
+    device plane (so shards offloaded to host memory work with an NCCL-only plane, which torch's own
+    clip over DTensors does not) and scales every local shard by the same factor."""
+
+    def __init__(self, plane: Plane) -> None:
+        self.plane = plane
+
+    def all_reduce(self) -> None:
+        pass
+
+    def clip_grad_norm_(self, params: list[Tensor], max_norm: float) -> Tensor:
+        """The global gradient norm before clipping (as ``torch.nn.utils.clip_grad_norm_`` returns it)."""
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
+        local = torch.zeros((), dtype=torch.float32, device=self.plane.device)
+        for g in grads:
+            local += g.detach().float().pow(2).sum().to(self.plane.device)
+        if self.plane.active:
+            dist.all_reduce(local, group=self.plane.group)
+        total = local.sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.detach().mul_(coef.to(g.device, g.dtype))
+        return total
+
+
 class Strategy:
     """``ddp`` or ``fsdp`` for one trainer's model (see the module docstring). ``plane``: the trainers'
     device plane; ``keep`` (trainer 0): whether this rank keeps gathered results."""
@@ -125,7 +151,7 @@ class Strategy:
             self.grad_sync: Any = GradSync(params, "flat", plane=plane)
             return
         self._shard(model, workload, offload, dtype)
-        self.grad_sync = NoGradSync()  # FSDP reduce-scatters (averages) the gradients in backward
+        self.grad_sync = ShardedGrads(plane)  # FSDP reduce-scatters (averages) the gradients in backward
 
     def _shard(self, model: nn.Module, workload: Any, offload: bool, dtype: str) -> None:
         from torch.distributed.device_mesh import DeviceMesh
@@ -179,6 +205,12 @@ class Strategy:
         walked = walk(state)
         return walked if self.keep else None
 
+    @property
+    def restore_device(self) -> torch.device:
+        """Where a checkpoint's full tensors are loaded: host memory under fsdp (each trainer cuts its
+        shards out of them; a full model and its Adam moments on every GPU would not fit)."""
+        return torch.device("cpu") if self.name == "fsdp" else self.device
+
     def load_full_state(self, learner: Any, model_state: dict[str, Tensor], learner_state: Any) -> None:
         """Load a checkpoint's full model and learner states (every trainer has them): each trainer
         keeps its own shards of the parameters and of the optimizer's moments."""
@@ -191,27 +223,31 @@ class Strategy:
         current = self.model.state_dict()
         self.model.load_state_dict({k: self._local(model_state[k], v) if isinstance(v, DTensor) else model_state[k]
                                     for k, v in current.items()})
-        learner.load_state_dict(learner_state)
         opt = getattr(learner, "opt", None)
-        if opt is None:
-            raise ValueError("--strategy fsdp: the workload's learner has no .opt optimizer to reshard")
-        for param, moments in opt.state.items():  # loaded as full tensors: keep this trainer's shard
+        saved = [v for v in learner_state.values() if isinstance(v, dict) and "param_groups" in v] \
+            if isinstance(learner_state, dict) else []
+        if opt is None or len(saved) != 1:
+            raise ValueError("--strategy fsdp: the workload's learner must hold one optimizer as .opt and save its "
+                             "state_dict under one key of its own state_dict")
+        params = [p for group in opt.param_groups for p in group["params"]]
+        for index, moments in saved[0]["state"].items():  # this trainer's shard of every full moment
+            param = params[int(index)]
             if isinstance(param, DTensor):
                 for key, value in moments.items():
-                    if torch.is_tensor(value) and not isinstance(value, DTensor) and value.shape == param.shape:
+                    if torch.is_tensor(value) and value.shape == param.shape and value.dim() > 0:
                         moments[key] = self._local(value, param)
+        learner.load_state_dict(learner_state)
 
     def _local(self, full: Tensor, like: Any) -> Any:
         """``full`` as a DTensor placed like ``like``: this rank's dim-0 chunk, cut out locally (no
         communication) and kept on the device ``like``'s shard lives on (host memory with offload)."""
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import Shard
 
         if tuple(like.placements) != (Shard(0),):
             raise ValueError(f"--strategy fsdp: a tensor placed {like.placements}, not sharded on dim 0")
         me = self.plane.group_rank(dist.get_rank())
         rows = shard_lengths(full.shape[0], self.plane.size)
         start = sum(rows[:me])
-        local = like.to_local()
-        chunk = full[start:start + rows[me]].to(device=local.device, dtype=like.dtype).contiguous()
-        return DTensor.from_local(chunk, like.device_mesh, like.placements, run_check=False, shape=like.shape,
-                                  stride=like.stride())
+        out = torch.empty_like(like)  # its local shard where like's is (from_local would move it to the mesh's device)
+        out.to_local().copy_(full[start:start + rows[me]])
+        return out

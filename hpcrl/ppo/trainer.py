@@ -288,7 +288,7 @@ class Trainer:
         """The newest checkpoint every trainer can load (collective over the trainers; an unusable newer
         one is reported and skipped); None with ``--resume-missing fresh`` and nothing to resume."""
         cfg, top = self.cfg, self.top
-        found = checkpoint.restore(cfg.run_dir, self.index, top.trainers, self.device,
+        found = checkpoint.restore(cfg.run_dir, self.index, top.trainers, self.strategy.restore_device,
                                    identity=run_identity(cfg, top.trainers),
                                    agree=checkpoint.store_agree(self.ctx, ranks=list(range(top.trainers)),
                                                                 name="ppo/ckpt-restore"))
@@ -360,9 +360,9 @@ class Trainer:
     # weights ------------------------------------------------------------------------------------
     def _publish(self) -> None:
         """Every trainer, after each update (fsdp gathers the shards): trainer 0 posts the new version."""
-        if self._publish_error is not None:
-            raise PeerLost(f"trainer {self.index}: publishing weights to the makers failed: {self._publish_error}")
         flat = self.strategy.snapshot(self.sync_tensors, self.cfg.bucket_numel(self.sync_tensors[0].dtype))
+        if self._publish_error is not None:  # after the collective: the other trainers are not left in it
+            raise PeerLost(f"trainer {self.index}: publishing weights to the makers failed: {self._publish_error}")
         if self.index == 0:  # a fresh flat tensor: a snapshot the next update cannot change
             self._latest = (self.version, flat)
             self._post(self._latest)

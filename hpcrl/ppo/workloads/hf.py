@@ -445,6 +445,8 @@ class HFLearner(AdamLearner):
     def __init__(self, wl: HFWorkload, model: HFActorCritic, cfg: PPOConfig, grad_sync: Any) -> None:
         super().__init__(model, cfg, grad_sync)
         self.wl = wl
+        # sharded gradients (--strategy fsdp) are clipped by their strategy: the norm adds up across trainers
+        self._clip = getattr(grad_sync, "clip_grad_norm_", nn.utils.clip_grad_norm_)
 
     def _advantages(self, b: dict[str, Tensor]) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
         """(advantages [B, G], returns, old values, token rewards) at the start of the update."""
@@ -512,7 +514,7 @@ class HFLearner(AdamLearner):
                 self._zero_grad()
                 loss.backward()
                 self.grad_sync.all_reduce()
-                row["grad_norm"] = nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
+                row["grad_norm"] = self._clip(self.params, cfg.max_grad_norm)
                 self.opt.step()
                 with torch.no_grad():
                     anchor = blogp[idx] if prox_logp is None else prox_logp[idx]
