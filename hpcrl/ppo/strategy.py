@@ -78,7 +78,7 @@ def gather_flat(tensors: list[Tensor], plane: Plane, bucket_numel: int, keep: bo
     for t in tensors:
         starts.append(starts[-1] + t.numel())
     for group in _buckets(tensors, bucket_numel):
-        layout = []  # (tensor index, elements per row, ceil chunk rows, each rank's rows, offset in the bucket)
+        layout = []  # (tensor index, elements per row, each rank's rows, offset in the bucket)
         offset = 0
         for i in group:
             t = tensors[i]
@@ -90,16 +90,16 @@ def gather_flat(tensors: list[Tensor], plane: Plane, bucket_numel: int, keep: bo
             if local.shape[0] != lengths[me]:
                 raise ValueError(f"weight tensor {i} {tuple(t.shape)}: rank {me} holds {local.shape[0]} rows, "
                                  f"a dim-0 chunk over {world} ranks has {lengths[me]}")
-            layout.append((i, per_row, max(lengths), lengths, offset))
+            layout.append((i, per_row, lengths, offset))
             offset += max(lengths) * per_row
         send = torch.zeros(offset, dtype=dtype, device=plane.device)
-        for i, per_row, _, lengths, at in layout:
+        for i, per_row, lengths, at in layout:
             send[at:at + lengths[me] * per_row].copy_(tensors[i].to_local().reshape(-1))
         recv = torch.empty(world * offset, dtype=dtype, device=plane.device)
         dist.all_gather_single(recv, send, group=plane.group)
         if out is None:
             continue
-        for i, per_row, chunk, lengths, at in layout:
+        for i, per_row, lengths, at in layout:
             dst = starts[i]
             for r, rows in enumerate(lengths):
                 n = rows * per_row
