@@ -103,6 +103,6 @@ def test_het_job_survives_a_frozen_and_a_killed_maker(cluster, tmp_path):  # noq
     assert "no job secret" not in text  # the batch script gave every task one
     final = json.loads(rows.read_text().splitlines()[-1])
     assert final["policy_version"] == 300
-    assert final["makers_lost"] in (1, 2), text[-3000:]  # the frozen one: see test_ppo_detached's chaos test
+    assert final["makers_lost"] == 2, text[-3000:]  # the killed one, and the frozen one past its heartbeat timeout
     assert final["samples_produced"] == (final["samples_consumed"] + final["dropped_stale"] + final["dropped_shutdown"]
                                          + final["lost_in_flight"])

@@ -179,12 +179,17 @@ class CreditChannel:
         self.plane, self.trainers = plane, trainers
         self._buf = torch.empty(3, dtype=torch.int64)
 
-    def grant(self, maker_rank: int, credit: Credit) -> None:
-        dist.send(torch.tensor([credit.trainer, credit.min_version, credit.credit_id], dtype=torch.int64),
-                  maker_rank, group=self.plane.group, tag=TAG_CREDIT)
+    # Both sends are posted, not waited for: a gloo send completes only once the receiver has posted its
+    # receive, so a frozen maker would hold the trainer's main thread, which is what watches for one.
+    # The caller keeps the returned (work, tensor) until the work completes.
 
-    def stop(self, maker_rank: int) -> None:
-        dist.send(torch.tensor([END, 0, 0], dtype=torch.int64), maker_rank, group=self.plane.group, tag=TAG_CREDIT)
+    def grant(self, maker_rank: int, credit: Credit) -> tuple[dist.Work, torch.Tensor]:
+        msg = torch.tensor([credit.trainer, credit.min_version, credit.credit_id], dtype=torch.int64)
+        return dist.isend(msg, maker_rank, group=self.plane.group, tag=TAG_CREDIT), msg
+
+    def stop(self, maker_rank: int) -> tuple[dist.Work, torch.Tensor]:
+        msg = torch.tensor([END, 0, 0], dtype=torch.int64)
+        return dist.isend(msg, maker_rank, group=self.plane.group, tag=TAG_CREDIT), msg
 
     def receive(self) -> Credit | None:
         """The next credit from any trainer (blocking), or None at STOP."""

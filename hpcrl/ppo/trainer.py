@@ -105,6 +105,7 @@ class Trainer:
         self._cursor = 0
         self._pending: deque[int] = deque()  # credit ids in grant order: experience is consumed oldest-first
         self._credit_maker: dict[int, int] = {}
+        self._sending: dict[int, list] = {}  # maker -> credit sends posted and not yet completed (work, tensor)
         self._arrived: dict[int, Received] = {}
         self._next_credit_id = 0
         self._draining = False
@@ -253,7 +254,7 @@ class Trainer:
             for m in range(top.makers):
                 if m not in self.dead:
                     try:
-                        self.credits.stop(top.maker_rank(m))
+                        self._sending.setdefault(m, []).append(self.credits.stop(top.maker_rank(m)))
                     except Exception:  # gone in the meantime: nothing to stop
                         pass
             produced = lost = 0.0
@@ -447,11 +448,12 @@ class Trainer:
             self._cursor += 1
             credit = self._next_credit_id
             try:
-                self.credits.grant(self.top.maker_rank(m), Credit(self.index, self.version, credit))
+                sent = self.credits.grant(self.top.maker_rank(m), Credit(self.index, self.version, credit))
             except Exception:
                 self._drop_maker(m)
                 self._grant(1)
                 continue
+            self._sending.setdefault(m, []).append(sent)
             self._next_credit_id += 1
             self._pending.append(credit)
             self._credit_maker[credit] = m
@@ -487,6 +489,17 @@ class Trainer:
                            + f" stopped responding (no heartbeat for {self.cfg.heartbeat_timeout_s:.0f} s)")
         for rank in self.watch.dead():
             self._drop_maker(self.top.maker_index(rank))
+        for m, sends in list(self._sending.items()):  # forget delivered credits; a failed send loses its maker
+            pending = [(work, msg) for work, msg in sends if not work.is_completed()]
+            self._sending[m] = pending
+            if m in self.dead:
+                continue
+            try:
+                for work, _ in sends:
+                    if work.is_completed():
+                        work.wait()
+            except Exception:
+                self._drop_maker(m)
         # a maker whose stream broke (garbage, or gone before its heartbeat stalls) or that the publisher
         # cannot reach is lost too: its credits are re-issued to the live ones
         for m in [*self._failed, *self._unreachable]:
