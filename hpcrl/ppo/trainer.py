@@ -28,8 +28,8 @@ from .channels import ChannelError, Credit, CreditChannel, ExperienceChannel, He
 from .config import DetachedConfig
 from .events import BatchReceived, Events, RowLogged, WeightsPublished
 from .groups import Groups, staging_note
-from .strategy import Strategy
 from .liveness import FINISHED_KEY, PeerLost, Watcher, describe, done_key, dropped_key, liveness_store, produced_key
+from .strategy import Strategy
 from .topology import Topology
 from .workload import PPOConfig, Workload
 
