@@ -157,6 +157,43 @@ def test_forged_heartbeat_cannot_keep_a_rank_alive(server):
         time.sleep(0.05)
 
 
+class _LateAnswers:
+    """A real store whose ``multi_get`` answers, then holds the answer ``hold_s`` before returning: a
+    watcher frozen (SIGSTOP) right after the store answered it."""
+
+    def __init__(self, store) -> None:
+        self.store, self.hold_s = store, 0.0
+
+    def check(self, keys):
+        return self.store.check(keys)
+
+    def multi_get(self, keys):
+        values = self.store.multi_get(keys)
+        time.sleep(self.hold_s)
+        return values
+
+
+def test_a_watcher_frozen_after_reading_does_not_declare_a_live_peer_dead(server):
+    store, _ = client(server)
+    store.set("hb/0", "1")
+    late = _LateAnswers(store.clone())
+    watch = Watcher(late, [0], timeout_s=1.0)
+    assert watch.dead() == []  # beat 1 seen at t0
+    time.sleep(0.3)
+    late.hold_s = 0.8  # the next answer (still beat 1) comes back 0.8 s after the store gave it...
+    beat = threading.Timer(0.5, lambda: store.clone().set("hb/0", "2"))  # ...and the peer beats meanwhile
+    beat.start()
+    try:
+        # counts are as of when they were asked for (t0 + 0.3 s: silent 0.3 s, not 1.1 s); pairing them with
+        # the clock after the pause declared the live peer dead (the chaos test's frozen maker, woken, once
+        # named the live trainer this way)
+        assert watch.dead() == []
+    finally:
+        beat.join()
+    late.hold_s = 0.0
+    assert watch.dead() == []  # beat 2
+
+
 def test_malformed_heartbeat_is_refused_in_unsigned_mode(server):
     store, raw = client(server, secret=None)
     raw.set("hb/4", "x" * 10_000)

@@ -162,8 +162,11 @@ class Watcher:
         """Ranks whose heartbeat stalled; raises StoreUnresponsive when the store itself does not answer
         and :class:`~hpcrl.comm.secret.UntrustedKeyError` for a heartbeat not signed with the job secret."""
         ranks = list(self._last)
-        counts = bounded(lambda: self._counts(ranks), self._timeout)
+        # The time the counts were asked for, taken before asking: a watcher frozen (SIGSTOP, swapped
+        # out) between reading the counts and reading the clock would otherwise pair old counts with a
+        # late time and declare a peer that beat all along dead.
         now, out = time.monotonic(), []
+        counts = bounded(lambda: self._counts(ranks), self._timeout)
         for rank, current in zip(ranks, counts):
             count, since = self._last[rank]
             if current > count:  # only growth is a beat: a replayed older value is not
