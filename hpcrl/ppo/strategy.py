@@ -71,7 +71,7 @@ def gather_flat(tensors: list[Tensor], plane: Plane, bucket_numel: int, keep: bo
     One ``all_gather_single`` per bucket of <= ``bucket_numel`` elements: each rank sends its
     shards padded to the ceil-sized chunk, and the full rows are cut back out of the gathered buffer."""
     world = plane.size
-    me = plane.group_rank(dist.get_rank())
+    me = dist.get_rank(group=plane.group)
     dtype = tensors[0].dtype
     out = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=out_device) if keep else None
     starts = [0]
@@ -245,7 +245,7 @@ class Strategy:
 
         if tuple(like.placements) != (Shard(0),):
             raise ValueError(f"--strategy fsdp: a tensor placed {like.placements}, not sharded on dim 0")
-        me = self.plane.group_rank(dist.get_rank())
+        me = dist.get_rank(group=self.plane.group)
         rows = shard_lengths(full.shape[0], self.plane.size)
         start = sum(rows[:me])
         out = torch.empty_like(like)  # its local shard where like's is (from_local would move it to the mesh's device)
