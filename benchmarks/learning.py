@@ -324,6 +324,15 @@ def fig(value: Any, unit: str, higher: bool) -> dict[str, Any] | None:
     return schema.figure(value, unit, higher) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
+def run_figs(name: str, run: dict[str, Any]) -> dict[str, Any]:
+    """One run's figures (final returns, rates, wall time), keyed ``NAME_FIELD``; fields it lacks are left out."""
+    units = {"env_steps": ("transitions", True), "final_train_return": ("return", True),
+             "final_eval_return": ("return", True), "env_steps_per_s": ("transitions/s", True),
+             "updates_per_s": ("updates/s", True), "wall_s": ("s", False)}
+    figs = {f"{name}_{key}": fig(run.get(key), unit, higher) for key, (unit, higher) in units.items()}
+    return {k: f for k, f in figs.items() if f is not None}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="CI: tiny sizes, seconds")
@@ -362,19 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         base = run_baseline(config_of(fast), fast["env_steps"], 60.0 if args.quick else args.baseline_max_min * 60,
                             args.seed)
         print(f"learning: baseline {base['env_steps']} env steps in {base['wall_s']} s", flush=True)
-        figs = {k: f for k, f in {
-            "fastsac_env_steps": fig(fast["env_steps"], "transitions", True),
-            "fastsac_final_train_return": fig(fast["final_train_return"], "return", True),
-            "fastsac_final_eval_return": fig(fast["final_eval_return"], "return", True),
-            "fastsac_env_steps_per_s": fig(fast["env_steps_per_s"], "transitions/s", True),
-            "fastsac_updates_per_s": fig(fast["updates_per_s"], "updates/s", True),
-            "baseline_final_train_return": fig(base["final_train_return"], "return", True),
-            "baseline_final_eval_return": fig(base["final_eval_return"], "return", True),
-            "baseline_env_steps_per_s": fig(base["env_steps_per_s"], "transitions/s", True),
-            "baseline_updates_per_s": fig(base["updates_per_s"], "updates/s", True),
-            "baseline_wall_s": fig(base["wall_s"], "s", False),
-            "fastsac_wall_s": fig(fast["wall_s"], "s", False),
-        }.items() if f is not None}
+        figs = {**run_figs("fastsac", fast), **run_figs("baseline", base)}
         results = {"env": "gym:HalfCheetah-v5", "fastsac": fast, "baseline_cleanrl_style": base,
                    "at_equal_samples": compare_at_equal_samples(fast, base),
                    "equal_samples": base["reached_equal_samples"], "cleanrl_published": CLEANRL_PUBLISHED,
@@ -389,14 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         budget = None if args.quick else args.playground_min * 60
         print(f"learning: FastSAC Playground CartpoleBalance, budget {budget} s ...", flush=True)
         pg = run_fastsac("playground", flags, work / "playground_fastsac", budget)
-        figs = {k: f for k, f in {
-            "fastsac_env_steps": fig(pg["env_steps"], "transitions", True),
-            "fastsac_final_train_return": fig(pg["final_train_return"], "return", True),
-            "fastsac_final_eval_return": fig(pg["final_eval_return"], "return", True),
-            "fastsac_env_steps_per_s": fig(pg["env_steps_per_s"], "transitions/s", True),
-            "fastsac_updates_per_s": fig(pg["updates_per_s"], "updates/s", True),
-            "fastsac_wall_s": fig(pg["wall_s"], "s", False),
-        }.items() if f is not None}
+        figs = run_figs("fastsac", pg)
         results = {"env": "playground:CartpoleBalance", "fastsac": pg, "png": "learning_playground.png"}
         path = write_doc("learning_playground", out, {**common, "pg_flags": pg_flags}, figs, results)
         replot(path)

@@ -140,3 +140,19 @@ def logged_target_fraction(prompts: list[str], responses: list[str]) -> list[flo
         with open(path, "a") as f:
             f.write(json.dumps({"pid": os.getpid(), "prompts": prompts}) + "\n")
     return target_fraction(prompts, responses)
+
+
+def run_ppo(args: list[str], cwd: Path, timeout: float, env: dict[str, str] | None = None):
+    """``python -m hpcrl.ppo ARGS`` as a user runs it (outside any launcher: no Slurm or torchrun variables,
+    one torch thread per rank, this directory on PYTHONPATH for the reward functions, no network)."""
+    import os
+    import subprocess
+    import sys
+
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("SLURM_", "SBATCH_", "SRUN_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    here = str(Path(__file__).resolve().parent)
+    clean.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([here, clean.get("PYTHONPATH", "")]),
+                 HF_HUB_OFFLINE="1", COLUMNS="200", **(env or {}))
+    return subprocess.run([sys.executable, "-m", "hpcrl.ppo", *args], capture_output=True, text=True,
+                          timeout=timeout, env=clean, cwd=cwd)

@@ -5,9 +5,7 @@ workload (tiny real transformers models built in the test, loaded by path)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,6 @@ import hf_fixtures as F  # noqa: E402
 from hpcrl.comm import spawn  # noqa: E402
 from hpcrl.ppo.strategy import shard_lengths  # noqa: E402
 
-TESTS = Path(__file__).resolve().parent
 
 
 def test_shard_lengths_are_torch_chunk_sizes():
@@ -104,17 +101,10 @@ def art(tmp_path_factory) -> dict[str, Path]:
 
 
 def _run(art, run: Path, *extra: str, log: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "SBATCH_", "SRUN_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")]),
-               HF_HUB_OFFLINE="1", COLUMNS="200")
-    if log is not None:
-        env["HF_TEST_PROMPT_LOG"] = str(log)
     args = ["--workload", "hf", "--hf.model", str(art["llama"]), "--hf.reward-fn", "hf_fixtures:logged_target_fraction",
             "--hf.prompts", str(art["prompts"]), "--hf.max-prompt-tokens", "8", "--hf.max-new-tokens", "8",
             "--hf.batch-size", "8", "--ppo.lr", "2e-3", "--run-dir", str(run), *extra]
-    return subprocess.run([sys.executable, "-m", "hpcrl.ppo", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=run.parent)
+    return F.run_ppo(args, run.parent, timeout, env=None if log is None else {"HF_TEST_PROMPT_LOG": str(log)})
 
 
 def _final(run: Path) -> dict:

@@ -299,12 +299,7 @@ def test_bad_inputs_are_one_line_config_errors(art, tmp_path):
 
 
 def _cli(args: list[str], cwd: Path, timeout: float = 240, workload: str = PLUGIN) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "SBATCH_", "SRUN_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")]),
-               HF_HUB_OFFLINE="1", COLUMNS="200")
-    return subprocess.run([sys.executable, "-m", "hpcrl.ppo", "--workload", workload, *args], capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=cwd)
+    return F.run_ppo(["--workload", workload, *args], cwd, timeout)
 
 
 @pytest.mark.slow

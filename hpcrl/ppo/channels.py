@@ -383,8 +383,8 @@ class WeightChannel:
         head = torch.tensor(header, dtype=torch.float64, device=self.plane.device)
         works = [dist.broadcast(head, self.src, group=self.plane.group, async_op=True)]
         if staged is not None:
-            works += [dist.broadcast(staged[i * self.bucket : (i + 1) * self.bucket], self.src,
-                                     group=self.plane.group, async_op=True) for i in range(self.buckets)]
+            buckets = [staged[i * self.bucket : (i + 1) * self.bucket] for i in range(self.buckets)]
+            works += [dist.broadcast(b, self.src, group=self.plane.group, async_op=True) for b in buckets]
         return self._wait(works, publisher)
 
     # maker -------------------------------------------------------------------------------------
