@@ -9,6 +9,7 @@ PY=${PYTHON:-python3}
 pip install -q --upgrade pip
 # torch first and pinned (a local wheel provides 2.13.0 CPU); build tools because we build without
 # isolation, so the extension compiles against this exact torch.
-pip install -q torch==2.13.0 setuptools wheel ninja pybind11
+# numpy too: torch initialises its numpy bridge while the extension builds (a warning without it)
+pip install -q torch==2.13.0 numpy setuptools wheel ninja pybind11
 pip install -q --no-build-isolation -e ".[dev,tb,gym,mpi,export,video,plot,wandb,playground,hf]" "torch==2.13.0"
 python -c "import hpcrl.ops as o; assert o.backend() == 'extension', 'hpcrl._C did not build'; print('hpcrl._C:', o.backend(), '| CUDA kernels:', o.with_cuda())"
