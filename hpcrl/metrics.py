@@ -14,12 +14,16 @@ import secrets
 import shutil
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, TextIO
 
 from hpcrl.config_check import ConfigError
-from hpcrl.progress import early_stop_line, fit, progress_fields, summary_line
+from hpcrl.progress import LOG_WIDTH, early_stop_line, fit, progress_fields, recent_rate, summary_lines
 from hpcrl.rundir import file_mode, make_dir, write_text
+
+
+RATE_ROWS = 8  # the ETA's rate is measured over this many latest rows
 
 
 def truncate_rows(path: Path, resume_env_steps: int, key: str = "env_steps") -> int:
@@ -84,8 +88,11 @@ class RunLogger:
         self._progress_every_s = progress_every_s
         self._last_return: float | None = None
         self._return_age = 0
-        self._first: tuple[float, float] | None = None  # (time, progress value) of this process's first row
-        self._resumed = bool(resume_env_steps)
+        # (time, progress value) of this process's latest rows, for the ETA; a fresh run starts at (start, 0),
+        # a resumed one at its first row (the earlier steps are not this process's speed)
+        self._recent: deque[tuple[float, float]] = deque(maxlen=RATE_ROWS)
+        if not resume_env_steps:
+            self._recent.append((self.start, 0.0))
         self._writer = None
         self._wandb = None
         self.run_dir = Path(run_dir)
@@ -106,7 +113,10 @@ class RunLogger:
             else:
                 # purge_step: TensorBoard hides the events of this step on from earlier writers of the
                 # directory (the replayed steps after a resume; everything of the previous run on a fresh start)
-                self._writer = SummaryWriter(str(make_dir(Path(run_dir) / "tb")), purge_step=resume_env_steps)
+                tb = make_dir(Path(run_dir) / "tb")
+                self._writer = SummaryWriter(str(tb), purge_step=resume_env_steps)
+                for event_file in tb.iterdir():  # the writer opens its file at once, under the umask
+                    os.chmod(event_file, file_mode())
         if wandb_project:
             self._wandb = open_wandb(self.run_dir, wandb_project, wandb_mode, wandb_config or {},
                                      resume=bool(resume_env_steps))
@@ -132,16 +142,14 @@ class RunLogger:
         elif self._last_return is not None and "eval_return" not in row:
             self._return_age += 1
         at = row.get(self._progress_key) or 0
-        if self._first is None:
-            # a resumed run's first row is not at 0: its rate is measured from that row, not from 0
-            self._first = (now, float(at)) if self._resumed else (self.start, 0.0)
+        if "eval_return" not in row:  # eval rows repeat a training row's step: no progress
+            self._recent.append((now, float(at)))
         done = at >= self.total
         keep = done or "eval_return" in row  # lines worth keeping on screen and in logs
         if not self._tty and not keep and now - self._last_print < self._progress_every_s:
             return
         self._last_print = now
-        t0, v0 = self._first
-        rate = (at - v0) / (now - t0) if now > t0 and at > v0 else None
+        rate = recent_rate(list(self._recent))
         fields = progress_fields(row, key=self._progress_key, total=self.total, elapsed_s=now - self.start,
                                  rate=rate, last_return=self._last_return, return_age=self._return_age)
         if self._tty:
@@ -149,7 +157,7 @@ class RunLogger:
             self._stream.write("\r\x1b[K" + line + ("\n" if keep else ""))
             self._open_line = not keep
         else:
-            self._stream.write(fit(fields, None) + "\n")
+            self._stream.write(fit(fields, LOG_WIDTH) + "\n")
         self._stream.flush()
 
     def _columns(self) -> int:
@@ -162,13 +170,17 @@ class RunLogger:
         self._stream.write(line + "\n")
         self._stream.flush()
 
-    def finish(self, results: dict[str, Any] | None = None, paths: dict[str, Any] | None = None) -> None:
-        """Print the summary line (``done in 1m02s: eval_return=..., checkpoint DIR, metrics FILE``); rank 0
-        only (a no-op elsewhere). ``paths`` defaults to the metrics file."""
+    def finish(self, results: dict[str, Any] | None = None, paths: dict[str, Any] | None = None, *,
+               stopped: str | None = None) -> None:
+        """Print the summary (``done in 1m02s: eval_return=...`` then ``checkpoint DIR, metrics FILE``; with
+        ``stopped="SIGTERM"``: ``stopped (SIGTERM) after ...; resume with --resume``); rank 0 only (a no-op
+        elsewhere). W&B is closed first, so its own summary block comes before these lines, not after."""
         if not self.enabled:
             return
+        self._close_wandb()
         paths = {**(paths or {}), "metrics": self.path}
-        self._say("hpcrl: " + summary_line(time.time() - self.start, results or {}, paths))
+        for line in summary_lines(time.time() - self.start, results or {}, paths, stopped=stopped):
+            self._say("hpcrl: " + line)
 
     def early_stop(self, reason: str, at: Any) -> None:
         """Print that the run stopped before its budget and why, e.g. ``early_stop("episode_return_recent
@@ -186,6 +198,9 @@ class RunLogger:
         self._file.close()
         if self._writer is not None:
             self._writer.close()
+        self._close_wandb()
+
+    def _close_wandb(self) -> None:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None

@@ -12,7 +12,12 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Mapping
 
-__all__ = ["duration", "value", "fit", "progress_fields", "summary_line", "early_stop_line"]
+__all__ = ["duration", "value", "fit", "progress_fields", "recent_rate", "summary_lines", "early_stop_line",
+           "LOG_WIDTH"]
+
+# Files and Slurm logs get lines this wide at most: the leading fields, then whatever else fits
+# (metrics.jsonl holds every value; a log line is for reading).
+LOG_WIDTH = 160
 
 # Row keys the leading fields already show (or that mean nothing on screen).
 _SHOWN = {"time", "sps", "episode_return", "eval_return"}
@@ -75,18 +80,33 @@ def progress_fields(row: Mapping[str, Any], *, key: str, total: int, elapsed_s: 
     if rate is not None and rate > 0 and done < total:
         fields.append(f"eta={duration((total - done) / rate)}")
     fields.append(f"elapsed={duration(elapsed_s)}")
-    for k, v in row.items():
-        if k not in _SHOWN and k != key:
+    for k, v in row.items():  # a value missing from this row (no episode ended: NaN) says nothing
+        if k not in _SHOWN and k != key and v is not None and not _nan(v):
             fields.append(f"{k}={value(v)}")
     return fields
 
 
-def summary_line(elapsed_s: float, results: Mapping[str, Any], paths: Mapping[str, Any]) -> str:
-    """``done in 1m02s: eval_return=-198.3, checkpoint runs/x/checkpoints/step_1000, metrics runs/x/metrics.jsonl``:
-    the last line of a finished run; ``results`` are values (None/NaN skipped), ``paths`` where things are."""
+def recent_rate(points: "list[tuple[float, float]]") -> float | None:
+    """Progress units per second over ``points`` = [(time, progress value), ...] oldest first: the
+    rate of the recent rows, so an ETA measured during fast warm-up (random steps, no updates) is
+    replaced by the training speed once it begins. None until two points differ."""
+    if len(points) < 2:
+        return None
+    (t0, v0), (t1, v1) = points[0], points[-1]
+    return (v1 - v0) / (t1 - t0) if t1 > t0 and v1 > v0 else None
+
+
+def summary_lines(elapsed_s: float, results: Mapping[str, Any], paths: Mapping[str, Any], *,
+                  stopped: str | None = None) -> list[str]:
+    """The last lines of a run: ``done in 1m02s: eval_return=-198.3`` (``stopped (SIGTERM) after 2s:
+    ...; resume with --resume`` for an interrupted run), then ``checkpoint DIR, metrics FILE`` on a
+    line of its own, so the first fits a terminal and no path is ever cut. ``results`` are values
+    (None/NaN skipped), ``paths`` where things are (empty ones skipped)."""
     parts = [f"{k}={value(v)}" for k, v in results.items() if v is not None and not _nan(v)]
-    parts += [f"{k} {p}" for k, p in paths.items() if p]
-    return f"done in {duration(elapsed_s)}" + (": " + ", ".join(parts) if parts else "")
+    head = (f"stopped ({stopped}) after {duration(elapsed_s)}" if stopped else f"done in {duration(elapsed_s)}")
+    head += (": " + ", ".join(parts) if parts else "") + ("; resume with --resume" if stopped else "")
+    where = ", ".join(f"{k} {p}" for k, p in paths.items() if p)
+    return [head, where] if where else [head]
 
 
 def early_stop_line(reason: str, *, key: str, at: Any, total: int, elapsed_s: float) -> str:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import io
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -608,3 +611,18 @@ def test_make_env_errors():
     with pytest.raises(ValueError, match="NoSuchEnv"):
         make_env("gym:NoSuchEnv-v0", 2)
     assert isinstance(make_env("cartpole_swingup", 2), CartPoleSwingUp)
+
+
+def test_mujoco_warnings_are_shown_once_per_process():
+    """gymnasium's HalfCheetah XML makes MuJoCo warn ('settotalmass is deprecated') at every sub-env's
+    compile: a process prints each distinct warning once, on one line."""
+    code = ("from hpcrl.envs import make_env\n"
+            "for n in (4, 2):\n"
+            "    make_env('gym:HalfCheetah-v5', n, seed=0).close()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout + out.stderr
+    assert text.count("settotalmass") == 1, text
+    assert "hpcrl: MuJoCo warning (shown once): compiler attribute 'settotalmass'" in text
+    assert "\n\n" not in text.strip()

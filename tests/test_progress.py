@@ -44,7 +44,8 @@ def test_line_fits_the_width_and_cuts_no_value(width):
 def test_no_width_keeps_every_field_and_missing_values_read_as_dash():
     line = progress.fit(fields(), None)
     assert "eta=40s" in line and "elapsed=1m02s" in line and "sps=535.8" in line
-    assert "episode_length=-" in line and "nan" not in line.lower()
+    # a value missing from the row (no episode ended in the window) is left out, not shown as "-"
+    assert "episode_length" not in line and "nan" not in line.lower()
     assert "\r" not in line
 
 
@@ -66,10 +67,11 @@ def test_duration(seconds, text):
 
 
 def test_summary_and_early_stop_lines():
-    line = progress.summary_line(62, {"eval_return": -198.345, "best": None, "x": math.nan},
-                                 {"checkpoint": "runs/a/checkpoints/step_1", "metrics": "runs/a/metrics.jsonl"})
-    assert line == ("done in 1m02s: eval_return=-198.3, checkpoint runs/a/checkpoints/step_1, "
-                    "metrics runs/a/metrics.jsonl")
+    paths = {"checkpoint": "runs/a/checkpoints/step_1", "metrics": "runs/a/metrics.jsonl", "policy": None}
+    lines = progress.summary_lines(62, {"eval_return": -198.345, "best": None, "x": math.nan}, paths)
+    assert lines == ["done in 1m02s: eval_return=-198.3", "checkpoint runs/a/checkpoints/step_1, metrics runs/a/metrics.jsonl"]
+    stopped = progress.summary_lines(2, {"updates": 5}, {}, stopped="SIGINT")
+    assert stopped == ["stopped (SIGINT) after 2s: updates=5; resume with --resume"]
     stop = progress.early_stop_line("episode_return_recent 480.2 >= --target-return 475", key="updates", at=40,
                                     total=100, elapsed_s=12)
     assert stop == "stopped early at updates=40/100 after 12s: episode_return_recent 480.2 >= --target-return 475"
@@ -86,10 +88,11 @@ def test_run_logger_file_output_is_one_full_line_per_row_and_json_has_no_nan(tmp
     text = out.getvalue()
     lines = text.splitlines()
     assert "\r" not in text and "nan" not in text.lower()
-    assert len(lines) == 4
+    assert len(lines) == 5
     assert "return=-3.5 (1 row ago)" in lines[1] and "return=-3.5 (2 rows ago)" in lines[2]
-    assert lines[3].startswith("hpcrl: done in ") and "eval_return=-2" in lines[3]
-    assert f"metrics {tmp_path / 'metrics.jsonl'}" in lines[3]
+    assert "critic_loss" not in lines[1] and "critic_loss=0.5" in lines[2]  # inf is missing, not "-"
+    assert lines[3] == "hpcrl: done in 0s: eval_return=-2"
+    assert lines[4] == f"hpcrl: checkpoint {tmp_path / 'checkpoints'}, metrics {tmp_path / 'metrics.jsonl'}"
     raw = (tmp_path / "metrics.jsonl").read_text()
     rows = [json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}")) for line in
             raw.splitlines()]
@@ -110,6 +113,8 @@ def test_run_logger_terminal_line_fits_and_ends_with_newline_on_early_stop(tmp_p
     assert shown and all(len(s) <= 50 for s in shown)
     assert shown[-1].startswith("[ 20.0%] updates=20/100")
     lines = text.split("\n")
+    assert lines[-2].startswith("hpcrl: metrics ")
+    lines = lines[:-1]
     assert lines[-3] == "hpcrl: stopped early at updates=20/100 after 0s: episode_return_recent 480.2 >= --target-return 475"
     assert lines[-2].startswith("hpcrl: done in 0s: episode_return=40")
 
@@ -122,3 +127,28 @@ def test_disabled_logger_writes_nothing(tmp_path):
     log.early_stop("x", at=1)
     log.close()
     assert out.getvalue() == "" and not (tmp_path / "r").exists()
+
+
+def test_log_lines_are_bounded_and_the_eta_follows_the_recent_rate(tmp_path, monkeypatch):
+    """In a file or a Slurm log a line is at most LOG_WIDTH wide however many fields a row has, and the
+    ETA comes from the latest rows: fast warm-up rows (random steps) do not make it optimistic."""
+    out = io.StringIO()
+    clock = [1000.0]
+    monkeypatch.setattr("hpcrl.metrics.time.time", lambda: clock[0])
+    log = RunLogger(tmp_path, True, 100_000, tensorboard=False, progress_every_s=0.0, stream=out)
+    wide = {f"field_{i}": 1.2345 for i in range(60)}
+    for step in range(1, 21):  # 10 warm-up rows at 10,000 steps/s, then 10 rows at 100 steps/s
+        clock[0] += 1.0
+        log.log({"env_steps": step * 10_000 if step <= 5 else 50_000 + (step - 5) * 100, "updates": step, **wide})
+    log.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 20 and all(len(line) <= progress.LOG_WIDTH for line in lines)
+    assert "eta=" in lines[-1] and progress.duration((100_000 - 51_500) / 100) in lines[-1]
+
+
+def test_tensorboard_files_follow_the_run_dir_mode(tmp_path):
+    log = RunLogger(tmp_path, True, 10, tensorboard=True, stream=io.StringIO())
+    log.log({"env_steps": 10, "updates": 1, "loss": 1.0})
+    log.close()
+    files = list((tmp_path / "tb").iterdir())
+    assert files and all(f.stat().st_mode & 0o077 == 0 for f in files), [oct(f.stat().st_mode) for f in files]

@@ -24,7 +24,7 @@ should use seeds ``base + rank * num_envs`` to keep their streams disjoint.
 from __future__ import annotations
 
 import json
-
+import sys
 from typing import Any
 
 import numpy as np
@@ -44,6 +44,26 @@ def _import_gym():
     return gymnasium
 
 
+def _quiet_mujoco_warnings() -> None:
+    """MuJoCo prints its C-level warnings once per model compile (gymnasium's HalfCheetah XML: 'settotalmass
+    is deprecated' for every sub-env, with blank lines): show each distinct warning once, on one line."""
+    try:
+        import mujoco
+    except ImportError:
+        return
+    if getattr(mujoco.get_mju_user_warning(), "_hpcrl", False):
+        return
+    seen: set[str] = set()
+
+    def once(message: str) -> None:
+        if message not in seen:
+            seen.add(message)
+            print(f"hpcrl: MuJoCo warning (shown once): {message.strip()}", file=sys.stderr, flush=True)
+
+    once._hpcrl = True  # type: ignore[attr-defined]
+    mujoco.set_mju_user_warning(once)
+
+
 class GymVecEnv(VecEnv):
     """Wrap ``env`` (a gymnasium env id or a SAME_STEP ``gymnasium.vector.VectorEnv``)."""
 
@@ -61,6 +81,7 @@ class GymVecEnv(VecEnv):
         gym = _import_gym()
         same_step = gym.vector.AutoresetMode.SAME_STEP
         if isinstance(env, str):
+            _quiet_mujoco_warnings()
             n = check_num_envs(num_envs if num_envs is not None else 1)
             try:
                 env = gym.make_vec(
