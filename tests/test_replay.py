@@ -8,6 +8,7 @@ import torch
 
 import hpcrl.ops as ops
 from hpcrl.ops import reference
+from hpcrl.h5io import save_h5
 from hpcrl.replay import ReplayShard, load_shard, save_shard
 
 
@@ -192,6 +193,33 @@ def test_state_dict_and_hdf5_round_trip(tmp_path):
     wrong = ReplayShard(3, 8, 4, 2, n_step=3, gamma=0.9)
     with pytest.raises(ValueError, match="capacity=7"):
         load_shard(wrong, path)
+
+
+@pytest.mark.parametrize("steps", [0, 1, 5, 7, 30])  # empty, partly full, exactly full, wrapped
+def test_a_saved_shard_holds_only_what_is_filled_and_loads_back_identical(tmp_path, steps):
+    big = 1000  # a checkpoint taken early in a run must not write the empty rest of the ring
+    shard = ReplayShard(3, big, obs_dim=4, action_dim=2, n_step=3, gamma=0.9)
+    rec = Recorder(3, 4, 2, 0.15, 0.15, seed=1)
+    for _ in range(steps):
+        rec.step(shard)
+    state = shard.state_dict()
+    assert state["obs"].shape[0] == state["flags"].shape[0] == min(steps, big)
+    path = tmp_path / "shard.h5"
+    save_shard(shard, path)
+    copy = ReplayShard(3, big, obs_dim=4, action_dim=2, n_step=3, gamma=0.9)
+    load_shard(copy, path)
+    for name in ("obs", "action", "reward", "flags", "final_ref", "final_pool", "head_next_obs"):
+        assert torch.equal(getattr(copy, name), getattr(shard, name)), name
+    full = tmp_path / "full.h5"  # what a checkpoint of the whole capacity weighed (and still loads)
+    save_h5(full, {**state, **{n: getattr(shard, n) for n in ReplayShard._RING}}, 1)
+    if steps < 30:
+        assert path.stat().st_size * 5 < full.stat().st_size
+    older = ReplayShard(3, big, obs_dim=4, action_dim=2, n_step=3, gamma=0.9)
+    load_shard(older, full)
+    assert all(torch.equal(getattr(older, n), getattr(shard, n)) for n in ReplayShard._RING)
+    state["obs"] = state["obs"][:-1] if steps else torch.zeros(2, 3, 4)
+    with pytest.raises(ValueError, match="saved obs has shape"):
+        copy.load_state_dict(state)
 
 
 def test_interrupted_save_keeps_previous_file(tmp_path, monkeypatch):

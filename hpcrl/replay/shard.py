@@ -242,23 +242,38 @@ class ReplayShard:
 
     # -- persistence -------------------------------------------------------------------------------
 
-    _TENSORS = ("obs", "action", "reward", "flags", "final_ref", "final_pool", "head_next_obs")
+    _RING = ("obs", "action", "reward", "flags", "final_ref")  # [capacity, num_envs, ...], filled from slot 0
     _CONFIG = ("num_envs", "capacity", "obs_dim", "action_dim", "n_step", "gamma", "critic_obs_dim")
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {name: getattr(self, name) for name in self._TENSORS}
+        """The shard's state holding only what is filled: the ring's first ``min(ptr, capacity)`` time
+        slots (time-major: the ring fills from slot 0, so that prefix is every written slot), the
+        final-observation pool and the write head; :meth:`load_state_dict` restores full capacity, bit-identical."""
+        filled = min(self.ptr, self.capacity)
+        state: dict[str, Any] = {name: getattr(self, name)[:filled] for name in self._RING}
+        state.update(final_pool=self.final_pool, head_next_obs=self.head_next_obs)
         state.update({name: getattr(self, name) for name in self._CONFIG})
         state.update(ptr=self.ptr, pool_cursor=self._pool_cursor, pool_live=self._pool_live,
                      pool_per_slot=torch.tensor(self._pool_per_slot, dtype=torch.int64))
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict` (one holding the whole capacity, as older checkpoints do, too)."""
         for name in self._CONFIG:
             mine, theirs = getattr(self, name), state.get(name, 0)  # shards older than critic obs: 0
             if (float(mine) != float(theirs)):
                 raise ValueError(f"load_state_dict: saved shard has {name}={theirs}, this shard has {name}={mine}; "
                                  "build the shard with the saved configuration")
-        for name in self._TENSORS:
+        filled = min(int(state["ptr"]), self.capacity)
+        for name in self._RING:
+            saved = torch.as_tensor(state[name])
+            if saved.shape[0] not in (filled, self.capacity) or saved.shape[1:] != getattr(self, name).shape[1:]:
+                raise ValueError(f"load_state_dict: saved {name} has shape {tuple(saved.shape)}, expected "
+                                 f"{filled} or {self.capacity} time slots of {tuple(getattr(self, name).shape[1:])}")
+            full = getattr(self, name)
+            full[filled:] = -1 if name == "final_ref" else 0  # never-written slots, as a fresh shard has them
+            full[:filled].copy_(saved[:filled])
+        for name in ("final_pool", "head_next_obs"):
             setattr(self, name, torch.as_tensor(state[name]).to(self.device).clone())
         self.ptr = int(state["ptr"])
         self._pool_cursor = int(state["pool_cursor"])
