@@ -16,6 +16,8 @@ import json
 import random
 from pathlib import Path
 
+from hpcrl.ppo import demo_task as T  # the tiny tokenizer / model builders (shared with python -m hpcrl.ppo.demo)
+
 WORDS = ["yes", "no", "red", "blue", "green", "cat", "dog", "bird", "one", "two", "three", "four", "five",
          "six", "sun", "moon", "star", "tree", "sea", "sky", "big", "small", "up", "down"]
 TARGET = "yes"
@@ -27,65 +29,24 @@ def corpus(n: int = 400, seed: int = 0) -> list[str]:
 
 
 def build_tokenizer(out: Path, kind: str = "wordlevel", chat_template: str | None = None):
-    """Train a tokenizer on :func:`corpus` and save it (``save_pretrained``) to ``out``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<unk>", "<eos>"]
-    if kind == "wordlevel":
-        tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-        trainer = trainers.WordLevelTrainer(special_tokens=specials)
-    elif kind == "bpe":
-        tok = Tokenizer(models.BPE(unk_token="<unk>"))
-        trainer = trainers.BpeTrainer(special_tokens=specials, vocab_size=80)
-    else:
-        raise ValueError(kind)
-    if kind == "wordlevel":
-        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Metaspace()
-        tok.decoder = decoders.Metaspace()
-    tok.train_from_iterator(corpus(), trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>")
-    if chat_template is not None:
-        fast.chat_template = chat_template
-    fast.save_pretrained(out)
-    return fast
+    """A tokenizer trained on :func:`corpus`, saved (``save_pretrained``) to ``out``."""
+    return T.build_tokenizer(out, corpus(), kind, chat_template)
 
 
 def build_causal_lm(out: Path, arch: str = "llama", kind: str = "wordlevel", seed: int = 0,
                     max_positions: int = 64, chat_template: str | None = None) -> Path:
     """A random 2-layer, hidden-64 causal LM and its tokenizer in ``out`` (``save_pretrained``)."""
-    import torch
-    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
-
-    tok = build_tokenizer(out, kind, chat_template)
-    vocab = len(tok)
-    eos = tok.eos_token_id
-    if arch == "llama":
-        config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
-                             eos_token_id=eos, bos_token_id=eos, tie_word_embeddings=False)
-    elif arch == "gpt2":
-        config = GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=max_positions,
-                            eos_token_id=eos, bos_token_id=eos)
-    else:
-        raise ValueError(arch)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(out)
+    T.build_causal_lm(out, corpus(), arch, kind, seed, max_positions, chat_template)
     return out
 
 
 def build_reward_model(out: Path, labels: int = 1, seed: int = 1) -> Path:
     import torch
-    from transformers import AutoModelForSequenceClassification, LlamaConfig
+    from transformers import AutoModelForSequenceClassification
 
     tok = build_tokenizer(out)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         num_labels=labels, pad_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+    eos = tok.eos_token_id
+    config = T.tiny_config("llama", len(tok), eos, num_labels=labels, pad_token_id=eos)
     torch.manual_seed(seed)
     AutoModelForSequenceClassification.from_config(config).save_pretrained(out)
     return out
