@@ -83,11 +83,9 @@ void check_storage(const at::Tensor& t, const char* name, at::ScalarType dtype, 
   TORCH_CHECK(t.device() == dev, "replay_gather: ", name, " is on ", t.device(), " but the shard is on ", dev);
 }
 
-std::vector<at::Tensor> replay_gather(const at::Tensor& obs, const at::Tensor& action, const at::Tensor& reward,
-                                      const at::Tensor& flags, const at::Tensor& final_ref,
-                                      const at::Tensor& final_pool, const at::Tensor& head_next_obs,
-                                      const at::Tensor& env_idx, const at::Tensor& slot_idx, int64_t ptr,
-                                      int64_t n_step, double gamma) {
+ReplayStorage checked_storage(const at::Tensor& obs, const at::Tensor& action, const at::Tensor& reward,
+                              const at::Tensor& flags, const at::Tensor& final_ref, const at::Tensor& final_pool,
+                              const at::Tensor& head_next_obs, int64_t ptr, int64_t n_step) {
   const at::Device dev = reward.device();
   check_storage(obs, "obs", at::kFloat, 3, dev);
   check_storage(action, "action", at::kFloat, 3, dev);
@@ -96,8 +94,6 @@ std::vector<at::Tensor> replay_gather(const at::Tensor& obs, const at::Tensor& a
   check_storage(final_ref, "final_ref", at::kLong, 2, dev);
   check_storage(final_pool, "final_pool", at::kFloat, 2, dev);
   check_storage(head_next_obs, "head_next_obs", at::kFloat, 2, dev);
-  check_storage(env_idx, "env_idx", at::kLong, 1, dev);
-  check_storage(slot_idx, "slot_idx", at::kLong, 1, dev);
   const int64_t capacity = reward.size(0), num_envs = reward.size(1), obs_dim = obs.size(2);
   TORCH_CHECK(obs.size(0) == capacity && obs.size(1) == num_envs && action.size(0) == capacity &&
                   action.size(1) == num_envs && flags.sizes() == reward.sizes() &&
@@ -107,30 +103,94 @@ std::vector<at::Tensor> replay_gather(const at::Tensor& obs, const at::Tensor& a
   TORCH_CHECK(final_pool.size(1) == obs_dim && head_next_obs.size(0) == num_envs && head_next_obs.size(1) == obs_dim,
               "replay_gather: final_pool ", final_pool.sizes(), " / head_next_obs ", head_next_obs.sizes(),
               " do not match obs_dim=", obs_dim, ", num_envs=", num_envs);
-  TORCH_CHECK(env_idx.numel() == slot_idx.numel(), "replay_gather: env_idx has ", env_idx.numel(),
-              " rows but slot_idx has ", slot_idx.numel());
   TORCH_CHECK(ptr >= 1, "replay_gather: the shard is empty (add() at least once before sampling)");
   TORCH_CHECK(n_step >= 1, "replay_gather: n_step must be >= 1, got ", n_step);
+  return ReplayStorage{obs, action, reward, flags, final_ref, final_pool, head_next_obs, ptr};
+}
 
-  const int64_t batch = env_idx.numel();
-  const auto f32 = reward.options();
-  ReplayBatch out{at::empty({batch, obs_dim}, f32), at::empty({batch, action.size(2)}, f32),
-                  at::empty({batch}, f32),         at::empty({batch, obs_dim}, f32),
-                  at::empty({batch}, f32),         at::empty({batch}, env_idx.options())};
-  const ReplayStorage storage{obs, action, reward, flags, final_ref, final_pool, head_next_obs, ptr};
-  if (batch > 0) {
+// The batch's outputs: the caller's `out` (obs, action, reward, next_obs, discount, n; checked) so a
+// sampler reuses one set of buffers, or fresh ones.
+ReplayBatch batch_outputs(const ReplayStorage& s, int64_t batch, const std::optional<std::vector<at::Tensor>>& out) {
+  const int64_t obs_dim = s.obs.size(2), act_dim = s.action.size(2);
+  const auto f32 = s.reward.options();
+  if (!out) {
+    return ReplayBatch{at::empty({batch, obs_dim}, f32), at::empty({batch, act_dim}, f32), at::empty({batch}, f32),
+                       at::empty({batch, obs_dim}, f32), at::empty({batch}, f32),
+                       at::empty({batch}, f32.dtype(at::kLong))};
+  }
+  TORCH_CHECK(out->size() == 6, "replay_gather: out must hold 6 tensors (obs, action, reward, next_obs, discount, n)");
+  const auto& o = *out;
+  const std::vector<std::vector<int64_t>> shapes{{batch, obs_dim}, {batch, act_dim}, {batch}, {batch, obs_dim},
+                                                 {batch}, {batch}};
+  const char* names[] = {"obs", "action", "reward", "next_obs", "discount", "n"};
+  for (size_t i = 0; i < 6; ++i) {
+    check_storage(o[i], names[i], i == 5 ? at::kLong : at::kFloat, static_cast<int64_t>(shapes[i].size()),
+                  s.reward.device());
+    TORCH_CHECK(o[i].sizes() == at::IntArrayRef(shapes[i]), "replay_gather: out ", names[i], " has shape ",
+                o[i].sizes(), ", expected ", at::IntArrayRef(shapes[i]));
+  }
+  return ReplayBatch{o[0], o[1], o[2], o[3], o[4], o[5]};
+}
+
+std::vector<at::Tensor> replay_gather(const at::Tensor& obs, const at::Tensor& action, const at::Tensor& reward,
+                                      const at::Tensor& flags, const at::Tensor& final_ref,
+                                      const at::Tensor& final_pool, const at::Tensor& head_next_obs,
+                                      const at::Tensor& env_idx, const at::Tensor& slot_idx, int64_t ptr,
+                                      int64_t n_step, double gamma, int64_t prefetch_rows,
+                                      std::optional<std::vector<at::Tensor>> out) {
+  const ReplayStorage storage =
+      checked_storage(obs, action, reward, flags, final_ref, final_pool, head_next_obs, ptr, n_step);
+  const at::Device dev = reward.device();
+  check_storage(env_idx, "env_idx", at::kLong, 1, dev);
+  check_storage(slot_idx, "slot_idx", at::kLong, 1, dev);
+  TORCH_CHECK(env_idx.numel() == slot_idx.numel(), "replay_gather: env_idx has ", env_idx.numel(),
+              " rows but slot_idx has ", slot_idx.numel());
+  TORCH_CHECK(prefetch_rows >= 0, "replay_gather: prefetch_rows must be >= 0, got ", prefetch_rows);
+  const ReplayBatch o = batch_outputs(storage, env_idx.numel(), out);
+  if (env_idx.numel() > 0) {
     if (dev.is_cuda()) {
 #ifdef HPCRL_WITH_CUDA
-      replay_gather_cuda(storage, env_idx, slot_idx, n_step, gamma, out);
+      replay_gather_cuda(storage, env_idx, slot_idx, n_step, gamma, o);
 #else
       TORCH_CHECK(false, "replay_gather: hpcrl._C was built without CUDA; rebuild with HPCRL_CUDA=1");
 #endif
     } else {
       TORCH_CHECK(dev.is_cpu(), "replay_gather: unsupported device ", dev);
-      replay_gather_cpu(storage, env_idx, slot_idx, n_step, gamma, out);
+      replay_gather_cpu(storage, env_idx, slot_idx, n_step, gamma, prefetch_rows, o);
     }
   }
-  return {out.obs, out.action, out.reward, out.next_obs, out.discount, out.n};
+  return {o.obs, o.action, o.reward, o.next_obs, o.discount, o.n};
+}
+
+// Draw rows offset .. offset + batch of seed's stream and gather them: one call, no torch ops.
+// env_idx / slot_idx [batch] int64 receive the drawn pairs.
+std::vector<at::Tensor> replay_sample(const at::Tensor& obs, const at::Tensor& action, const at::Tensor& reward,
+                                      const at::Tensor& flags, const at::Tensor& final_ref,
+                                      const at::Tensor& final_pool, const at::Tensor& head_next_obs, int64_t ptr,
+                                      int64_t n_step, double gamma, uint64_t seed, uint64_t offset,
+                                      const at::Tensor& env_idx, const at::Tensor& slot_idx, int64_t prefetch_rows,
+                                      std::optional<std::vector<at::Tensor>> out) {
+  const ReplayStorage storage =
+      checked_storage(obs, action, reward, flags, final_ref, final_pool, head_next_obs, ptr, n_step);
+  const at::Device dev = reward.device();
+  check_storage(env_idx, "env_idx", at::kLong, 1, dev);
+  check_storage(slot_idx, "slot_idx", at::kLong, 1, dev);
+  TORCH_CHECK(env_idx.numel() == slot_idx.numel() && env_idx.numel() >= 1,
+              "replay_sample: env_idx and slot_idx must have the same batch >= 1 rows, got ", env_idx.numel(),
+              " and ", slot_idx.numel());
+  TORCH_CHECK(prefetch_rows >= 0, "replay_sample: prefetch_rows must be >= 0, got ", prefetch_rows);
+  const ReplayBatch o = batch_outputs(storage, env_idx.numel(), out);
+  if (dev.is_cuda()) {
+#ifdef HPCRL_WITH_CUDA
+    replay_sample_cuda(storage, seed, offset, env_idx, slot_idx, n_step, gamma, o);
+#else
+    TORCH_CHECK(false, "replay_sample: hpcrl._C was built without CUDA; rebuild with HPCRL_CUDA=1");
+#endif
+  } else {
+    TORCH_CHECK(dev.is_cpu(), "replay_sample: unsupported device ", dev);
+    replay_sample_cpu(storage, seed, offset, env_idx, slot_idx, n_step, gamma, prefetch_rows, o);
+  }
+  return {o.obs, o.action, o.reward, o.next_obs, o.discount, o.n};
 }
 
 }  // namespace
@@ -154,5 +214,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out") = py::none());
   m.def("unflatten_", &hpcrl::unflatten_, "Scatter a flat tensor back into tensors, times scale", py::arg("flat"),
         py::arg("tensors"), py::arg("scale") = 1.0);
-  m.def("replay_gather", &hpcrl::replay_gather, "Gather replay rows with n-step returns");
+  m.def("replay_gather", &hpcrl::replay_gather, "Gather replay rows with n-step returns", py::arg("obs"),
+        py::arg("action"), py::arg("reward"), py::arg("flags"), py::arg("final_ref"), py::arg("final_pool"),
+        py::arg("head_next_obs"), py::arg("env_idx"), py::arg("slot_idx"), py::arg("ptr"), py::arg("n_step"),
+        py::arg("gamma"), py::arg("prefetch_rows") = 0, py::arg("out") = py::none());
+  m.def("replay_sample", &hpcrl::replay_sample, "Draw replay rows (Philox4x32-10) and gather them", py::arg("obs"),
+        py::arg("action"), py::arg("reward"), py::arg("flags"), py::arg("final_ref"), py::arg("final_pool"),
+        py::arg("head_next_obs"), py::arg("ptr"), py::arg("n_step"), py::arg("gamma"), py::arg("seed"),
+        py::arg("offset"), py::arg("env_idx"), py::arg("slot_idx"), py::arg("prefetch_rows") = 0,
+        py::arg("out") = py::none());
 }

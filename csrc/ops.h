@@ -26,8 +26,14 @@ struct ReplayStorage {
 struct ReplayBatch {
   at::Tensor obs, action, reward, next_obs, discount, n;
 };
+// prefetch_rows: how many rows ahead the CPU loop requests its cache lines (0: none).
 void replay_gather_cpu(const ReplayStorage& s, const at::Tensor& env_idx, const at::Tensor& slot_idx,
-                       int64_t n_step, double gamma, const ReplayBatch& out);
+                       int64_t n_step, double gamma, int64_t prefetch_rows, const ReplayBatch& out);
+// Sampling: env_idx / slot_idx are OUTPUTS here, filled with the pairs drawn for rows offset .. offset + B
+// of seed's stream (csrc/common/replay_sample.h), then gathered as above.
+void replay_sample_cpu(const ReplayStorage& s, uint64_t seed, uint64_t offset, const at::Tensor& env_idx,
+                       const at::Tensor& slot_idx, int64_t n_step, double gamma, int64_t prefetch_rows,
+                       const ReplayBatch& out);
 
 #ifdef HPCRL_WITH_CUDA
 // Same contracts on CUDA tensors (csrc/cuda/glue.cpp); each is one kernel launch on the current stream.
@@ -35,6 +41,8 @@ void flatten_cuda(const std::vector<at::Tensor>& tensors, const at::Tensor& flat
 void unflatten_cuda(const at::Tensor& flat, const std::vector<at::Tensor>& tensors, double scale);
 void replay_gather_cuda(const ReplayStorage& s, const at::Tensor& env_idx, const at::Tensor& slot_idx,
                         int64_t n_step, double gamma, const ReplayBatch& out);
+void replay_sample_cuda(const ReplayStorage& s, uint64_t seed, uint64_t offset, const at::Tensor& env_idx,
+                        const at::Tensor& slot_idx, int64_t n_step, double gamma, const ReplayBatch& out);
 #endif
 
 }  // namespace hpcrl

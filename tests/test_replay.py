@@ -3,13 +3,14 @@
 import os
 
 import h5py
+import numpy as np
 import pytest
 import torch
 
 import hpcrl.ops as ops
 from hpcrl.ops import reference
 from hpcrl.h5io import save_h5
-from hpcrl.replay import ReplayShard, load_shard, save_shard
+from hpcrl.replay import ReplayShard, Sampler, load_shard, save_shard
 
 
 class Recorder:
@@ -280,3 +281,86 @@ def test_cuda_gather_matches_cpu(n_step):
     b = gpu.gather(env.cuda(), slot.cuda())
     for x, y in zip(a, b):
         assert torch.allclose(x.cpu(), y.cpu(), rtol=1e-6, atol=1e-6)  # nvcc may fuse multiply-adds
+
+
+# -- sampling inside the kernel (hpcrl.replay.Sampler, csrc/common/replay_sample.h) ---------------
+
+def test_philox_matches_the_published_answer_and_the_kernels_draw_the_reference_pairs():
+    # Random123's known-answer vector for Philox4x32-10 (counter 0, key 0); the C++ header was also
+    # checked against torch's at::Philox4_32 at 12 (seed, counter) points when it was written.
+    words = reference.philox4x32_10(np.zeros(1, dtype=np.uint64), 0)[0]
+    assert [int(w) for w in words] == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    shard, _ = fill(num_envs=5, capacity=40, steps=57)
+    env, slot = torch.empty(3000, dtype=torch.int64), torch.empty(3000, dtype=torch.int64)
+    for seed, offset in [(0, 0), (12345, 77), (2**64 - 1, 2**33 + 5)]:
+        ops.replay_sample(shard.obs, shard.action, shard.reward, shard.flags, shard.final_ref, shard.final_pool,
+                          shard.head_next_obs, shard.ptr, 3, 0.9, seed, offset, env, slot)
+        want_env, want_slot = reference.sample_pairs(seed, offset, 3000, 5, 40, 57)
+        assert torch.equal(env, want_env) and torch.equal(slot, want_slot)
+
+
+@pytest.mark.parametrize("backend", ["extension", "reference"])
+@pytest.mark.parametrize("steps", [4, 7, 25])  # not full (unwritten slots never drawn), full, wrapped
+def test_sampler_draws_uniformly_gathers_exactly_and_resumes_its_stream(backend, steps, monkeypatch):
+    if backend == "reference":
+        monkeypatch.setattr(ops, "_C", None)
+    shard, _ = fill(num_envs=3, capacity=7, steps=steps)
+    sampler = Sampler(shard, 21_000, seed=5)
+    b = sampler.sample()
+    filled = min(steps, 7)
+    written = {(e, (steps - filled + t) % 7) for e in range(3) for t in range(filled)}
+    pairs = list(zip(sampler.env_idx.tolist(), sampler.slot_idx.tolist()))
+    assert set(pairs) == written  # every written pair drawn, nothing else
+    counts = torch.bincount(sampler.env_idx * 7 + sampler.slot_idx, minlength=21).float()
+    expected = 21_000 / len(written)
+    assert counts[counts > 0].min() > 0.85 * expected and counts.max() < 1.15 * expected
+    direct = shard.gather(sampler.env_idx, sampler.slot_idx)  # the batch is the gather of its pairs
+    for x, y in zip(b, direct):
+        assert (x is None and y is None) or torch.equal(x, y)
+    state = sampler.state_dict()
+    assert state == {"seed": 5, "offset": 21_000}
+    nxt = [t.clone() for t in sampler.sample() if t is not None]
+    other = Sampler(shard, 21_000, seed=99)
+    other.load_state_dict(state)
+    assert all(torch.equal(x, y) for x, y in zip(nxt, (t for t in other.sample() if t is not None)))
+
+
+def test_sampler_reuses_its_buffers_and_checks_what_it_is_given():
+    shard, _ = fill(num_envs=3, capacity=7, steps=25)
+    sampler = Sampler(shard, 64, seed=0)
+    first = sampler.sample()
+    ptrs = [t.data_ptr() for t in first if t is not None]
+    second = sampler.sample()
+    assert [t.data_ptr() for t in second if t is not None] == ptrs  # no allocation per call
+    assert not torch.equal(sampler.env_idx * 7 + sampler.slot_idx, torch.zeros(64, dtype=torch.int64))
+    with pytest.raises(ValueError, match="batch_size"):
+        Sampler(shard, 0, seed=0)
+    with pytest.raises(RuntimeError, match="empty"):
+        Sampler(ReplayShard(2, 4, 4, 2), 8, seed=0).sample()
+    bad = [torch.empty(63, 4), *sampler._out[1:]]
+    with pytest.raises(RuntimeError, match="out obs has shape"):
+        ops.replay_sample(shard.obs, shard.action, shard.reward, shard.flags, shard.final_ref, shard.final_pool,
+                          shard.head_next_obs, shard.ptr, 3, 0.9, 0, 0, sampler.env_idx, sampler.slot_idx, out=bad)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 16])
+def test_gather_prefetch_distance_changes_nothing_but_speed(rows):
+    shard, _ = fill(num_envs=8, capacity=64, steps=300)
+    env, slot = all_pairs(shard)
+    a = ops.replay_gather(shard.obs, shard.action, shard.reward, shard.flags, shard.final_ref, shard.final_pool,
+                          shard.head_next_obs, env, slot, shard.ptr, 3, 0.9, prefetch_rows=rows)
+    b = reference.replay_gather(shard.obs, shard.action, shard.reward, shard.flags, shard.final_ref,
+                                shard.final_pool, shard.head_next_obs, env, slot, shard.ptr, 3, 0.9)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.cuda
+def test_cuda_sampler_draws_the_cpu_pairs():
+    assert ops.with_cuda(), "hpcrl._C was built without CUDA"
+    cpu, _ = fill(num_envs=16, capacity=33, steps=100, seed=9)
+    gpu, _ = fill(num_envs=16, capacity=33, steps=100, seed=9, device="cuda")
+    a, b = Sampler(cpu, 4096, seed=3), Sampler(gpu, 4096, seed=3)
+    x, y = a.sample(), b.sample()
+    assert torch.equal(a.env_idx, b.env_idx.cpu()) and torch.equal(a.slot_idx, b.slot_idx.cpu())
+    for u, v in zip(x, y):
+        assert (u is None and v is None) or torch.allclose(u, v.cpu(), rtol=1e-6, atol=1e-6)

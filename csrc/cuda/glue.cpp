@@ -136,15 +136,13 @@ void unflatten_cuda(const at::Tensor& flat, const std::vector<at::Tensor>& tenso
                "multi_tensor_unflatten");
 }
 
-void replay_gather_cuda(const ReplayStorage& s, const at::Tensor& env_idx, const at::Tensor& slot_idx,
-                        int64_t n_step, double gamma, const ReplayBatch& out) {
+namespace {
+
+hpcrl_cuda::ReplayGatherArgs gather_args(const ReplayStorage& s, const at::Tensor& env_idx, const at::Tensor& slot_idx,
+                                         int64_t n_step, double gamma, const ReplayBatch& out) {
   const int64_t batch = env_idx.numel();
-  if (batch == 0) return;
   TORCH_CHECK(s.obs.dim() == 3 && s.action.dim() == 3 && s.final_pool.dim() == 2,
               "hpcrl replay_gather_cuda: unexpected storage ranks");
-  const c10::Device device = s.obs.device();
-  const c10::DeviceGuard guard(device);
-
   hpcrl_cuda::ReplayGatherArgs a{};
   a.obs = s.obs.const_data_ptr<float>();
   a.action = s.action.const_data_ptr<float>();
@@ -170,7 +168,31 @@ void replay_gather_cuda(const ReplayStorage& s, const at::Tensor& env_idx, const
   a.out_next_obs = out.next_obs.mutable_data_ptr<float>();
   a.out_discount = out.discount.mutable_data_ptr<float>();
   a.out_n = out.n.mutable_data_ptr<int64_t>();
+  return a;
+}
+
+}  // namespace
+
+void replay_gather_cuda(const ReplayStorage& s, const at::Tensor& env_idx, const at::Tensor& slot_idx,
+                        int64_t n_step, double gamma, const ReplayBatch& out) {
+  if (env_idx.numel() == 0) return;
+  const c10::Device device = s.obs.device();
+  const c10::DeviceGuard guard(device);
+  const hpcrl_cuda::ReplayGatherArgs a = gather_args(s, env_idx, slot_idx, n_step, gamma, out);
   check_launch(hpcrl_cuda::replay_gather(a, current_stream(device)), "replay_gather");
+}
+
+void replay_sample_cuda(const ReplayStorage& s, uint64_t seed, uint64_t offset, const at::Tensor& env_idx,
+                        const at::Tensor& slot_idx, int64_t n_step, double gamma, const ReplayBatch& out) {
+  const c10::Device device = s.obs.device();
+  const c10::DeviceGuard guard(device);
+  hpcrl_cuda::ReplayGatherArgs a = gather_args(s, env_idx, slot_idx, n_step, gamma, out);
+  a.sampling = 1;
+  a.seed = seed;
+  a.offset = offset;
+  a.out_env = env_idx.mutable_data_ptr<int64_t>();
+  a.out_slot = slot_idx.mutable_data_ptr<int64_t>();
+  check_launch(hpcrl_cuda::replay_gather(a, current_stream(device)), "replay_sample");
 }
 
 }  // namespace hpcrl

@@ -88,6 +88,13 @@ struct ReplayGatherArgs {
   float* out_next_obs;         // [B, D]
   float* out_discount;         // [B]
   int64_t* out_n;              // [B]
+  // Sampling (csrc/common/replay_sample.h): when `sampling` is set, row b draws its pair from
+  // (seed, offset + b), writes it to out_env[b] / out_slot[b] and ignores env_idx / slot_idx.
+  int sampling;
+  uint64_t seed;
+  uint64_t offset;
+  int64_t* out_env;            // [B]
+  int64_t* out_slot;           // [B]
 };
 
 int replay_gather(const ReplayGatherArgs& args, void* stream);

@@ -30,6 +30,7 @@
 #include <cstdint>
 
 #include "../common/replay_nstep.h"
+#include "../common/replay_sample.h"
 #include "kernels.cuh"
 
 namespace hpcrl_cuda {
@@ -66,8 +67,17 @@ __global__ void __launch_bounds__(kThreads, 3)
   const int64_t A = a.act_dim;
 
   for (int64_t b = gtid / group; b < a.batch; b += row_stride) {
-    const int64_t env = a.env_idx[b];
-    const int64_t slot = a.slot_idx[b];
+    int64_t env, slot;
+    if (a.sampling) {  // every lane of the group draws the same pair (counter-based: no shared state)
+      hpcrl::sample_pair(a.seed, a.offset + static_cast<uint64_t>(b), E, a.capacity, a.ptr, &env, &slot);
+      if (lane == 0) {
+        a.out_env[b] = env;
+        a.out_slot[b] = slot;
+      }
+    } else {
+      env = a.env_idx[b];
+      slot = a.slot_idx[b];
+    }
     const hpcrl::NStepWindow w =
         hpcrl::nstep_window(a.reward, a.flags, a.capacity, E, env, slot, a.ptr, a.n_step, a.gamma);
 

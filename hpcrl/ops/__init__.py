@@ -23,7 +23,12 @@ except ImportError as _err:  # the package must stay importable without a compil
 else:
     _IMPORT_ERROR = ""
 
-__all__ = ["backend", "with_cuda", "flatten", "unflatten_", "replay_gather", "ReplayGather", "reference"]
+__all__ = ["backend", "with_cuda", "flatten", "unflatten_", "replay_gather", "replay_sample", "ReplayGather",
+           "reference", "PREFETCH_ROWS"]
+
+# Rows ahead whose cache lines the CPU gather requests early (0: none). Chosen by the A/B of
+# benchmarks/replay_sampler.py ("prefetch16/0": same storage, same indices, interleaved).
+PREFETCH_ROWS = 0
 
 _warned = False
 
@@ -88,14 +93,64 @@ def replay_gather(
     ptr: int,
     n_step: int,
     gamma: float,
+    *,
+    prefetch_rows: int | None = None,
+    out: Sequence[torch.Tensor] | None = None,
 ) -> ReplayGather:
     """Gather (env, slot) rows of a time-major replay shard and their n-step returns in one call.
 
     See :class:`hpcrl.replay.ReplayShard` for the storage layout and ``csrc/common/replay_nstep.h``
-    for the window rules. ``slot_idx`` must address written slots (the shard validates).
+    for the window rules. ``slot_idx`` must address written slots (the shard validates). ``out``
+    (obs, action, reward, next_obs, discount, n of the batch's shapes) is filled instead of allocating.
     """
     args = (obs, action, reward, flags, final_ref, final_pool, head_next_obs, env_idx, slot_idx)
     if _C is None:
         _fallback()
-        return reference.replay_gather(*args, int(ptr), int(n_step), float(gamma))
-    return ReplayGather(*_C.replay_gather(*args, int(ptr), int(n_step), float(gamma)))
+        return _into(reference.replay_gather(*args, int(ptr), int(n_step), float(gamma)), out)
+    rows = PREFETCH_ROWS if prefetch_rows is None else int(prefetch_rows)
+    return ReplayGather(*_C.replay_gather(*args, int(ptr), int(n_step), float(gamma), rows,
+                                          None if out is None else list(out)))
+
+
+def replay_sample(
+    obs: torch.Tensor,
+    action: torch.Tensor,
+    reward: torch.Tensor,
+    flags: torch.Tensor,
+    final_ref: torch.Tensor,
+    final_pool: torch.Tensor,
+    head_next_obs: torch.Tensor,
+    ptr: int,
+    n_step: int,
+    gamma: float,
+    seed: int,
+    offset: int,
+    env_idx: torch.Tensor,
+    slot_idx: torch.Tensor,
+    *,
+    prefetch_rows: int | None = None,
+    out: Sequence[torch.Tensor] | None = None,
+) -> ReplayGather:
+    """Draw rows ``offset .. offset + B`` of ``seed``'s stream (B = ``env_idx.numel()``) uniformly over
+    the written (env, slot) pairs and gather them, in one call: the indices come from a counter-based
+    RNG inside the kernel (Philox4x32-10, ``csrc/common/replay_sample.h``), written to ``env_idx`` /
+    ``slot_idx`` ([B] int64, on the storage's device). ``out`` as in :func:`replay_gather`."""
+    storage = (obs, action, reward, flags, final_ref, final_pool, head_next_obs)
+    if _C is None:
+        _fallback()
+        batch, env, slot = reference.replay_sample(*storage, int(ptr), int(n_step), float(gamma), int(seed),
+                                                   int(offset), env_idx.numel())
+        env_idx.copy_(env)
+        slot_idx.copy_(slot)
+        return _into(batch, out)
+    rows = PREFETCH_ROWS if prefetch_rows is None else int(prefetch_rows)
+    return ReplayGather(*_C.replay_sample(*storage, int(ptr), int(n_step), float(gamma), int(seed), int(offset),
+                                          env_idx, slot_idx, rows, None if out is None else list(out)))
+
+
+def _into(batch: ReplayGather, out: Sequence[torch.Tensor] | None) -> ReplayGather:
+    if out is None:
+        return batch
+    for dst, src in zip(out, batch):
+        dst.copy_(src)
+    return ReplayGather(*out)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 TERMINATED = 1  # flags bit 0: episode ended, no bootstrap
@@ -93,3 +94,42 @@ def replay_gather(
         next_obs = torch.where(from_final[:, None], final_pool[pool_idx], next_obs)
     next_obs = torch.where(from_head[:, None], head_next_obs[env], next_obs)
     return ReplayGather(obs[slot, env], action[slot, env], ret, next_obs, disc, k)
+
+
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+
+
+def philox4x32_10(counter: np.ndarray, seed: int) -> np.ndarray:
+    """Philox4x32-10 of 64-bit ``counter`` values (words 2, 3 zero) under the 64-bit key ``seed``:
+    [B, 4] uint32 words, as csrc/common/replay_sample.h (and torch's ``at::Philox4_32``) compute them."""
+    lo32 = np.uint64(0xFFFFFFFF)
+    c = [counter & lo32, counter >> np.uint64(32), np.zeros_like(counter), np.zeros_like(counter)]
+    k0, k1 = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
+    for _ in range(10):
+        p0 = np.uint64(_PHILOX_M[0]) * c[0]  # a 32 x 32-bit product fits uint64 exactly
+        p1 = np.uint64(_PHILOX_M[1]) * c[2]
+        c = [(p1 >> np.uint64(32)) ^ c[1] ^ np.uint64(k0), p1 & lo32, (p0 >> np.uint64(32)) ^ c[3] ^ np.uint64(k1),
+             p0 & lo32]
+        k0, k1 = (k0 + _PHILOX_W[0]) & 0xFFFFFFFF, (k1 + _PHILOX_W[1]) & 0xFFFFFFFF
+    return np.stack(c, axis=1).astype(np.uint32)
+
+
+def sample_pairs(seed: int, offset: int, batch: int, num_envs: int, capacity: int, ptr: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (env, slot) pairs of rows ``offset .. offset + batch`` of ``seed``'s stream: 64 Philox bits
+    modulo the number of written pairs, mapped like :meth:`ReplayShard.sample`'s draw."""
+    words = philox4x32_10(np.arange(offset, offset + batch, dtype=np.uint64), seed).astype(np.uint64)
+    filled = min(ptr, capacity)
+    i = ((words[:, 1] << np.uint64(32)) | words[:, 0]) % np.uint64(num_envs * filled)
+    i = torch.from_numpy(i.astype(np.int64))
+    return i % num_envs, (ptr - filled + i // num_envs) % capacity
+
+
+def replay_sample(obs, action, reward, flags, final_ref, final_pool, head_next_obs, ptr: int, n_step: int,
+                  gamma: float, seed: int, offset: int, batch: int) -> tuple[ReplayGather, torch.Tensor, torch.Tensor]:
+    """Draw ``batch`` rows of ``seed``'s stream from ``offset`` on and gather them: the batch and its pairs."""
+    capacity, num_envs = reward.shape
+    env, slot = (t.to(reward.device) for t in sample_pairs(seed, offset, batch, num_envs, capacity, ptr))
+    return replay_gather(obs, action, reward, flags, final_ref, final_pool, head_next_obs, env, slot, ptr, n_step,
+                         gamma), env, slot

@@ -231,9 +231,12 @@ class ReplayShard:
         return self._gather(env_idx, slot_idx)
 
     def _gather(self, env_idx: torch.Tensor, slot_idx: torch.Tensor) -> Batch:
-        g = ops.replay_gather(self.obs, self.action, self.reward, self.flags, self.final_ref,
-                              self.final_pool, self.head_next_obs, env_idx, slot_idx, self.ptr,
-                              self.n_step, self.gamma)
+        return self.split(ops.replay_gather(self.obs, self.action, self.reward, self.flags, self.final_ref,
+                                            self.final_pool, self.head_next_obs, env_idx, slot_idx, self.ptr,
+                                            self.n_step, self.gamma))
+
+    def split(self, g: ReplayGather) -> Batch:
+        """A gathered batch as :class:`Batch`: stored rows split into actor and critic columns."""
         if not self.critic_obs_dim:
             return Batch(*g)
         D = self.obs_dim  # split the stored rows: actor columns, then critic columns (views, no copy)
