@@ -45,26 +45,39 @@ def faults_per_call(fn, calls: int = 50) -> float:
     return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
 
 
-def cases(shard: ReplayShard, batch: int) -> dict:
+def cases(shard: ReplayShard, batch: int, sets: int = 32) -> dict:
+    """Every case reads fresh random rows at each call (a fixed index set would stay in cache and
+    time a hot gather): the fixed-index cases cycle through ``sets`` index sets the sampler drew."""
     sampler = Sampler(shard, batch, seed=0)
     gen = torch.Generator(device=shard.device).manual_seed(0)
-    sampler.sample()
-    env, slot = sampler.env_idx.clone(), sampler.slot_idx.clone()
-    rows = slot * shard.num_envs + env
+    drawn = []
+    for _ in range(sets):
+        sampler.sample()
+        drawn.append((sampler.env_idx.clone(), sampler.slot_idx.clone()))
     flat_obs, flat_act = shard.obs.view(-1, shard.row_dim), shard.action.view(-1, shard.action_dim)
+    rows = [s * shard.num_envs + e for e, s in drawn]
+    nxt = [(r + shard.num_envs) % flat_obs.shape[0] for r in rows]
     out_obs, out_next = torch.empty(batch, shard.row_dim), torch.empty(batch, shard.row_dim)
     out_act = torch.empty(batch, shard.action_dim)
-    nxt = (rows + shard.num_envs) % flat_obs.shape[0]
+    turn = [0]
+
+    def next_set() -> int:
+        turn[0] = (turn[0] + 1) % sets
+        return turn[0]
 
     def floor():
-        torch.index_select(flat_obs, 0, rows, out=out_obs)
-        torch.index_select(flat_act, 0, rows, out=out_act)
-        torch.index_select(flat_obs, 0, nxt, out=out_next)
+        k = next_set()
+        torch.index_select(flat_obs, 0, rows[k], out=out_obs)
+        torch.index_select(flat_act, 0, rows[k], out=out_act)
+        torch.index_select(flat_obs, 0, nxt[k], out=out_next)
 
     def gather(prefetch):
-        return lambda: ops.replay_gather(shard.obs, shard.action, shard.reward, shard.flags, shard.final_ref,
-                                         shard.final_pool, shard.head_next_obs, env, slot, shard.ptr, 3, 0.99,
-                                         prefetch_rows=prefetch, out=sampler._out)
+        def call():
+            env, slot = drawn[next_set()]
+            return ops.replay_gather(shard.obs, shard.action, shard.reward, shard.flags, shard.final_ref,
+                                     shard.final_pool, shard.head_next_obs, env, slot, shard.ptr, 3, 0.99,
+                                     prefetch_rows=prefetch, out=sampler._out)
+        return call
 
     return {"shard.sample": lambda: shard.sample(batch, generator=gen), "Sampler.sample": sampler.sample,
             "gather prefetch 0": gather(0), "gather prefetch 16": gather(16), "index_select floor": floor}
