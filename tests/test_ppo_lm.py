@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from hpcrl.comm import GradSync, Plane
-from hpcrl.ppo.workloads.lm import LMWorkload, LoRALinear, _PRETRAINED
+from hpcrl.ppo.workloads.lm import LMWorkload, LoRALinear
+from hpcrl.ppo.workloads.lm_corpus import _PRETRAINED
 
 SEED = 0
 PROMPT_SEED = 11
@@ -189,9 +190,9 @@ def test_lora_sync_only_adapters_rebuilt_from_pristine_base():
     assert any(p.requires_grad for p in trainer.critic.head.parameters())
     # canonical names are checked: a model of another configuration is refused loudly
     with pytest.raises(ValueError, match="sync tensors"):
-        wl.sync_tensors(LMWorkload().build_model(SEED))
+        wl.publish_tensors(LMWorkload().build_model(SEED))
     with pytest.raises(ValueError, match="sync tensors"):
-        LMWorkload().sync_tensors(trainer)
+        LMWorkload().publish_tensors(trainer)
 
     collector = wl.make_collector(PROMPT_SEED)
     learner = wl.make_learner(trainer, wl.default_config(), _grad_sync(trainer))
@@ -202,13 +203,13 @@ def test_lora_sync_only_adapters_rebuilt_from_pristine_base():
     for sync in range(3):  # several syncs with different adapter values
         batch, _ = collector.collect(trainer, gen)
         learner.update([batch], gen)
-        src = wl.sync_tensors(trainer)
+        src = wl.publish_tensors(trainer)
         assert any(t.abs().sum() > 0 for t in src[1::2])  # B moved off zero: the adapters are live
         merged = []
         for _ in range(2):  # the same adapter values applied twice: no accumulation
-            for dst, s in zip(wl.sync_tensors(maker), src):
+            for dst, s in zip(wl.publish_tensors(maker), src):
                 dst.copy_(s)
-            wl.after_sync(maker)
+            wl.after_publish(maker)
             merged.append([layer.merged_weight.clone() for layer in _lora_layers(maker)])
         assert all(torch.equal(a, b) for a, b in zip(*merged))
         for layer in _lora_layers(maker):
@@ -238,9 +239,9 @@ def test_full_sync_carries_actor_and_reproduces_logits():
     tokens = batch["tokens"]
     with torch.no_grad():
         assert not torch.equal(maker.actor(tokens), trainer.actor(tokens))
-        for dst, s in zip(wl.sync_tensors(maker), wl.sync_tensors(trainer)):
+        for dst, s in zip(wl.publish_tensors(maker), wl.publish_tensors(trainer)):
             dst.copy_(s)
-        wl.after_sync(maker)
+        wl.after_publish(maker)
         assert torch.equal(maker.actor(tokens), trainer.actor(tokens))
 
 

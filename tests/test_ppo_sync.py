@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from hpcrl.ppo.sync import SyncPPO, recent_mean_return, train_sync
+from hpcrl.ppo.sync import SyncPPO, train_sync
 from hpcrl.ppo.workloads import VectorEnvWorkload, make_workload, workload_names
 
 
@@ -32,7 +32,7 @@ def test_model_init_is_seeded_and_local():
     before = torch.get_rng_state()
     a, b, c = w.build_model(0, "cpu"), w.build_model(0, "cpu"), w.build_model(1, "cpu")
     assert torch.equal(torch.get_rng_state(), before)  # the global RNG is not consumed
-    ta, tb, tc = w.sync_tensors(a), w.sync_tensors(b), w.sync_tensors(c)
+    ta, tb, tc = w.publish_tensors(a), w.publish_tensors(b), w.publish_tensors(c)
     assert len(ta) == len(list(a.parameters())) and any(t.shape == (1,) for t in ta)  # log_std included
     assert all(torch.equal(x, y) for x, y in zip(ta, tb))
     assert not all(torch.equal(x, y) for x, y in zip(ta, tc))
@@ -148,6 +148,18 @@ def test_checkpoint_round_trip_continues_identically(name, truncated_is):
     assert rows[-1]["lr"] == pytest.approx(cfg.lr * (1 - 5 / 8))  # the schedule resumed too
     if truncated_is is not None:  # lag 0: pi_prox == pi_behaviour up to rounding
         assert rows[0]["is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+
+
+def recent_mean_return(rows: list[dict[str, float]], min_episodes: int) -> float:
+    """Mean return over the most recent rows that together finished at least ``min_episodes``
+    episodes (NaN until that many have finished): a "mean of the last K episodes" from rollout sums."""
+    total, count = 0.0, 0.0
+    for row in reversed(rows):
+        total += row["episode_return_sum"]
+        count += row["episodes"]
+        if count >= min_episodes:
+            return total / count
+    return math.nan
 
 
 @pytest.mark.slow

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from pathlib import Path
 
 import torch
@@ -18,26 +17,18 @@ from .events import Events, ignore
 from .groups import make_groups
 from .liveness import Heartbeat, liveness_store, remember_hosts
 from .maker import Maker
+from .plugins import plugin_class
 from .topology import Topology
 from .trainer import Trainer, run_identity
-from .workload import PPOConfig
+from .workload import PPOConfig, Workload, as_workload
 
-__all__ = ["ConfigError", "build_workload", "plugin_class", "train", "validate"]
-
-
-def plugin_class(workload: str) -> type:
-    """The class of a ``package.module:Class`` workload (ConfigError naming --workload if it is not there)."""
-    module, _, attr = workload.partition(":")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError, ValueError) as err:
-        raise ConfigError(f"--workload {workload!r}: {err}; give an importable package.module:Class "
-                          "(its module on PYTHONPATH)") from None
+__all__ = ["ConfigError", "build_workload", "train", "validate"]
 
 
-def build_workload(cfg: DetachedConfig):
+def build_workload(cfg: DetachedConfig) -> tuple[Workload, PPOConfig]:
     """The workload and its PPO hyper-parameters: a registered name built with ``cfg.env`` / ``cfg.lm``,
-    or ``package.module:Class`` built from ``cfg.plugin_args`` parsed against its constructor (tyro);
+    or ``package.module:Class`` built from ``cfg.plugin_args`` parsed against its constructor (tyro) and
+    brought onto the :class:`~hpcrl.ppo.workload.Workload` contract (:func:`~hpcrl.ppo.workload.as_workload`);
     then ``cfg.ppo``'s overrides on the workload's :meth:`default_config`."""
     if is_plugin(cfg.workload):
         cls = plugin_class(cfg.workload)
@@ -46,6 +37,7 @@ def build_workload(cfg: DetachedConfig):
             workload = tyro_call(lambda: tyro.cli(cls, args=list(cfg.plugin_args), prog=prog), prog)
         except (ValueError, TypeError) as err:
             raise ConfigError(f"--workload {cfg.workload}: {err}") from None
+        workload = as_workload(workload, f"--workload {cfg.workload}")
     else:
         from .workloads import make_workload
 
@@ -57,7 +49,7 @@ def build_workload(cfg: DetachedConfig):
             workload = make_workload(cfg.workload, **options)
         except (ValueError, TypeError) as err:
             raise ConfigError(f"--workload {cfg.workload}: {err}") from None
-    ppo = workload.default_config() if hasattr(workload, "default_config") else PPOConfig()
+    ppo = workload.default_config()
     fields, extra = cfg.ppo.overrides()
     return workload, dataclasses.replace(ppo, **fields, extra={**ppo.extra, **extra})
 

@@ -20,7 +20,9 @@ same three things under either strategy:
   strategy between jobs.
 
 Which submodules become FSDP units is the workload's ``shard_units(model)`` (innermost first, then
-the roots whose ``forward`` the learner calls); only workloads that define it can run under fsdp.
+the roots whose ``forward`` the learner calls); only workloads that define it can run under fsdp. On
+a resume the learner's declared optimizer (:attr:`hpcrl.ppo.workload.Learner.optimizer`) says which
+parameter each of the checkpoint's moments belongs to.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ from torch import Tensor, nn
 
 from hpcrl import ops
 from hpcrl.comm import GradSync, Plane, check_parameters_in_sync
-from hpcrl.config_check import ConfigError
 
+from .workload import Learner, Workload
 
 __all__ = ["Strategy", "StrategyName", "gather_flat", "shard_lengths"]
 
@@ -139,7 +141,7 @@ class Strategy:
     """``ddp`` or ``fsdp`` for one trainer's model (see the module docstring). ``plane``: the trainers'
     device plane; ``keep`` (trainer 0): whether this rank keeps gathered results."""
 
-    def __init__(self, name: StrategyName, model: nn.Module, workload: Any, plane: Plane, device: torch.device,
+    def __init__(self, name: StrategyName, model: nn.Module, workload: Workload, plane: Plane, device: torch.device,
                  keep: bool, offload: bool = False, dtype: str = "fp32") -> None:
         self.name, self.model, self.plane, self.device, self.keep = name, model, plane, device, keep
         self.offload = offload
@@ -153,14 +155,11 @@ class Strategy:
         self._shard(model, workload, offload, dtype)
         self.grad_sync = ShardedGrads(plane)  # FSDP reduce-scatters (averages) the gradients in backward
 
-    def _shard(self, model: nn.Module, workload: Any, offload: bool, dtype: str) -> None:
+    def _shard(self, model: nn.Module, workload: Workload, offload: bool, dtype: str) -> None:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-        units = getattr(workload, "shard_units", None)
-        if units is None:
-            raise ConfigError(f"--strategy fsdp: workload {getattr(workload, 'name', workload)!r} does not say which "
-                              "submodules to shard (no shard_units method); use --strategy ddp")
+        units = workload.shard_units(model)  # the default refuses: a workload that runs under ddp only
         if self.plane.group is None:
             raise ValueError(f"--strategy fsdp needs the trainers' device plane as a process group ({self.plane})")
         if self.device.type == "cuda":  # the mesh's device is the current one: FSDP moves each unit there
@@ -171,7 +170,7 @@ class Strategy:
                                     else OffloadPolicy())
         if dtype == "bf16":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for unit in units(model):
+        for unit in units:
             fully_shard(unit, **kwargs)
 
     # -- what the trainer calls ------------------------------------------------------------------
@@ -211,7 +210,7 @@ class Strategy:
         shards out of them; a full model and its Adam moments on every GPU would not fit)."""
         return torch.device("cpu") if self.name == "fsdp" else self.device
 
-    def load_full_state(self, learner: Any, model_state: dict[str, Tensor], learner_state: Any) -> None:
+    def load_full_state(self, learner: Learner, model_state: dict[str, Tensor], learner_state: Any) -> None:
         """Load a checkpoint's full model and learner states (every trainer has them): each trainer
         keeps its own shards of the parameters and of the optimizer's moments."""
         if self.name == "ddp":
@@ -223,14 +222,12 @@ class Strategy:
         current = self.model.state_dict()
         self.model.load_state_dict({k: self._local(model_state[k], v) if isinstance(v, DTensor) else model_state[k]
                                     for k, v in current.items()})
-        opt = getattr(learner, "opt", None)
-        saved = [v for v in learner_state.values() if isinstance(v, dict) and "param_groups" in v] \
-            if isinstance(learner_state, dict) else []
-        if opt is None or len(saved) != 1:
-            raise ValueError("--strategy fsdp: the workload's learner must hold one optimizer as .opt and save its "
-                             "state_dict under one key of its own state_dict")
+        opt, saved = learner.optimizer, learner_state.get("optimizer") if isinstance(learner_state, dict) else None
+        if opt is None or not isinstance(saved, dict):
+            raise ValueError("--strategy fsdp: the workload's learner must declare its optimizer (Learner.optimizer) "
+                             "and save its state_dict under \"optimizer\" in its own state_dict")
         params = [p for group in opt.param_groups for p in group["params"]]
-        for index, moments in saved[0]["state"].items():  # this trainer's shard of every full moment
+        for index, moments in saved["state"].items():  # this trainer's shard of every full moment
             param = params[int(index)]
             if isinstance(param, DTensor):
                 for key, value in moments.items():

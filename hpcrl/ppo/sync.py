@@ -21,11 +21,11 @@ from typing import Any, Callable
 
 import torch
 
-from .workload import PPOConfig, Workload
+from .workload import PPOConfig, Workload, as_workload
 
 
-class NoGradSync:
-    """Gradient "averaging" over a group of one. Unlike a world-size-1 ``hpcrl.comm.GradSync`` it
+class NoGradAverage:
+    """Gradient averaging over a plane of one. Unlike a world-size-1 ``hpcrl.comm.GradSync`` it
     is safe inside a process that belongs to a larger initialised world."""
 
     def all_reduce(self) -> None:
@@ -37,9 +37,10 @@ class SyncPPO:
 
     def __init__(self, workload: Workload, cfg: PPOConfig, seed: int, device: torch.device | str) -> None:
         device = torch.device(device)
+        workload = as_workload(workload)
         self.model = workload.build_model(seed, device)
         self.collector = workload.make_collector(rank_seed=seed, device=device)
-        self.learner = workload.make_learner(self.model, cfg, NoGradSync())
+        self.learner = workload.make_learner(self.model, cfg, NoGradAverage())
         self.maker_generator = torch.Generator().manual_seed(seed + 1)
         self.learner_generator = torch.Generator().manual_seed(seed + 2)
         self.iteration = 0
@@ -51,9 +52,7 @@ class SyncPPO:
         cumulative ``env_steps``, this rollout's ``episodes``, ``episode_return_sum`` and
         ``episode_return`` (their mean, NaN if none finished), then the collector's other stats and
         the learner's stats."""
-        assign = getattr(self.collector, "assign", None)
-        if assign is not None:  # iteration k is batch k, as detached credit k of trainer 0 is
-            assign(self.iteration, self.seed)
+        self.collector.assign(self.iteration, self.seed)  # iteration k is batch k, as trainer 0's credit k
         batch, rollout = self.collector.collect(self.model, self.maker_generator)
         stats = self.learner.update([batch], self.learner_generator)
         self.iteration += 1
@@ -104,15 +103,3 @@ def train_sync(
         if until is not None and until(rows):
             break
     return rows
-
-
-def recent_mean_return(rows: list[dict[str, float]], min_episodes: int) -> float:
-    """Mean return over the most recent rows that together finished at least ``min_episodes``
-    episodes (NaN until that many have finished): a "mean of the last K episodes" from rollout sums."""
-    total, count = 0.0, 0.0
-    for row in reversed(rows):
-        total += row["episode_return_sum"]
-        count += row["episodes"]
-        if count >= min_episodes:
-            return total / count
-    return math.nan

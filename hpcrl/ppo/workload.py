@@ -4,6 +4,11 @@ Makers and trainers know nothing about the task; a workload knows nothing about 
 same three calls run the single-process synchronous loop (:mod:`hpcrl.ppo.sync`) and the detached
 roles, so ``--lag 0`` with 1 maker : 1 trainer reproduces the synchronous run number for number.
 
+Every hook the roles call is declared here, in :class:`Workload`, :class:`Collector` and
+:class:`Learner`: the abstract ones a workload must write, the others with their defaults. Built-in
+workloads subclass them; a ``package.module:Class`` plugin that does not is wrapped once by
+:func:`as_workload` (its own methods where it has them, the defaults elsewhere).
+
 Data: an experience batch is a ``dict[str, Tensor]`` with fixed keys, shapes and dtypes for a given
 workload config (it travels as one packed buffer). It must contain ``behaviour_logp`` (the maker's
 log-probabilities of the taken actions) so the trainer can correct for staleness.
@@ -11,11 +16,16 @@ log-probabilities of the taken actions) so the trainer can correct for staleness
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
+
+from hpcrl.config_check import ConfigError
+
+__all__ = ["AdamLearner", "Collector", "Learner", "PPOConfig", "Workload", "as_workload"]
 
 
 @dataclass
@@ -41,75 +51,228 @@ class PPOConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class Workload(Protocol):
+class Workload(ABC):
     """One task. ``model`` is the trainable actor(-critic) whose weights the trainers publish."""
 
-    name: str
+    name: str = ""
 
+    @abstractmethod
     def build_model(self, seed: int, device: torch.device) -> nn.Module:
         """Identical on every rank for the same seed."""
 
-    def sync_tensors(self, model: nn.Module) -> list[torch.Tensor]:
+    @abstractmethod
+    def publish_tensors(self, model: nn.Module) -> list[torch.Tensor]:
         """The tensors a weight publish carries, in a fixed order (all parameters, or only trainable
         ones such as LoRA adapters). Makers receive into these same tensors of their model."""
 
-    def after_sync(self, model: nn.Module) -> None:
-        """Maker side, after new sync tensors were written: rebuild derived weights (e.g. merge LoRA
-        into a pristine base copy — never accumulate). No-op for most workloads."""
-
-    def make_collector(self, rank_seed: int, device: torch.device) -> "Collector":
+    @abstractmethod
+    def make_collector(self, rank_seed: int, device: torch.device) -> Collector:
         """Maker-side rollout state (envs, prompt stream)."""
 
+    @abstractmethod
+    def make_learner(self, model: nn.Module, cfg: PPOConfig, grad_average: Any) -> Learner:
+        """Trainer-side optimiser state; ``grad_average`` averages gradients over the trainer plane
+        (an :class:`hpcrl.comm.GradSync` over ``model``'s trainable parameters, or the fsdp strategy's)."""
+
+    def after_publish(self, model: nn.Module) -> None:
+        """Maker side, after new publish tensors were written: rebuild derived weights (e.g. merge LoRA
+        into a pristine base copy — never accumulate). Default: nothing to rebuild."""
+
     def default_config(self) -> PPOConfig:
-        """The workload's PPO hyper-parameters (optional; ``PPOConfig()`` otherwise)."""
+        """The workload's PPO hyper-parameters (``--ppo.*`` flags override them)."""
+        return PPOConfig()
 
-    # Optional hooks: ``build_maker_model(seed, device)`` (what makers build instead of build_model,
-    # e.g. without a critic; sync_tensors must be the same), ``shard_units(model)`` (the FSDP units
-    # for --strategy fsdp: submodules innermost first, then the roots whose forward the learner calls),
-    # ``save_artifacts(model_state)`` (trainer 0 after every checkpoint, with the full model state).
+    def build_maker_model(self, seed: int, device: torch.device) -> nn.Module:
+        """What makers build instead of :meth:`build_model` (e.g. an RLHF actor without its critic);
+        its :meth:`publish_tensors` must be the trainers'. Default: :meth:`build_model`."""
+        return self.build_model(seed, device)
 
-    def make_learner(self, model: nn.Module, cfg: PPOConfig, grad_sync: Any) -> "Learner":
-        """Trainer-side optimiser state; ``grad_sync`` averages gradients over the trainer group
-        (an :class:`hpcrl.comm.GradSync` over ``model``'s trainable parameters)."""
+    def shard_units(self, model: nn.Module) -> list[nn.Module]:
+        """The FSDP units for ``--strategy fsdp``: submodules innermost first, then the roots whose
+        forward the learner calls. Default: refuse (the workload runs under ddp only)."""
+        raise ConfigError(f"--strategy fsdp: workload {self.name!r} does not say which submodules to shard "
+                          "(no shard_units method); use --strategy ddp")
+
+    def save_artifacts(self, model_state: dict[str, torch.Tensor]) -> Any:
+        """Trainer 0 after every checkpoint, with the full model state (e.g. a save_pretrained export).
+        Default: nothing to save."""
+
+    def sync_tensors(self, model: nn.Module) -> list[torch.Tensor]:  # old name: removed in the final rename pass
+        return self.publish_tensors(model)
+
+    def after_sync(self, model: nn.Module) -> None:  # old name: removed in the final rename pass
+        self.after_publish(model)
 
 
-class Collector(Protocol):
-    """Optional: ``assign(batch, seed)`` — called by a maker before each ``collect`` with the run's
-    batch number (from the trainer's credit: ``credit_id x trainers + trainer``, unique in the run and
-    continued across a resume) and the run's seed; a collector over a dataset (prompts) serves a fixed
-    slice for each batch, so makers split the data and a resumed run continues with the next item."""
+class Collector(ABC):
+    """Maker-side rollout state of one maker."""
 
+    @abstractmethod
     def collect(self, model: nn.Module, generator: torch.Generator) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """One experience batch (fixed shapes) and rollout stats (e.g. ``episode_return_sum``,
         ``episodes``, ``env_steps``) as plain floats."""
 
+    @abstractmethod
     def state_dict(self) -> dict[str, Any]: ...
 
+    @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
+    def assign(self, batch: int, seed: int) -> None:
+        """Called by a maker before each ``collect`` with the run's batch number (from the trainer's
+        credit: ``credit_id x trainers + trainer``, unique in the run and continued across a resume)
+        and the run's seed; a collector over a dataset (prompts) serves a fixed slice for each batch,
+        so makers split the data and a resumed run continues with the next item. Default: ignore it."""
 
-class Learner(Protocol):
+
+class Learner(ABC):
+    """Trainer-side optimiser state of one trainer."""
+
+    optimizer: torch.optim.Optimizer | None = None
+    """The optimizer over the trainable parameters, its state_dict kept under ``"optimizer"`` in
+    :meth:`state_dict`: ``--strategy fsdp`` cuts each trainer's shard of its moments out of a
+    checkpoint through it. None: the learner runs under ddp only."""
+
+    @abstractmethod
     def update(self, batches: list[dict[str, torch.Tensor]], generator: torch.Generator) -> dict[str, float]:
         """PPO epochs/minibatches on the concatenated batches (advantages computed here, with the
         current critic); returns scalar stats (policy_loss, value_loss, entropy, approx_kl, clip_frac, ...)."""
 
+    @abstractmethod
     def state_dict(self) -> dict[str, Any]: ...
 
+    @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-class AdamLearner:
-    """What the token-level learners (``lm``, ``hf``) share: Adam over the trainable parameters, an update
-    counter, and zeroing the gradients where GradSync keeps them (its flat buffer) as well as in Adam."""
+class AdamLearner(Learner):
+    """What the token-level learners (``lm``, ``hf``) share: Adam over the trainable parameters and an
+    update counter, which is all they checkpoint (the model is saved by the trainer)."""
 
-    def __init__(self, model: nn.Module, cfg: PPOConfig, grad_sync: Any) -> None:
-        self.model, self.cfg, self.grad_sync = model, cfg, grad_sync
+    def __init__(self, model: nn.Module, cfg: PPOConfig, grad_average: Any) -> None:
+        self.model, self.cfg, self.grad_average = model, cfg, grad_average
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = torch.optim.Adam(self.params, lr=cfg.lr, eps=1e-5)
+        self.optimizer = torch.optim.Adam(self.params, lr=cfg.lr, eps=1e-5)
         self.updates = 0
 
-    def _zero_grad(self) -> None:
-        zero = getattr(self.grad_sync, "zero_grad", None)
-        if zero is not None:
-            zero()
-        self.opt.zero_grad(set_to_none=False)
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "updates": self.updates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.updates = int(state["updates"])
+
+
+# -- duck-typed plugins ----------------------------------------------------------------------------
+
+_REQUIRED = ("build_model", "make_collector", "make_learner")
+_OLD_NAMES = {"publish_tensors": "sync_tensors", "after_publish": "after_sync"}
+
+
+def _method(obj: Any, name: str) -> Any:
+    """``obj``'s own ``name`` (or its old name), or None."""
+    for attr in (name, _OLD_NAMES.get(name, name)):
+        found = getattr(obj, attr, None)
+        if callable(found):
+            return found
+    return None
+
+
+class _PluginCollector(Collector):
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self._assign = _method(inner, "assign")
+
+    def collect(self, model: nn.Module, generator: torch.Generator) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        return self.inner.collect(model, generator)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+    def assign(self, batch: int, seed: int) -> None:
+        if self._assign is not None:
+            self._assign(batch, seed)
+
+    def __getattr__(self, name: str) -> Any:  # the plugin's own attributes (tests, benchmarks read them)
+        return getattr(self.__dict__["inner"], name)
+
+
+class _PluginLearner(Learner):
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.optimizer = inner.optimizer if isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer) else None
+
+    def update(self, batches: list[dict[str, torch.Tensor]], generator: torch.Generator) -> dict[str, float]:
+        return self.inner.update(batches, generator)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["inner"], name)
+
+
+class _PluginWorkload(Workload):
+    """A duck-typed workload on the contract: each hook is the plugin's where it has one (old names
+    ``sync_tensors`` / ``after_sync`` too), the default otherwise; its collectors and learners likewise."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.name = str(getattr(inner, "name", "") or type(inner).__name__)
+        hooks = ("publish_tensors", "after_publish", "default_config", "build_maker_model", "shard_units",
+                 "save_artifacts")
+        self._hooks = {name: _method(inner, name) for name in hooks}
+
+    def _call(self, name: str, *args: Any) -> Any:
+        hook = self._hooks[name]
+        return getattr(Workload, name)(self, *args) if hook is None else hook(*args)
+
+    def build_model(self, seed: int, device: torch.device) -> nn.Module:
+        return self.inner.build_model(seed, device)
+
+    def publish_tensors(self, model: nn.Module) -> list[torch.Tensor]:
+        return self._hooks["publish_tensors"](model)
+
+    def make_collector(self, rank_seed: int, device: torch.device) -> Collector:
+        found = self.inner.make_collector(rank_seed, device)
+        return found if isinstance(found, Collector) else _PluginCollector(found)
+
+    def make_learner(self, model: nn.Module, cfg: PPOConfig, grad_average: Any) -> Learner:
+        found = self.inner.make_learner(model, cfg, grad_average)
+        return found if isinstance(found, Learner) else _PluginLearner(found)
+
+    def after_publish(self, model: nn.Module) -> None:
+        self._call("after_publish", model)
+
+    def default_config(self) -> PPOConfig:
+        return self._call("default_config")
+
+    def build_maker_model(self, seed: int, device: torch.device) -> nn.Module:
+        return self._call("build_maker_model", seed, device)
+
+    def shard_units(self, model: nn.Module) -> list[nn.Module]:
+        return self._call("shard_units", model)
+
+    def save_artifacts(self, model_state: dict[str, torch.Tensor]) -> Any:
+        return self._call("save_artifacts", model_state)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["inner"], name)
+
+
+def as_workload(obj: Any, what: str = "the workload") -> Workload:
+    """``obj`` itself if it subclasses :class:`Workload`, else ``obj`` wrapped onto the contract; a
+    ConfigError (exit 2) naming the methods it lacks if it cannot be."""
+    if isinstance(obj, Workload):
+        return obj
+    missing = [name for name in (*_REQUIRED, "publish_tensors") if _method(obj, name) is None]
+    if missing:
+        raise ConfigError(f"{what} ({type(obj).__name__}) has no {', '.join(missing)} method(s): a workload needs "
+                          f"{', '.join(_REQUIRED)} and publish_tensors (see hpcrl.ppo.workload.Workload)")
+    return _PluginWorkload(obj)

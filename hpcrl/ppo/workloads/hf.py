@@ -23,7 +23,7 @@ Roles (the same split as :mod:`hpcrl.ppo.workloads.lm`):
   on every response token; the KL to the reference as a k3 loss term (``kl_coef``).
 * **LoRA** (``--lora-rank R``, needs peft): adapters on every linear layer of actor and critic
   backbones; only they (and the value head) are trained; only the actor's adapters are published.
-  Makers merge (:meth:`HFWorkload.after_sync`): each adapted weight is rebuilt as ``W0 + s B A`` from a
+  Makers merge (:meth:`HFWorkload.after_publish`): each adapted weight is rebuilt as ``W0 + s B A`` from a
   pristine copy of ``W0`` at every sync (as the ``lm`` workload's LoRA path does), never accumulated.
 * **maker precision** (``--maker-dtype bf16|int8``): makers generate and score with a bf16 copy or an
   int8 dynamically quantized copy (torch's, CPU) of the actor, re-made from the received fp32 weights
@@ -58,8 +58,9 @@ from torch import Tensor, nn
 
 from hpcrl.config_check import ConfigError
 
-from ..losses import approx_kl, gae, masked_mean, policy_loss, sequence_rewards_with_kl, value_loss, whiten
-from ..workload import AdamLearner, PPOConfig
+from ..losses import approx_kl, gae, masked_mean, sequence_rewards_with_kl, whiten
+from ..update import Coefs, GradStep, Outputs, Plan, Samples, ppo_update, read_stats
+from ..workload import AdamLearner, Collector, PPOConfig, Workload
 from . import hf_models as M
 from .hf_options import HFOptions
 from .hf_generate import SamplingParams, generate, position_ids, token_logp
@@ -120,7 +121,7 @@ class HFActorCritic(nn.Module):
 
 
 @dataclass
-class HFWorkload(HFOptions):
+class HFWorkload(HFOptions, Workload):
     """The ``hf`` workload; constructing it checks every input it can without loading weights."""
 
     name = "hf"
@@ -266,12 +267,12 @@ class HFWorkload(HFOptions):
                 raise ValueError(f"LoRA mode: trainable actor parameters {trainable[:4]} are not exactly the adapters")
         return items
 
-    def sync_tensors(self, model: HFActorCritic) -> list[Tensor]:
+    def publish_tensors(self, model: HFActorCritic) -> list[Tensor]:
         """The actor's parameters (all, or only the LoRA adapters) in named_parameters order."""
         return [p.data for _, p in self._sync_items(model)]
 
     @torch.no_grad()
-    def after_sync(self, model: HFActorCritic) -> None:
+    def after_publish(self, model: HFActorCritic) -> None:
         """Maker side, after new weights were written: merge LoRA (:meth:`_merge`); a reduced-precision
         maker copy (:meth:`maker_actor`) is rebuilt from them at the next collect."""
         model.syncs += 1  # a reduced-precision maker copy is rebuilt from these weights (maker_actor)
@@ -356,11 +357,11 @@ class HFWorkload(HFOptions):
                                            "--maker-dtype bf16 on GPU makers"))
         return HFCollector(self, rank_seed, torch.device(device))
 
-    def make_learner(self, model: HFActorCritic, cfg: PPOConfig, grad_sync: Any) -> "HFLearner":
-        return HFLearner(self, model, cfg, grad_sync)
+    def make_learner(self, model: HFActorCritic, cfg: PPOConfig, grad_average: Any) -> "HFLearner":
+        return HFLearner(self, model, cfg, grad_average)
 
 
-class HFCollector:
+class HFCollector(Collector):
     """Maker side: prompts -> generate (KV cache) -> behaviour / reference log-probs -> scores."""
 
     def __init__(self, wl: HFWorkload, rank_seed: int, device: torch.device) -> None:
@@ -442,21 +443,24 @@ class HFCollector:
 class HFLearner(AdamLearner):
     """Trainer side: token-level PPO (KL-shaped rewards, GAE, clipped losses) or GRPO; Adam."""
 
-    def __init__(self, wl: HFWorkload, model: HFActorCritic, cfg: PPOConfig, grad_sync: Any) -> None:
-        super().__init__(model, cfg, grad_sync)
+    def __init__(self, wl: HFWorkload, model: HFActorCritic, cfg: PPOConfig, grad_average: Any) -> None:
+        super().__init__(model, cfg, grad_average)
         self.wl = wl
-        # sharded gradients (--strategy fsdp) are clipped by their strategy: the norm adds up across trainers
-        self._clip = getattr(grad_sync, "clip_grad_norm_", nn.utils.clip_grad_norm_)
 
-    def _advantages(self, b: dict[str, Tensor]) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
-        """(advantages [B, G], returns, old values, token rewards) at the start of the update."""
+    @torch.no_grad()
+    def _samples(self, b: dict[str, Tensor]) -> tuple[Samples, Tensor]:
+        """The update's samples (advantages; returns and old values with a critic; the reference
+        log-probs for GRPO's KL term; proximal log-probs with ``cfg.truncated_is``) and token rewards."""
         cfg, model, wl = self.cfg, self.model, self.wl
         tokens, attn, mask = b["tokens"], b["attention_mask"], b["action_mask"]
-        blogp, ref_logp, score = b["behaviour_logp"], b["ref_logp"], b["score"]
+        blogp, ref_logp, score = b["behaviour_logp"].float(), b["ref_logp"].float(), b["score"].float()
+        prox = None
+        if cfg.truncated_is is not None:
+            prox = token_logp(model.action_logits(tokens, attn), tokens[:, wl.max_prompt_tokens:], wl.temperature)
         if wl.algo == "grpo":
             adv = group_advantages(score, wl.group_size)[:, None] * mask
             rewards = sequence_rewards_with_kl(score, blogp, ref_logp, mask, 0.0, wl.kl_estimator)
-            return adv, None, None, rewards
+            return Samples(blogp, adv, proximal_logp=prox, ref_logp=ref_logp, mask=mask), rewards
         g = mask.shape[1]
         old_values = model.values(tokens, attn).float()
         rewards = sequence_rewards_with_kl(score, blogp, ref_logp, mask, cfg.kl_coef, wl.kl_estimator)
@@ -466,86 +470,59 @@ class HFLearner(AdamLearner):
         adv, returns = adv.T * mask, returns.T
         if cfg.normalize_advantages:
             adv = whiten(adv, mask=mask)
-        return adv, returns, old_values, rewards
+        return Samples(blogp, adv, old_values, returns, prox, mask=mask), rewards
 
     def update(self, batches: list[dict[str, Tensor]], generator: torch.Generator) -> dict[str, float]:
         cfg, model, wl = self.cfg, self.model, self.wl
-        device = model.compute_device
-        b = {k: torch.cat([x[k] for x in batches]).to(device) for k in batches[0]}
+        b = {k: torch.cat([x[k] for x in batches]).to(model.compute_device) for k in batches[0]}
         tps = b.pop("maker_tokens_per_s")
-        tokens, attn, mask = b["tokens"], b["attention_mask"], b["action_mask"]
-        blogp, ref_logp, score = b["behaviour_logp"].float(), b["ref_logp"].float(), b["score"].float()
+        tokens, attn = b["tokens"], b["attention_mask"]
         response = tokens[:, wl.max_prompt_tokens:]
         model.train()  # dropout is off (build_model); train mode is what gradient checkpointing acts in
         t_start = time.perf_counter()
-        with torch.no_grad():
-            adv, returns, old_values, rewards = self._advantages(b)
-            prox_logp = None
-            if cfg.truncated_is is not None:
-                prox_logp = token_logp(model.action_logits(tokens, attn), response, wl.temperature)
+        samples, rewards = self._samples(b)
+        critic = samples.old_values is not None
+
+        def forward(idx: Tensor) -> Outputs:
+            logits = model.action_logits(tokens[idx], attn[idx]).float() / wl.temperature
+            logp_all = torch.log_softmax(logits, -1)
+            logp = logp_all.gather(-1, response[idx].unsqueeze(-1)).squeeze(-1)
+            values = model.values(tokens[idx], attn[idx]).float() if critic else None
+            return Outputs(logp, -(logp_all.exp() * logp_all).sum(-1), values)
+
         n = tokens.shape[0]
-        grpo = wl.algo == "grpo"
-        minibatches = min(cfg.minibatches, n // wl.group_size if grpo else n) or 1
-        sums: dict[str, float] = {}
-        steps = 0
-        for _ in range(cfg.epochs):
-            perm = torch.randperm(n, generator=generator).to(device)
-            for idx in perm.chunk(minibatches):
-                m = mask[idx]
-                logits = model.action_logits(tokens[idx], attn[idx]).float() / wl.temperature
-                logp_all = torch.log_softmax(logits, -1)
-                logp = logp_all.gather(-1, response[idx].unsqueeze(-1)).squeeze(-1)
-                pg_loss, pg_stats = policy_loss(logp, blogp[idx], adv[idx], cfg.clip_coef, cfg.truncated_is,
-                                                None if prox_logp is None else prox_logp[idx], mask=m)
-                ent = masked_mean(-(logp_all.exp() * logp_all).sum(-1), m)
-                loss = pg_loss - cfg.ent_coef * ent
-                row = {"policy_loss": pg_loss, "entropy": ent}
-                if steps == 0:  # before this update's first step: trainer vs maker log-probs of the same tokens
-                    gap = masked_mean((logp.detach() - blogp[idx]).abs(), m)
-                if grpo:
-                    kl_loss = masked_mean(approx_kl(logp, ref_logp[idx]), m)
-                    loss = loss + cfg.kl_coef * kl_loss
-                    row["kl_loss"] = kl_loss
-                else:
-                    values = model.values(tokens[idx], attn[idx]).float()
-                    v_loss = value_loss(values, old_values[idx], returns[idx], cfg.value_clip_coef, mask=m)
-                    loss = loss + cfg.vf_coef * v_loss
-                    row["value_loss"] = v_loss
-                self._zero_grad()
-                loss.backward()
-                self.grad_sync.all_reduce()
-                row["grad_norm"] = self._clip(self.params, cfg.max_grad_norm)
-                self.opt.step()
-                with torch.no_grad():
-                    anchor = blogp[idx] if prox_logp is None else prox_logp[idx]
-                    row["approx_kl"] = masked_mean(approx_kl(anchor, logp), m)
-                for k, v in {**row, **pg_stats}.items():
-                    sums[k] = sums.get(k, 0.0) + float(v.detach())
-                steps += 1
+        minibatches = min(cfg.minibatches, n // wl.group_size if wl.algo == "grpo" else n) or 1
+        step = GradStep(self.optimizer, self.params, self.grad_average, cfg.max_grad_norm)
+        stats = ppo_update(forward, samples, Coefs.of(cfg), Plan(cfg.epochs, minibatches), step, generator,
+                           stats_dtype=torch.float64, logp_gap=True)
         self.updates += 1
-        out = {k: v / max(1, steps) for k, v in sums.items()}
-        out["maker_logp_gap"] = float(gap)  # |log pi_trainer - log pi_maker| per token: staleness + numerics
-        lengths = mask.sum(-1)
-        out.update(score=float(score.mean()), score_std=float(score.std(unbiased=False)),
-                   kl_to_ref=float(((blogp - ref_logp) * mask).sum(-1).mean()),
-                   kl_to_ref_k3=float((approx_kl(blogp, ref_logp) * mask).sum(-1).mean()),
-                   reward=float((rewards * mask).sum(-1).mean()), response_len=float(lengths.mean()),
-                   eos_frac=float((lengths < mask.shape[1]).float().mean()),
-                   maker_tokens_per_s=float(tps.mean()), sequences=float(n),
-                   trainer_tokens_per_s=float(attn.sum()) * cfg.epochs / max(time.perf_counter() - t_start, 1e-9))
-        if old_values is not None:
-            var_ret = returns[mask > 0].var()
-            out["value_mean"] = float(masked_mean(old_values, mask))
-            out["explained_variance"] = (float(1 - (returns - old_values)[mask > 0].var() / var_ret)
-                                         if var_ret > 0 else 0.0)
+        stats.update(_sequence_stats(samples, b["ref_logp"].float(), b["score"].float(), rewards),
+                     maker_tokens_per_s=tps.mean(), tokens=attn.sum())
+        out = read_stats(stats)  # the one host read: also waits for the update's device work
+        tokens_done = out.pop("tokens")
+        out.update(sequences=float(n),
+                   trainer_tokens_per_s=tokens_done * cfg.epochs / max(time.perf_counter() - t_start, 1e-9))
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.opt.state_dict(), "updates": self.updates}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.opt.load_state_dict(state["optimizer"])
-        self.updates = int(state["updates"])
+@torch.no_grad()
+def _sequence_stats(s: Samples, ref_logp: Tensor, score: Tensor, rewards: Tensor) -> dict[str, Tensor]:
+    """Per-update stats of the batch (device tensors): score and its spread, KL to the reference per
+    sequence (k1, k3), shaped reward, response length, EOS fraction, and with a critic its mean value
+    and explained variance of the returns."""
+    mask, blogp = s.mask, s.behaviour_logp
+    lengths = mask.sum(-1)
+    out = {"score": score.mean(), "score_std": score.std(unbiased=False),
+           "kl_to_ref": ((blogp - ref_logp) * mask).sum(-1).mean(),
+           "kl_to_ref_k3": (approx_kl(blogp, ref_logp) * mask).sum(-1).mean(),
+           "reward": (rewards * mask).sum(-1).mean(), "response_len": lengths.mean(),
+           "eos_frac": (lengths < mask.shape[1]).float().mean()}
+    if s.old_values is not None:
+        var_ret = s.returns[mask > 0].var()
+        explained = 1 - (s.returns - s.old_values)[mask > 0].var() / var_ret
+        out.update(value_mean=masked_mean(s.old_values, mask),
+                   explained_variance=torch.where(var_ret > 0, explained, torch.zeros_like(explained)))
+    return out
 
 
 @dataclass

@@ -49,8 +49,9 @@ from torch import Tensor, nn
 
 from hpcrl.envs import EpisodeStats, make_env
 
-from ..losses import approx_kl, entropy_bonus, gae, policy_loss, value_loss, whiten
-from ..workload import PPOConfig
+from ..losses import gae, whiten
+from ..update import Coefs, GradStep, Outputs, Plan, Samples, ppo_update, read_stats
+from ..workload import Collector, Learner, PPOConfig, Workload
 
 __all__ = ["ActorCritic", "VectorEnvCollector", "VectorEnvLearner", "VectorEnvWorkload"]
 
@@ -148,7 +149,7 @@ class ActorCritic(nn.Module):
 
 
 @dataclass
-class VectorEnvWorkload:
+class VectorEnvWorkload(Workload):
     """PPO on ``make_env(env, num_envs, device, seed=rank_seed, **env_kwargs)``.
 
     ``init_log_std`` is the Gaussian's initial log-std (continuous envs only; action units).
@@ -200,20 +201,17 @@ class VectorEnvWorkload:
         )
         return model.to(device)
 
-    def sync_tensors(self, model: nn.Module) -> list[Tensor]:
+    def publish_tensors(self, model: nn.Module) -> list[Tensor]:
         return [p.detach() for p in model.parameters()]
-
-    def after_sync(self, model: nn.Module) -> None:
-        pass
 
     def make_collector(self, rank_seed: int, device: torch.device) -> VectorEnvCollector:
         return VectorEnvCollector(self, rank_seed, device)
 
-    def make_learner(self, model: nn.Module, cfg: PPOConfig, grad_sync: Any) -> VectorEnvLearner:
-        return VectorEnvLearner(model, cfg, grad_sync)
+    def make_learner(self, model: nn.Module, cfg: PPOConfig, grad_average: Any) -> VectorEnvLearner:
+        return VectorEnvLearner(model, cfg, grad_average)
 
 
-class VectorEnvCollector:
+class VectorEnvCollector(Collector):
     """Maker side: the envs, their current observations and running episode statistics."""
 
     def __init__(self, spec: VectorEnvWorkload, rank_seed: int, device: torch.device | str) -> None:
@@ -269,17 +267,18 @@ def _explained_variance(pred: Tensor, target: Tensor) -> Tensor:
     return 1.0 - (target - pred).var() / target.var().clamp_min(1e-8)
 
 
-class VectorEnvLearner:
+class VectorEnvLearner(Learner):
     """Trainer side: Adam over the whole model, PPO epochs x minibatches on the concatenated batches
     (concatenated along the env axis, so GAE runs once over [T, sum N]).
 
     Per update: values, GAE and (with ``cfg.truncated_is``) the proximal log-probs come from the
     model as it is at the start of the update; advantages are whitened once over the whole batch.
-    Each minibatch step: backward -> ``grad_sync.all_reduce()`` -> clip the global grad norm -> step.
+    Each minibatch step (:func:`hpcrl.ppo.update.ppo_update`): backward -> ``grad_average.all_reduce()``
+    -> clip the global grad norm -> step.
     """
 
-    def __init__(self, model: nn.Module, cfg: PPOConfig, grad_sync: Any) -> None:
-        self.model, self.cfg, self.grad_sync = model, cfg, grad_sync
+    def __init__(self, model: nn.Module, cfg: PPOConfig, grad_average: Any) -> None:
+        self.model, self.cfg, self.grad_average = model, cfg, grad_average
         self.anneal_updates = int(cfg.extra.get("anneal_updates", 0))
         if self.anneal_updates < 0:
             raise ValueError(f"extra['anneal_updates'] must be >= 0, got {self.anneal_updates}")
@@ -302,6 +301,29 @@ class VectorEnvLearner:
         cfg, model = self.cfg, self.model
         device = self.params[0].device  # experience may arrive on another device (e.g. CPU over gloo)
         batch = {k: torch.cat([b[k] for b in batches], dim=1).to(device) for k in batches[0]}
+        samples = self._samples(batch)
+        obs, actions = batch["obs"].flatten(0, 1), batch["actions"].flatten(0, 1)  # [T * N, ...] samples
+
+        def forward(idx: Tensor) -> Outputs:
+            logp, entropy = model.log_prob_entropy(obs[idx], actions[idx])
+            return Outputs(logp, entropy, model.value(obs[idx]))
+
+        frac = self.schedule()
+        clip_coef = cfg.clip_coef * frac
+        for group in self.optimizer.param_groups:
+            group["lr"] = cfg.lr * frac
+        step = GradStep(self.optimizer, self.params, self.grad_average, cfg.max_grad_norm)
+        stats = ppo_update(forward, samples, Coefs.of(cfg, clip=clip_coef),
+                           Plan(cfg.epochs, cfg.minibatches, "tensor_split"), step, generator)
+        self.updates += 1
+        stats["explained_variance"] = _explained_variance(samples.old_values, samples.returns)
+        n = samples.advantages.numel()
+        return {**read_stats(stats), "lr": cfg.lr * frac, "clip_coef": clip_coef, "samples": float(n)}
+
+    def _samples(self, batch: dict[str, Tensor]) -> Samples:
+        """Values, GAE and (with ``cfg.truncated_is``) the proximal log-probs from the model as it is
+        at the start of the update, flattened to ``[T * N]`` samples; advantages whitened once."""
+        cfg, model = self.cfg, self.model
         with torch.no_grad():
             values = model.value(batch["obs"])
             next_values = model.value(batch["next_obs"])
@@ -309,52 +331,11 @@ class VectorEnvLearner:
                                cfg.gamma, cfg.gae_lambda)
             proximal = None
             if cfg.truncated_is is not None:
-                proximal = model.log_prob_entropy(batch["obs"], batch["actions"])[0]
+                proximal = model.log_prob_entropy(batch["obs"], batch["actions"])[0].flatten()
             if cfg.normalize_advantages:
                 adv = whiten(adv)
-        # Flatten [T, N, ...] to [T * N, ...] samples.
-        flat = {k: v.flatten(0, 1) for k, v in batch.items()}
-        values, returns, adv = values.flatten(), returns.flatten(), adv.flatten()
-        proximal = None if proximal is None else proximal.flatten()
-
-        frac = self.schedule()
-        clip_coef = cfg.clip_coef * frac
-        for group in self.optimizer.param_groups:
-            group["lr"] = cfg.lr * frac
-
-        n = values.numel()
-        sums: dict[str, Tensor] = {}
-        steps = 0
-        for _ in range(cfg.epochs):
-            perm = torch.randperm(n, generator=generator, device=generator.device).to(values.device)
-            for idx in perm.tensor_split(cfg.minibatches):
-                logp, entropy = model.log_prob_entropy(flat["obs"][idx], flat["actions"][idx])
-                new_values = model.value(flat["obs"][idx])
-                pl, pstats = policy_loss(logp, flat["behaviour_logp"][idx], adv[idx], clip_coef, cfg.truncated_is,
-                                         None if proximal is None else proximal[idx])
-                vl = value_loss(new_values, values[idx], returns[idx], cfg.value_clip_coef)
-                loss = pl + cfg.vf_coef * vl + entropy_bonus(entropy, cfg.ent_coef)
-                # set_to_none=False keeps GradSync's "view" grads attached to its flat buffer.
-                self.optimizer.zero_grad(set_to_none=False)
-                loss.backward()
-                self.grad_sync.all_reduce()
-                grad_norm = nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
-                self.optimizer.step()
-                step_stats = {
-                    "policy_loss": pl.detach(),
-                    "value_loss": vl.detach(),
-                    "entropy": entropy.detach().mean(),
-                    "approx_kl": approx_kl(flat["behaviour_logp"][idx], logp.detach()).mean(),
-                    "grad_norm": grad_norm.detach(),
-                    **pstats,
-                }
-                for k, v in step_stats.items():
-                    sums[k] = sums[k] + v if k in sums else v.clone()
-                steps += 1
-        self.updates += 1
-        sums["explained_variance"] = _explained_variance(values, returns) * steps
-        means = (torch.stack(list(sums.values())) / steps).tolist()  # one host sync
-        return {**dict(zip(sums, means)), "lr": cfg.lr * frac, "clip_coef": clip_coef, "samples": float(n)}
+        return Samples(batch["behaviour_logp"].flatten(0, 1), adv.flatten(), values.flatten(), returns.flatten(),
+                       proximal)
 
     def state_dict(self) -> dict[str, Any]:
         """Model, optimizer and update counter (the schedule's position): all a trainer resumes from."""

@@ -1,0 +1,181 @@
+"""One PPO update for every workload: epochs x minibatches of the clipped policy, value, entropy (and
+KL-to-reference) losses, each minibatch ``zero_grad -> backward -> average -> clip -> step``.
+
+A workload supplies what differs (see :func:`ppo_update`): the tensors fixed at the update's start
+(:class:`Samples`, sample dim first) and its forward pass over a minibatch of sample indices
+(:class:`Outputs`). The loss math is :mod:`hpcrl.ppo.losses`. Stats stay device tensors through the
+loop (no host read between minibatches); :func:`read_stats` makes the update's one host read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Literal, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+from .losses import approx_kl, masked_mean, policy_loss, value_loss
+from .workload import PPOConfig
+
+__all__ = ["Coefs", "GradStep", "Outputs", "Plan", "Samples", "minibatch_indices", "ppo_losses", "ppo_update",
+           "read_stats"]
+
+
+@dataclass(frozen=True)
+class Samples:
+    """The update's per-sample tensors, computed without gradients at its start; dim 0 is the sample
+    (an env step ``[n]``, or a sequence ``[n, G]`` of token-level values)."""
+
+    behaviour_logp: Tensor
+    advantages: Tensor
+    old_values: Tensor | None = None
+    """The critic's values at the start; None: no critic, no value loss (GRPO)."""
+    returns: Tensor | None = None
+    proximal_logp: Tensor | None = None
+    """Given: decoupled PPO around the policy at the start (``cfg.truncated_is``)."""
+    ref_logp: Tensor | None = None
+    """Given: a KL-to-reference loss term (``Coefs.kl``; GRPO)."""
+    mask: Tensor | None = None
+    """Token mask ``[n, G]``; None: every element counts."""
+
+    def __getitem__(self, idx: Tensor) -> Samples:
+        return Samples(**{f.name: None if (v := getattr(self, f.name)) is None else v[idx] for f in fields(self)})
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """The forward pass over one minibatch, with gradients: log-probs of the taken actions, the
+    policy's entropy there, and the critic's values (None without a critic); shapes of :class:`Samples`."""
+
+    logp: Tensor
+    entropy: Tensor
+    values: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Coefs:
+    """Loss coefficients of one update (``PPOConfig``'s, the clip coefficient maybe annealed)."""
+
+    clip: float
+    truncated_is: float | None = None
+    value_clip: float | None = None
+    vf: float = 0.5
+    ent: float = 0.0
+    kl: float = 0.0
+
+    @classmethod
+    def of(cls, cfg: PPOConfig, clip: float | None = None) -> Coefs:
+        return cls(cfg.clip_coef if clip is None else clip, cfg.truncated_is, cfg.value_clip_coef, cfg.vf_coef,
+                   cfg.ent_coef, cfg.kl_coef)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Minibatches: ``epochs`` passes, each a fresh permutation of the samples cut into ``minibatches``
+    pieces, by ``tensor_split`` (sizes differ by at most one) or ``chunk`` (equal ceil-sized pieces
+    and a shorter last one, maybe fewer pieces)."""
+
+    epochs: int
+    minibatches: int
+    split: Literal["tensor_split", "chunk"] = "chunk"
+
+
+@runtime_checkable
+class ShardedGradAverage(Protocol):
+    """A gradient averager whose gradients are shards (fsdp): it clips by their global norm itself."""
+
+    def all_reduce(self) -> None: ...
+
+    def clip_grad_norm_(self, params: list[Tensor], max_norm: float) -> Tensor: ...
+
+
+@dataclass
+class GradStep:
+    """One optimizer step on a loss; ``grad_average.all_reduce()`` averages the gradients over the
+    trainers (a no-op on one). Returns the gradient norm before clipping."""
+
+    optimizer: torch.optim.Optimizer
+    params: list[Tensor]
+    grad_average: Any
+    max_grad_norm: float
+
+    def __call__(self, loss: Tensor) -> Tensor:
+        # set_to_none=False keeps GradSync's "view" grads attached to its flat buffer
+        self.optimizer.zero_grad(set_to_none=False)
+        loss.backward()
+        self.grad_average.all_reduce()
+        if isinstance(self.grad_average, ShardedGradAverage):
+            norm = self.grad_average.clip_grad_norm_(self.params, self.max_grad_norm)
+        else:
+            norm = nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        self.optimizer.step()
+        return norm
+
+
+def minibatch_indices(n: int, plan: Plan, generator: torch.Generator, device: torch.device) -> list[Tensor]:
+    """One epoch's minibatches of sample indices (the permutation drawn on ``generator``'s device)."""
+    perm = torch.randperm(n, generator=generator, device=generator.device).to(device)
+    if plan.split == "tensor_split":
+        return list(perm.tensor_split(plan.minibatches))
+    return list(perm.chunk(plan.minibatches))
+
+
+def ppo_losses(out: Outputs, s: Samples, c: Coefs) -> tuple[Tensor, dict[str, Tensor]]:
+    """The minibatch loss ``policy + vf * value - ent * entropy (+ kl * KL to the reference)`` and its
+    stats (detached): the loss terms, ``entropy``, ``approx_kl`` (k3 of the current policy against the
+    ratio's anchor: the proximal policy, else the behaviour one) and :func:`policy_loss`'s stats."""
+    pl, pstats = policy_loss(out.logp, s.behaviour_logp, s.advantages, c.clip, c.truncated_is, s.proximal_logp,
+                             mask=s.mask)
+    loss, stats = pl, {"policy_loss": pl}
+    if s.old_values is not None:
+        vl = value_loss(out.values, s.old_values, s.returns, c.value_clip, mask=s.mask)
+        loss, stats["value_loss"] = loss + c.vf * vl, vl
+    ent = masked_mean(out.entropy, s.mask)
+    loss = loss - c.ent * ent
+    if s.ref_logp is not None:
+        kl = masked_mean(approx_kl(out.logp, s.ref_logp), s.mask)
+        loss, stats["kl_loss"] = loss + c.kl * kl, kl
+    with torch.no_grad():
+        anchor = s.behaviour_logp if s.proximal_logp is None else s.proximal_logp
+        stats.update(entropy=ent, approx_kl=masked_mean(approx_kl(anchor, out.logp), s.mask), **pstats)
+    return loss, {k: v.detach() for k, v in stats.items()}
+
+
+def ppo_update(forward: Callable[[Tensor], Outputs], samples: Samples, coefs: Coefs, plan: Plan, step: GradStep,
+               generator: torch.Generator, stats_dtype: torch.dtype | None = None,
+               logp_gap: bool = False) -> dict[str, Tensor]:
+    """Run ``plan`` over ``samples``: for each minibatch ``idx``, ``forward(idx)`` -> :func:`ppo_losses`
+    -> ``step``. Returns each stat's mean over the minibatches as a device tensor (summed in
+    ``stats_dtype``, default the stat's own), plus ``grad_norm``; with ``logp_gap`` also
+    ``maker_logp_gap``, the mean ``|log pi_trainer - log pi_behaviour|`` over the first minibatch
+    before any step (staleness + numerics between maker and trainer)."""
+    n = samples.behaviour_logp.shape[0]
+    sums: dict[str, Tensor] = {}
+    steps = 0
+    gap = None
+    for _ in range(plan.epochs):
+        for idx in minibatch_indices(n, plan, generator, samples.behaviour_logp.device):
+            mb = samples[idx]
+            out = forward(idx)
+            loss, stats = ppo_losses(out, mb, coefs)
+            if logp_gap and steps == 0:
+                gap = masked_mean((out.logp.detach() - mb.behaviour_logp).abs(), mb.mask)
+            stats["grad_norm"] = step(loss).detach()
+            for k, v in stats.items():
+                v = v if stats_dtype is None else v.to(stats_dtype)
+                sums[k] = sums[k] + v if k in sums else v.clone()
+            steps += 1
+    means = {k: v / steps for k, v in sums.items()}
+    if gap is not None:
+        means["maker_logp_gap"] = gap
+    return means
+
+
+def read_stats(stats: dict[str, Tensor]) -> dict[str, float]:
+    """Device scalars to floats in one host read (float64 holds every float32 value exactly)."""
+    if not stats:
+        return {}
+    device = next(iter(stats.values())).device
+    values = torch.stack([v.detach().reshape(()).to(device, torch.float64) for v in stats.values()])
+    return dict(zip(stats, values.cpu().tolist()))
