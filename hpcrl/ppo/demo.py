@@ -1,0 +1,80 @@
+"""``python -m hpcrl.ppo.demo DIR``: everything ``--workload hf`` needs, built locally (nothing downloads),
+and the command that trains on it.
+
+``DIR/model``: a 2-layer, hidden-64 Llama (``LlamaForCausalLM``, ``save_pretrained``) with a word-level
+tokenizer, pre-trained for a few seconds on the answer *format* of the list task
+(:mod:`hpcrl.ppo.demo_task`); ``DIR/prompts.jsonl``: prompts such as ``list: cat dog``; the reward is
+:func:`reward` (``--hf.reward-fn hpcrl.ppo.demo:reward``): the share of the response's first three words
+that are new words of the prompt's category. A pre-trained policy answers with words of any category
+(score ~0.1); PPO raises it to ~0.9.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from .demo_task import build_causal_lm, format_corpus, reward, task_prompts, write_prompts
+
+__all__ = ["build", "command", "main", "reward"]
+
+PROG = "hpcrl.ppo.demo"
+TRAIN_ARGS = ("--hf.max-prompt-tokens", "3", "--hf.max-new-tokens", "4", "--hf.batch-size", "64",
+              "--ppo.lr", "1e-3", "--ppo.kl-coef", "0.01", "--makers", "1", "--trainers", "1")
+"""Sizes and hyper-parameters the printed command passes (measured to learn in a few minutes on 2 cores)."""
+
+
+def build(out: Path, seed: int = 0, pretrain_steps: int = 300, prompts: int = 256) -> tuple[Path, Path]:
+    """``(model dir, prompts file)`` written under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    build_causal_lm(out / "model", format_corpus(2000, seed + 1), seed=seed, pretrain_steps=pretrain_steps)
+    return out / "model", write_prompts(out / "prompts.jsonl", task_prompts(prompts, seed))
+
+
+def command(out: Path, total_steps: int = 400, run_dir: str = "runs/hf", python: str | None = None) -> list[str]:
+    """The ``python -m hpcrl.ppo`` command line that trains on the demo in ``out``."""
+    exe = python or sys.executable
+    if os.path.abspath(exe).startswith(os.getcwd() + os.sep):
+        exe = os.path.relpath(exe)  # .venv/bin/python, as the README spells it
+    return [exe, "-m", "hpcrl.ppo", "--workload", "hf", "--hf.model", str(out / "model"),
+            "--hf.reward-fn", "hpcrl.ppo.demo:reward", "--hf.prompts", str(out / "prompts.jsonl"), *TRAIN_ARGS,
+            "--total-steps", str(total_steps), "--run-dir", run_dir]
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0].replace("``", ""))
+    p.add_argument("dir", type=Path, help="where to write model/ and prompts.jsonl (must not hold them already)")
+    p.add_argument("--seed", type=int, default=0, help="model init, pre-training and prompts (default: 0)")
+    p.add_argument("--pretrain-steps", type=int, default=300,
+                   help="format pre-training steps, batch 64 (0: a random model; default: 300, a few seconds)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    taken = [p for p in (args.dir / "model", args.dir / "prompts.jsonl") if p.exists()]
+    if taken:
+        print(f"{PROG}: error: {taken[0]} already exists; pass a new DIR (the demo never overwrites files)",
+              file=sys.stderr)
+        return 2
+    if args.pretrain_steps < 0:
+        print(f"{PROG}: error: --pretrain-steps {args.pretrain_steps}: must be >= 0, e.g. 300", file=sys.stderr)
+        return 2
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    model, prompts = build(args.dir, args.seed, args.pretrain_steps)
+    print(f"{PROG}: wrote {model} (Llama, 2 layers, hidden 64) and {prompts}; train with:")
+    print(shlex.join(command(args.dir)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
