@@ -77,7 +77,7 @@ def dp_rank(modes: list[str]) -> dict:
     return {mode: run_updates(mode, ctx.rank, ctx.world_size, ctx) for mode in modes}
 
 
-# -- issue 12: the training recipe (critic obs, fp16 + scaler, clipping, shared state) -------------------
+# -- the training recipe (critic obs, fp16 + scaler, clipping, shared state) -----------------------------
 
 CDIM = 7  # privileged critic observation width of the equivalence tests
 

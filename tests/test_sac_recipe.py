@@ -1,4 +1,4 @@
-"""holosoma's training recipe in FastSAC (issue 12): privileged critic observations, gradient clipping,
+"""holosoma's training recipe in FastSAC: privileged critic observations, gradient clipping,
 fp16 with a GradScaler across ranks, symmetry augmentation, env shared state, stop within one env step."""
 
 from __future__ import annotations

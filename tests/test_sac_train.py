@@ -68,6 +68,31 @@ def test_plan_validates_sizes_with_actionable_messages():
         plan(preset("pendulum", num_envs=8, batch_size=2), 4)
     with pytest.raises(ConfigError, match="checkpoint_every=7 must be a multiple of log_every=5"):
         plan(preset("pendulum", checkpoint_every=7, log_every=5), 1)
+    assert plan.__doc__ and "Validate" in plan.__doc__
+
+
+def test_events_hook_sees_updates_rows_and_evals(tmp_path, monkeypatch):
+    """train(cfg, events=cb): one UpdatesDone per learning env step, the metrics rows as written, the evals."""
+    from hpcrl.metrics import finite_row
+    from hpcrl.sac import events as ev
+    from hpcrl.sac.__main__ import parse
+    from hpcrl.sac.train import train
+
+    for k in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(k)
+    seen: list = []
+    cfg = parse(TINY + ["--total-env-steps", "40", "--checkpoint-every", "0", "--eval-every", "5",
+                        "--eval-episodes", "1", "--run-dir", str(tmp_path)])
+    train(cfg, events=seen.append)
+    updates = [e for e in seen if isinstance(e, ev.UpdatesDone)]
+    assert [e.iteration for e in updates] == list(range(5, 11))  # learning_starts 4, 10 vector steps
+    assert all(e.updates == 2 and e.seconds > 0 and e.rank == 0 for e in updates)
+    rows = [finite_row({k: v for k, v in e.row.items() if k != "sps"}) for e in seen if isinstance(e, ev.RowLogged)]
+    written = metrics(tmp_path)
+    assert rows == [r for r in written if "eval_return" not in r]
+    evals = [(e.env_steps, round(e.eval_return, 6)) for e in seen if isinstance(e, ev.EvalDone)]
+    assert evals == [(r["env_steps"], r["eval_return"]) for r in written if "eval_return" in r]
+    assert [s for s, _ in evals] == [20, 40]  # at --eval-every 5 and at the end
 
 
 COMMON = TINY + ["--nproc", "2", "--total-env-steps", "240", "--checkpoint-every", "10"]

@@ -1,0 +1,136 @@
+"""What a FastSAC rank runs with (:class:`Run`), what changes from one env step to the next
+(:class:`LoopState`), and how a checkpoint saves and restores both."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from hpcrl import checkpoint
+from hpcrl.comm import DistContext, StopRequest, all_reduce_sum_, barrier
+from hpcrl.envs import EpisodeStats
+from hpcrl.metrics import RunLogger
+from hpcrl.replay import ReplayShard
+
+from .agent import FastSAC
+from .config import SACConfig
+from .events import Events
+from .layout import Layout
+from .normalizer import ObsNormalizer
+
+# SACConfig fields a resume may change: how long it runs, where and how fast, how often it logs,
+# checkpoints and checks. Every other field, with the world size, is the run's identity: a
+# checkpoint resumes only into the run that wrote it (the first differing field is named).
+RESUMABLE_FIELDS = frozenset({"total_env_steps", "run_dir", "resume", "overwrite", "resume_missing", "device",
+                              "nproc", "threads", "timeout_s", "grad_sync", "bf16", "amp", "compile", "log_every",
+                              "checkpoint_every", "keep_checkpoints", "check_sync_every", "eval_episodes",
+                              "eval_every", "preset", "config", "seeds", "nonfinite", "wandb_project", "wandb_mode"})
+
+
+def run_identity(cfg: SACConfig, world_size: int) -> dict[str, Any]:
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in RESUMABLE_FIELDS}
+    return {"world_size": world_size, "seed": fields.pop("seed"), **fields}
+
+
+@dataclass
+class Parts:
+    """A rank's training objects: built once, saved by a checkpoint, loaded by a resume."""
+
+    env: Any  # an hpcrl.envs vector env
+    agent: FastSAC
+    normalizer: ObsNormalizer
+    critic_normalizer: ObsNormalizer | None  # over the privileged critic observations; None: the actor's
+    replay: ReplayShard
+    stats: EpisodeStats
+    generator: torch.Generator  # the rank's sampling stream: random actions, replay samples, update noise
+
+    @property
+    def has_critic_obs(self) -> bool:
+        return bool(self.env.critic_obs_dim)
+
+
+@dataclass
+class Run:
+    """What a rank's loop runs with; fixed for the run."""
+
+    cfg: SACConfig
+    ctx: DistContext
+    layout: Layout
+    parts: Parts
+    logger: RunLogger
+    stop: StopRequest
+    events: Events
+    reduce_sum: Callable[[torch.Tensor], None] | None = field(init=False)
+    """Sum over the ranks on the device plane, in place; None in one process."""
+
+    def __post_init__(self) -> None:
+        plane = self.ctx.device_plane
+        self.reduce_sum = (lambda t: all_reduce_sum_([t], plane)) if self.ctx.is_distributed else None
+
+
+@dataclass
+class Window:
+    """The env steps since the last metrics row; a checkpoint taken mid-window (a stop) carries it, so
+    a resumed run logs the same rows."""
+
+    metrics: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    iters: int = 0
+    dropped: int = 0  # transitions with non-finite data replaced (--nonfinite skip)
+    start: float = field(default_factory=time.time)
+
+
+@dataclass
+class LoopState:
+    """What changes from one env step to the next, besides the parts (the step count is the agent's)."""
+
+    obs: torch.Tensor
+    critic_obs: torch.Tensor | None
+    best: float = -math.inf  # best eval return so far: rank 0's (only it writes best/)
+    window: Window = field(default_factory=Window)
+    row: dict[str, float] = field(default_factory=dict)  # the last metrics row
+
+
+def restore(parts: Parts, found: checkpoint.Restored, device: torch.device, rank: int) -> LoopState:
+    """Load a checkpoint into ``parts``; returns the loop state it carries."""
+    learner, mine = found.learner, found.rank_state
+    parts.agent.load_learner_state(learner["agent"])
+    parts.normalizer.load_state_dict(learner["normalizer"])
+    if parts.critic_normalizer is not None:
+        parts.critic_normalizer.load_state_dict(learner["critic_normalizer"])
+    parts.replay.load_state_dict(mine["replay"])
+    parts.env.load_state_dict(mine["env"])
+    if mine.get("shared_state"):
+        parts.env.load_shared_state({k: v.to(device) for k, v in mine["shared_state"].items()})
+    parts.stats.load_state_dict(mine["episode_stats"])
+    parts.generator.set_state(mine["generator"])
+    state = LoopState(mine["obs"].to(device), mine["critic_obs"].to(device) if parts.has_critic_obs else None,
+                      best=float(learner.get("best_eval_return", -math.inf)) if rank == 0 else -math.inf)
+    if "window" in mine:  # a checkpoint taken mid-window (a stop): continue it
+        state.window = Window({k: list(v.to(device).unbind(0)) for k, v in mine["window"].items()},
+                              int(mine["window_iters"]), int(mine["dropped"]))
+    return state
+
+
+def save(run: Run, state: LoopState) -> None:
+    """Collective: a checkpoint of every rank at the current env step."""
+    cfg, ctx, p = run.cfg, run.ctx, run.parts
+    # best_eval_return: what a resumed run's best/ must beat (rank 0's learner state; -inf = no eval yet)
+    learner = ({"agent": p.agent.learner_state(), "normalizer": p.normalizer.state_dict(),
+                "best_eval_return": state.best} if ctx.rank == 0 else None)
+    if learner is not None and p.critic_normalizer is not None:
+        learner["critic_normalizer"] = p.critic_normalizer.state_dict()
+    extra = {"critic_obs": state.critic_obs, "shared_state": p.env.shared_state(),
+             "window": {k: torch.stack(v) for k, v in state.window.metrics.items() if v},
+             "window_iters": state.window.iters, "dropped": state.window.dropped}
+    rank_state = {"replay": p.replay.state_dict(), "env": p.env.state_dict(), "episode_stats": p.stats.state_dict(),
+                  "generator": p.generator.get_state(), "obs": state.obs,
+                  **{k: v for k, v in extra.items() if v is not None}}
+    checkpoint.save(cfg.run_dir, p.agent.counters.iteration, ctx.rank, ctx.world_size, learner, rank_state,
+                    functools.partial(barrier, ctx), keep=cfg.keep_checkpoints,
+                    identity=run_identity(cfg, ctx.world_size))
