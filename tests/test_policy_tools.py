@@ -222,3 +222,39 @@ def test_export_onnx_matches_torch_within_1e5(run, tmp_path, capsys):
     export.export_onnx(policy, path, exporter="torchscript")
     worst, count = export.verify_onnx(path, policy)
     assert count == 68 and worst <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def ppo_run(tmp_path_factory) -> Path:
+    """A real detached-PPO cartpole run (2 updates, a checkpoint at the end)."""
+    run_dir = tmp_path_factory.mktemp("ppo") / "run"
+    proc = cli("hpcrl.ppo", "--workload", "cartpole", "--makers", "1", "--trainers", "1", "--total-steps", "2",
+               "--env.num-envs", "2", "--env.rollout-len", "8", "--ppo.epochs", "1", "--run-dir", run_dir)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert checkpoint.latest(run_dir) is not None
+    return run_dir
+
+
+def test_play_and_export_on_a_ppo_run_say_so_in_one_line(ppo_run, tmp_path):
+    step = checkpoint.latest(ppo_run)
+    for module, args in (("hpcrl.sac.play", [ppo_run]), ("hpcrl.sac.play", [ppo_run, "--which", "latest"]),
+                         ("hpcrl.sac.play", [step]),
+                         ("hpcrl.sac.export", [ppo_run, "--which", "latest", "--out", tmp_path / "x.onnx"])):
+        proc = cli(module, *args)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, (module, args, proc.stderr[-2000:])
+        assert "a PPO run (--workload cartpole), not a FastSAC run" in lines[0] and "learner.pt" in lines[0], lines
+        assert "--which" not in lines[0]  # no suggestion that leads to another error
+    assert not (tmp_path / "x.onnx").exists()
+
+
+def test_an_hf_ppo_run_points_at_its_transformers_actor(ppo_run, tmp_path):
+    cfg = json.loads((ppo_run / "config.json").read_text())
+    hf_run = tmp_path / "hf_run"
+    hf_run.mkdir()
+    (hf_run / "config.json").write_text(json.dumps({**cfg, "workload": "hf"}))
+    with pytest.raises(PolicyError, match=r"written at the run's first checkpoint"):
+        load(hf_run, "latest")
+    (hf_run / "hf" / "actor").mkdir(parents=True)
+    with pytest.raises(PolicyError, match=rf"its actor is the transformers directory {hf_run / 'hf' / 'actor'} "):
+        resolve(hf_run, "best")

@@ -18,6 +18,7 @@ cast to float32), so the policy gives bit-identical actions to the training-time
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -31,8 +32,8 @@ from hpcrl.h5io import atomic_path
 
 from .networks import Actor
 
-__all__ = ["FORMAT", "Policy", "PolicyError", "load", "load_policy", "policy_from_checkpoint", "resolve",
-           "save_policy", "SNAPSHOT"]
+__all__ = ["FORMAT", "Policy", "PolicyError", "load", "load_policy", "policy_from_checkpoint", "refuse_ppo_run",
+           "resolve", "save_policy", "SNAPSHOT"]
 
 FORMAT = "hpcrl.sac.policy/1"
 SNAPSHOT = "policy.pt"
@@ -146,8 +147,6 @@ def load_policy(path: str | os.PathLike, device: str | torch.device = "cpu") -> 
 def policy_from_checkpoint(step_dir: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[Policy, dict]:
     """The policy inside a committed training checkpoint (``RUN_DIR/checkpoints/step_N``): actor and
     normaliser from its ``learner.pt``, network sizes from ``RUN_DIR/config.json``."""
-    import json
-
     step_dir = Path(step_dir)
     run_dir = step_dir.parent.parent
     try:
@@ -159,6 +158,7 @@ def policy_from_checkpoint(step_dir: str | os.PathLike, device: str | torch.devi
     except (OSError, ValueError) as err:
         raise PolicyError(f"{run_dir / 'config.json'}: cannot read the run's config ({err}); the network "
                           f"sizes of {step_dir} come from it") from None
+    refuse_ppo_run(run_dir, cfg)
     learner = torch.load(step_dir / checkpoint.LEARNER, map_location="cpu", weights_only=True)
     policy = Policy.from_state(cfg, learner["agent"]["actor"], learner["normalizer"],
                                enabled=bool(cfg.get("obs_normalization", True)))
@@ -169,6 +169,27 @@ def policy_from_checkpoint(step_dir: str | os.PathLike, device: str | torch.devi
 
 
 # -- finding one ------------------------------------------------------------------------------------
+def refuse_ppo_run(run_dir: Path, cfg: dict | None = None) -> None:
+    """:class:`PolicyError` when ``run_dir`` is a detached-PPO run (its config.json names a
+    ``--workload``): its checkpoints hold no FastSAC actor. Says what to use instead."""
+    if cfg is None:
+        try:
+            cfg = json.loads((run_dir / "config.json").read_text())
+        except (OSError, ValueError):
+            return
+    workload = cfg.get("workload") if isinstance(cfg, dict) else None
+    if not isinstance(workload, str):
+        return
+    actor = run_dir / "hf" / "actor"
+    if workload == "hf" or actor.is_dir():
+        use = (f"its actor is the transformers directory {actor} (AutoModelForCausalLM.from_pretrained"
+               + (")" if actor.is_dir() else "; written at the run's first checkpoint)"))
+    else:
+        use = f"its PPO weights are in {checkpoint.checkpoint_root(run_dir)}/step_N/learner.pt"
+    raise PolicyError(f"{run_dir}: a PPO run (--workload {workload}), not a FastSAC run; play and export read "
+                      f"FastSAC runs (python -m hpcrl.sac) only; {use}")
+
+
 def _available(run_dir: Path) -> str:
     found = [f"{w} ({run_dir / w / SNAPSHOT})" for w in ("best", "final") if (run_dir / w / SNAPSHOT).is_file()]
     newest = checkpoint.committed(run_dir)
@@ -189,7 +210,9 @@ def resolve(run_dir_or_file: str | os.PathLike, which: str = "best") -> Path:
         return path
     if not path.is_dir():
         raise PolicyError(f"{path}: no such run dir or policy file")
-    if (path / checkpoint.MANIFEST).is_file():  # a checkpoint directory given directly
+    is_step = (path / checkpoint.MANIFEST).is_file()  # a checkpoint directory given directly
+    refuse_ppo_run(path.parent.parent if is_step else path)
+    if is_step:
         return path
     if which == "latest":
         found = checkpoint.latest(path)
