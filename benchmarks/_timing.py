@@ -29,6 +29,26 @@ def sync(device: torch.device | str) -> None:
         torch.cuda.synchronize()
 
 
+def _calls_per_repeat(fn: Callable[[], Any], device: torch.device, warmup: int, min_repeat_s: float,
+                      max_inner: int) -> int:
+    """Warm up, then calibrate (first calls pay for allocation and page faults): grow the call count
+    until a batch takes >= min_repeat_s / 4, then scale to min_repeat_s."""
+    for _ in range(warmup):
+        fn()
+    n = 1
+    while True:
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        sync(device)
+        elapsed = time.perf_counter() - t0
+        if elapsed >= min_repeat_s / 4 or n >= max_inner:
+            break
+        n *= 4
+    return int(min(max_inner, max(1, round(n * min_repeat_s / max(elapsed, 1e-9)))))
+
+
 def measure_group(
     fns: dict[str, Callable[[], Any]],
     device: torch.device | str = "cpu",
@@ -46,25 +66,7 @@ def measure_group(
     """
     device = torch.device(device)
     is_cuda = device.type == "cuda"
-    inner: dict[str, int] = {}
-    for name, fn in fns.items():
-        for _ in range(warmup):
-            fn()
-        # Calibrate after the warm-up (first calls pay for allocation and page faults): grow the
-        # call count until a batch takes >= min_repeat_s / 4, then scale to min_repeat_s.
-        n = 1
-        while True:
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            sync(device)
-            elapsed = time.perf_counter() - t0
-            if elapsed >= min_repeat_s / 4 or n >= max_inner:
-                break
-            n *= 4
-        inner[name] = int(min(max_inner, max(1, round(n * min_repeat_s / max(elapsed, 1e-9)))))
-
+    inner = {name: _calls_per_repeat(fn, device, warmup, min_repeat_s, max_inner) for name, fn in fns.items()}
     samples: dict[str, list[float]] = {name: [] for name in fns}
     cpu_samples: dict[str, list[float]] = {name: [] for name in fns}
     wall = dict.fromkeys(fns, 0.0)
@@ -141,19 +143,56 @@ def _busy_cpu_seconds() -> float | None:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
+def _own_cpu_seconds() -> float:
+    """This process's CPU seconds, with its children that have been waited for (spawned ranks)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 class OtherLoad:
-    """How many cores *other* processes kept busy while this one ran: (machine CPU time - own CPU
-    time) / wall time. ~0 on a quiet machine; on a 2-core box, 1 means one core was taken."""
+    """How many cores *other* processes kept busy while this one (and its joined children) ran:
+    (machine CPU time - own CPU time) / wall time. ~0 on a quiet machine; on a 2-core box, 1 means
+    one core was taken."""
 
     def __init__(self) -> None:
-        self.t0, self.own0, self.busy0 = time.perf_counter(), time.process_time(), _busy_cpu_seconds()
+        self.t0, self.own0, self.busy0 = time.perf_counter(), _own_cpu_seconds(), _busy_cpu_seconds()
 
     def cores(self) -> float | None:
         busy = _busy_cpu_seconds()
         if busy is None or self.busy0 is None:
             return None
         wall = time.perf_counter() - self.t0
-        return round(max(0.0, (busy - self.busy0) - (time.process_time() - self.own0)) / wall, 2)
+        return round(max(0.0, (busy - self.busy0) - (_own_cpu_seconds() - self.own0)) / wall, 2)
+
+
+class Quiet:
+    """Sections of a benchmark run on a shared machine. :meth:`start` waits until the 1-min load
+    average is below ``limit`` (0 = never wait; all waits together at most ``max_wait`` s);
+    :meth:`end` records the load and the cores other processes kept busy during the section."""
+
+    def __init__(self, limit: float, max_wait: float) -> None:
+        self.limit, self.budget = limit, max_wait
+        self.sections: dict[str, dict[str, Any]] = {}
+        self._other: dict[str, OtherLoad] = {}
+
+    def start(self, name: str) -> float:
+        t0 = time.time()
+        while self.limit > 0 and os.getloadavg()[0] >= self.limit and time.time() - t0 < self.budget:
+            time.sleep(5)
+        waited = time.time() - t0
+        self.budget = max(0.0, self.budget - waited)
+        self.sections[name] = {"waited_s": round(waited, 1), "load_start": loadavg()}
+        self._other[name] = OtherLoad()
+        return time.perf_counter()
+
+    def end(self, name: str) -> float:
+        """The section's seconds since :meth:`start` returned."""
+        other = self._other.pop(name)
+        self.sections[name].update(load_end=loadavg(), other_processes_cores=other.cores())
+        return round(time.perf_counter() - other.t0, 1)
+
+    def waited_s(self) -> float:
+        return sum(v["waited_s"] for v in self.sections.values())
 
 
 def machine_info(device: torch.device | str, threads: int) -> dict[str, Any]:

@@ -299,3 +299,48 @@ class CleanRLStyleSAC:
                 assert p.shape == q.shape, (p.shape, q.shape)
                 p.copy_(q)
         self.log_alpha.copy_(agent.log_alpha.detach().reshape(1))
+
+
+# -- the training loop -------------------------------------------------------------------------------
+
+class CleanRLStyleLoop:
+    """hpcrl.sac's loop (normaliser update, act, env step, replay add, episode returns, updates) written
+    CleanRL style: numpy replay, per-env return bookkeeping in numpy. ``step()`` is one vector env step."""
+
+    def __init__(self, cfg, env, seed: int = 0):
+        self.cfg, self.env = cfg, env
+        torch.manual_seed(seed)
+        self.agent = CleanRLStyleSAC(cfg, env.obs_dim, env.action_dim, env.action_low, env.action_high)
+        self.norm = EmpiricalNormalization(env.obs_dim)
+        self.rb = ReplayBuffer(cfg.buffer_size, cfg.num_envs, env.obs_dim, env.action_dim, seed=seed)
+        self.returns = np.zeros(cfg.num_envs, dtype=np.float32)
+        self.finished: list[float] = []
+        self.obs = env.reset(seed=seed)
+        self.it = 0
+
+    def step(self) -> None:
+        cfg, env = self.cfg, self.env
+        self.norm.update(self.obs)
+        if self.it < cfg.random_steps:
+            low, high = env.action_low, env.action_high
+            action = low + (high - low) * torch.rand(cfg.num_envs, env.action_dim)
+        else:
+            with torch.no_grad():
+                action, _ = self.agent.actor.get_action(self.norm(self.obs))
+        result = env.step(action)
+        reward = result.reward.numpy()
+        self.rb.add(self.obs.numpy(), result.next_obs.numpy(), action.numpy(), reward * cfg.reward_scale,
+                    result.terminated.numpy())
+        self.returns += reward
+        done = (result.terminated | result.truncated).numpy()
+        if done.any():
+            self.finished.extend(self.returns[done].tolist())
+            self.returns[done] = 0.0
+        self.obs = result.obs
+        if self.it >= cfg.learning_starts:
+            for _ in range(cfg.num_updates):
+                data = self.rb.sample(cfg.batch_size)
+                data = data._replace(observations=self.norm(data.observations),
+                                     next_observations=self.norm(data.next_observations))
+                self.agent.update(data)
+        self.it += 1

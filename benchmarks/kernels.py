@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Kernel benchmarks of hpcrl._C against the code it replaces (issue 2, item 6).
+"""Kernel benchmarks of hpcrl._C against the code it replaces.
 
     python benchmarks/kernels.py [--quick] [--json PATH] [--device cpu|cuda] [--threads N]
 
@@ -428,7 +428,7 @@ def main() -> None:
     info["loadavg_end"] = loadavg()
 
     tg = targets(grad_rows, replay_rows)
-    print("\nTargets (issue 2):")
+    print("\nTargets:")
     for name, v in tg.items():
         extra = "" if v["value_cpu"] is None else f", cpu-time {v['value_cpu']:.2f}"
         print(f"  {name}: {v['value']:.2f} (target >= {v['target']}) {'MET' if v['met'] else 'MISSED'}"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""FastSAC learning curves on real tasks, next to the CleanRL-style SAC a user would otherwise write (issue 12).
+"""FastSAC learning curves on real tasks, next to the CleanRL-style SAC a user would otherwise write.
 
     python benchmarks/learning.py [--quick] [--budget-min M] [--playground-min M] [--hc-flags "..."]
                                   [--skip-halfcheetah] [--skip-playground] [--out DIR]

@@ -1,4 +1,4 @@
-"""Scaling sweeps (issue 6, item 3): FastSAC weak / strong scaling over W ranks and detached-PPO topologies.
+"""Scaling sweeps: FastSAC weak / strong scaling over W ranks and detached-PPO topologies.
 
     python -m benchmarks.scaling [--quick] [--worlds 1,2] [--topologies 1:1,2:1,4:1,4:2] [--launcher local|srun]
 

@@ -1,4 +1,4 @@
-"""Benchmark suite (issue 6): the --quick entry point, the alpha-beta fit, the projection, the gate."""
+"""Benchmark suite: the --quick entry point, the alpha-beta fit, the projection, the gate."""
 
 from __future__ import annotations
 
@@ -168,6 +168,21 @@ def test_compare_on_real_quick_run(quick_run: Path, tmp_path: Path) -> None:
     (planted / "collectives.json").write_text(json.dumps(doc))
     rows = compare.compare(compare.load_figures(quick_run), compare.load_figures(planted))
     assert [r["figure"] for r in rows if r["regression"]] == [f"collectives/{name}"]
+
+
+def test_sac_throughput_baseline_matches_and_train_events_time_the_loop(tmp_path: Path, monkeypatch) -> None:
+    """benchmarks/sac_throughput.py's pieces: the baseline's update equals hpcrl's, and its timings of
+    hpcrl.sac.train come from the events hook (one UpdatesDone per learning env step, the rows' sps)."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    for k in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(k)
+    import sac_throughput as st
+
+    assert st.equivalence_check()["ok"]
+    cfg = st.loop_config(3, run_dir=str(tmp_path))
+    rec = st.train_and_record(cfg)
+    assert sorted(rec.updates) == [cfg.learning_starts + i for i in (1, 2, 3)] and min(rec.updates.values()) > 0
+    assert len(rec.rates) == math.ceil(cfg.total_env_steps / cfg.num_envs / cfg.log_every) and min(rec.rates) > 0
 
 
 def test_weight_publish_quick_delivers_with_both_transports(tmp_path: Path) -> None:
