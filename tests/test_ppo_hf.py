@@ -63,7 +63,7 @@ def _loop(wl: HFWorkload, lr: float, iters: int, sync: bool = False):
         batch, _ = collector.collect(model, gen)
         hist.append(learner.update([batch], gen))
         if sync:  # what a maker does after receiving the new weights (the same model object here)
-            wl.after_sync(model)
+            wl.after_publish(model)
     return model, hist
 
 
@@ -206,7 +206,7 @@ def test_lora_trains_and_publishes_only_adapters(art):
     wl = _wl(art, lora_rank=4, lora_alpha=16)
     model = wl.build_model(0)
     base = {n: p.detach().clone() for n, p in model.actor.named_parameters() if "lora_" not in n}
-    sync = wl.sync_tensors(model)
+    sync = wl.publish_tensors(model)
     names = [n for n, p in model.actor.named_parameters() if "lora_" in n]
     assert len(sync) == len(names) > 0 and sum(t.numel() for t in sync) < 0.2 * sum(b.numel() for b in base.values())
     trained, hist = _loop(wl, lr=2e-2, iters=12)
@@ -219,16 +219,16 @@ def test_lora_trains_and_publishes_only_adapters(art):
     pristine = {n: p.detach().clone() for n, p in maker.actor.named_parameters() if "lora_" not in n}
     ids, mask = left_pad(wl.prompt_ids[:4], 8, wl.pad_id)
     for _ in range(2):
-        for dst, src in zip(wl.sync_tensors(maker), wl.sync_tensors(trained)):
+        for dst, src in zip(wl.publish_tensors(maker), wl.publish_tensors(trained)):
             dst.copy_(src)
-        wl.after_sync(maker)
+        wl.after_publish(maker)
         with torch.no_grad():
             got, want = maker.action_logits(ids, mask), trained.action_logits(ids, mask)
         assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
     changed = [n for n, p in maker.actor.named_parameters() if "lora_" not in n and not torch.equal(p, pristine[n])]
     assert changed and all("base_layer" in n for n in changed)  # the merged matrices, nothing else
     merged = {n: p.detach().clone() for n, p in maker.actor.named_parameters()}
-    wl.after_sync(maker)
+    wl.after_publish(maker)
     assert all(torch.equal(p, merged[n]) for n, p in maker.actor.named_parameters())
 
 
@@ -241,7 +241,7 @@ def test_save_artifacts_loadable_by_auto_class(art, tmp_path):
         wl = _wl(art, "gpt2", **kw)
         model = wl.build_model(0)
         with torch.no_grad():
-            for p in wl.sync_tensors(model):
+            for p in wl.publish_tensors(model):
                 p.add_(0.01)
         out = wl.save_artifacts(model.state_dict(), tmp_path / str(len(kw)))
         loaded = AutoModelForCausalLM.from_pretrained(out)
@@ -479,7 +479,7 @@ def test_reduced_precision_makers_learn_with_a_measured_gap(art, dtype, gap_lo, 
     else:
         assert next(net.parameters()).dtype == torch.bfloat16
     assert next(model.actor.parameters()).dtype == torch.float32  # the trainer's copy stays fp32
-    wl.after_sync(model)
+    wl.after_publish(model)
     assert wl.maker_actor(model) is not net  # re-made from the new full-precision weights
     _, hist = _loop(wl, lr=2e-3, iters=16, sync=True)
     gaps = [h["maker_logp_gap"] for h in hist]

@@ -48,7 +48,6 @@ import copy
 import os
 import shutil
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,32 +57,16 @@ from torch import Tensor, nn
 
 from hpcrl.config_check import ConfigError
 
-from ..losses import approx_kl, gae, masked_mean, sequence_rewards_with_kl, whiten
-from ..update import Coefs, GradStep, Outputs, Plan, Samples, ppo_update, read_stats
-from ..workload import AdamLearner, Collector, PPOConfig, Workload
+from ..workload import PPOConfig, Workload
 from . import hf_models as M
+from .hf_collector import HFCollector, left_pad
+from .hf_generate import SamplingParams, position_ids
+from .hf_learner import HFLearner, group_advantages
 from .hf_options import HFOptions
-from .hf_generate import SamplingParams, generate, position_ids, token_logp
-from .hf_prompts import PromptStream, load_prompts
+from .hf_prompts import load_prompts
 
-__all__ = ["HFActorCritic", "HFOptions", "HFWorkload", "RegisteredHFWorkload", "group_advantages", "left_pad"]
-
-def left_pad(rows: list[list[int]], length: int, pad_id: int) -> tuple[Tensor, Tensor]:
-    """``(ids [B, length], mask [B, length])``: each row right-aligned (left padding)."""
-    ids = torch.full((len(rows), length), pad_id, dtype=torch.int64)
-    mask = torch.zeros(len(rows), length, dtype=torch.float32)
-    for i, row in enumerate(rows):
-        if row:
-            ids[i, length - len(row):] = torch.tensor(row, dtype=torch.int64)
-            mask[i, length - len(row):] = 1.0
-    return ids, mask
-
-
-def group_advantages(score: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
-    """GRPO: ``(score - mean) / (std + eps)`` within consecutive groups of ``group_size`` ([B] -> [B]);
-    a group whose scores are all equal gets 0 (no signal, no NaN)."""
-    g = score.float().view(-1, group_size)
-    return ((g - g.mean(1, keepdim=True)) / (g.std(1, unbiased=False, keepdim=True) + eps)).view(-1)
+__all__ = ["HFActorCritic", "HFCollector", "HFLearner", "HFOptions", "HFWorkload", "RegisteredHFWorkload",
+           "group_advantages", "left_pad"]
 
 
 class HFActorCritic(nn.Module):
@@ -350,179 +333,15 @@ class HFWorkload(HFOptions, Workload):
         return out
 
     # -- roles -----------------------------------------------------------------------------------
-    def make_collector(self, rank_seed: int, device: torch.device | str = "cpu") -> "HFCollector":
+    def make_collector(self, rank_seed: int, device: torch.device | str = "cpu") -> HFCollector:
         if self.maker_dtype == "int8" and torch.device(device).type != "cpu":
             raise self.renamed(ConfigError(f"--maker-dtype int8 on {device}: int8 makers use torch's dynamic "
                                            "quantization, which runs on CPU; pass --maker-device cpu, or "
                                            "--maker-dtype bf16 on GPU makers"))
         return HFCollector(self, rank_seed, torch.device(device))
 
-    def make_learner(self, model: HFActorCritic, cfg: PPOConfig, grad_average: Any) -> "HFLearner":
+    def make_learner(self, model: HFActorCritic, cfg: PPOConfig, grad_average: Any) -> HFLearner:
         return HFLearner(self, model, cfg, grad_average)
-
-
-class HFCollector(Collector):
-    """Maker side: prompts -> generate (KV cache) -> behaviour / reference log-probs -> scores."""
-
-    def __init__(self, wl: HFWorkload, rank_seed: int, device: torch.device) -> None:
-        self.wl, self.device = wl, device
-        self.stream = PromptStream(len(wl.prompt_ids), rank_seed)
-        self.batches = 0
-        self._sample_seed: int | None = None  # set by assign() for the next collect
-
-    def assign(self, batch: int, seed: int) -> None:
-        """The next collect serves the run's batch ``batch``: prompts ``[batch * B, (batch + 1) * B)`` of
-        the run's prompt order (each epoch shuffled from ``seed``), sampled from a seed of its own,
-        whichever maker collects it. So the makers split the dataset between them, and a resumed run
-        continues with the first batch its trainers had not trained on, exactly as it would have
-        (the maker calls this with the credit's batch number)."""
-        self.stream.seek(batch * self.wl.batch_size, seed)
-        self._sample_seed = (seed * 2**32 + batch) % 2**62  # its sampling too: a resumed run is the same run
-
-    def prompt_batch(self) -> tuple[list[int], Tensor, Tensor]:
-        wl = self.wl
-        idx = self.stream.take(wl.batch_size)
-        if wl.algo == "grpo":
-            idx = [i for i in idx for _ in range(wl.group_size)]
-        ids, mask = left_pad([wl.prompt_ids[i] for i in idx], wl.max_prompt_tokens, wl.pad_id)
-        return idx, ids, mask
-
-    def _scores(self, idx: list[int], tokens: Tensor, attn: Tensor, response: Tensor, amask: Tensor) -> Tensor:
-        wl = self.wl
-        if wl.reward_callable is None:
-            rm = wl.reward_net(tokens.device)
-            return rm(input_ids=tokens, attention_mask=attn.long()).logits[:, 0].float()
-        texts = [wl.tokenizer.decode(r[m > 0].tolist(), skip_special_tokens=True)
-                 for r, m in zip(response.cpu(), amask.cpu())]
-        prompts = [wl.prompt_texts[i] for i in idx]
-        try:
-            scores = M.call_reward_fn(wl.reward_callable, wl.reward_fn, prompts, texts, batch=self.batches)
-        except ConfigError as err:
-            raise wl.renamed(err) from None
-        return torch.tensor(scores, dtype=torch.float32, device=tokens.device)
-
-    @torch.no_grad()
-    def collect(self, model: HFActorCritic, generator: torch.Generator) -> tuple[dict[str, Tensor], dict[str, float]]:
-        wl = self.wl
-        device = next(model.actor.parameters()).device
-        idx, prompt, pmask = self.prompt_batch()
-        prompt, pmask = prompt.to(device), pmask.to(device)
-        seed = int(torch.randint(2**62, (1,), generator=generator)) if self._sample_seed is None else self._sample_seed
-        self._sample_seed = None
-        model.actor.eval()
-        net = wl.maker_actor(model)
-        t0 = time.perf_counter()
-        response, amask = generate(net, prompt, pmask.long(), wl.sampling, wl.eos_id, wl.pad_id, seed)
-        gen_s = max(time.perf_counter() - t0, 1e-9)
-        tokens = torch.cat([prompt, response.to(device)], 1)
-        attn = torch.cat([pmask, amask.to(device)], 1)
-        amask = amask.to(device)
-        logp = token_logp(model.action_logits(tokens, attn, net), response, wl.temperature) * amask
-        ref_logp = token_logp(model.action_logits(tokens, attn, wl.reference_model(device)), response,
-                              wl.temperature) * amask
-        score = self._scores(idx, tokens, attn, response, amask)
-        self.batches += 1
-        n_tok = float(amask.sum())
-        batch = {"tokens": tokens, "attention_mask": attn, "action_mask": amask, "behaviour_logp": logp,
-                 "ref_logp": ref_logp, "score": score,
-                 "maker_tokens_per_s": torch.tensor([n_tok / gen_s], dtype=torch.float32, device=device)}
-        n = float(tokens.shape[0])
-        stats = {"reward_sum": float(score.sum()), "sequences": n, "episode_return_sum": float(score.sum()),
-                 "episodes": n, "env_steps": n_tok, "generate_s": gen_s,
-                 "kl_to_ref_sum": float((logp - ref_logp).sum())}
-        return batch, stats
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"stream": self.stream.state_dict(), "batches": self.batches}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.stream.load_state_dict(state["stream"])
-        self.batches = int(state["batches"])
-
-
-class HFLearner(AdamLearner):
-    """Trainer side: token-level PPO (KL-shaped rewards, GAE, clipped losses) or GRPO; Adam."""
-
-    def __init__(self, wl: HFWorkload, model: HFActorCritic, cfg: PPOConfig, grad_average: Any) -> None:
-        super().__init__(model, cfg, grad_average)
-        self.wl = wl
-
-    @torch.no_grad()
-    def _samples(self, b: dict[str, Tensor]) -> tuple[Samples, Tensor]:
-        """The update's samples (advantages; returns and old values with a critic; the reference
-        log-probs for GRPO's KL term; proximal log-probs with ``cfg.truncated_is``) and token rewards."""
-        cfg, model, wl = self.cfg, self.model, self.wl
-        tokens, attn, mask = b["tokens"], b["attention_mask"], b["action_mask"]
-        blogp, ref_logp, score = b["behaviour_logp"].float(), b["ref_logp"].float(), b["score"].float()
-        prox = None
-        if cfg.truncated_is is not None:
-            prox = token_logp(model.action_logits(tokens, attn), tokens[:, wl.max_prompt_tokens:], wl.temperature)
-        if wl.algo == "grpo":
-            adv = group_advantages(score, wl.group_size)[:, None] * mask
-            rewards = sequence_rewards_with_kl(score, blogp, ref_logp, mask, 0.0, wl.kl_estimator)
-            return Samples(blogp, adv, proximal_logp=prox, ref_logp=ref_logp, mask=mask), rewards
-        g = mask.shape[1]
-        old_values = model.values(tokens, attn).float()
-        rewards = sequence_rewards_with_kl(score, blogp, ref_logp, mask, cfg.kl_coef, wl.kl_estimator)
-        last = torch.nn.functional.one_hot(torch.clamp(mask.sum(-1).long() - 1, min=0), g).to(rewards.dtype)
-        next_values = torch.cat([old_values[:, 1:], torch.zeros_like(old_values[:, :1])], 1)
-        adv, returns = gae(rewards.T, old_values.T, next_values.T, last.T, last.T, cfg.gamma, cfg.gae_lambda)
-        adv, returns = adv.T * mask, returns.T
-        if cfg.normalize_advantages:
-            adv = whiten(adv, mask=mask)
-        return Samples(blogp, adv, old_values, returns, prox, mask=mask), rewards
-
-    def update(self, batches: list[dict[str, Tensor]], generator: torch.Generator) -> dict[str, float]:
-        cfg, model, wl = self.cfg, self.model, self.wl
-        b = {k: torch.cat([x[k] for x in batches]).to(model.compute_device) for k in batches[0]}
-        tps = b.pop("maker_tokens_per_s")
-        tokens, attn = b["tokens"], b["attention_mask"]
-        response = tokens[:, wl.max_prompt_tokens:]
-        model.train()  # dropout is off (build_model); train mode is what gradient checkpointing acts in
-        t_start = time.perf_counter()
-        samples, rewards = self._samples(b)
-        critic = samples.old_values is not None
-
-        def forward(idx: Tensor) -> Outputs:
-            logits = model.action_logits(tokens[idx], attn[idx]).float() / wl.temperature
-            logp_all = torch.log_softmax(logits, -1)
-            logp = logp_all.gather(-1, response[idx].unsqueeze(-1)).squeeze(-1)
-            values = model.values(tokens[idx], attn[idx]).float() if critic else None
-            return Outputs(logp, -(logp_all.exp() * logp_all).sum(-1), values)
-
-        n = tokens.shape[0]
-        minibatches = min(cfg.minibatches, n // wl.group_size if wl.algo == "grpo" else n) or 1
-        step = GradStep(self.optimizer, self.params, self.grad_average, cfg.max_grad_norm)
-        stats = ppo_update(forward, samples, Coefs.of(cfg), Plan(cfg.epochs, minibatches), step, generator,
-                           stats_dtype=torch.float64, logp_gap=True)
-        self.updates += 1
-        stats.update(_sequence_stats(samples, b["ref_logp"].float(), b["score"].float(), rewards),
-                     maker_tokens_per_s=tps.mean(), tokens=attn.sum())
-        out = read_stats(stats)  # the one host read: also waits for the update's device work
-        tokens_done = out.pop("tokens")
-        out.update(sequences=float(n),
-                   trainer_tokens_per_s=tokens_done * cfg.epochs / max(time.perf_counter() - t_start, 1e-9))
-        return out
-
-
-@torch.no_grad()
-def _sequence_stats(s: Samples, ref_logp: Tensor, score: Tensor, rewards: Tensor) -> dict[str, Tensor]:
-    """Per-update stats of the batch (device tensors): score and its spread, KL to the reference per
-    sequence (k1, k3), shaped reward, response length, EOS fraction, and with a critic its mean value
-    and explained variance of the returns."""
-    mask, blogp = s.mask, s.behaviour_logp
-    lengths = mask.sum(-1)
-    out = {"score": score.mean(), "score_std": score.std(unbiased=False),
-           "kl_to_ref": ((blogp - ref_logp) * mask).sum(-1).mean(),
-           "kl_to_ref_k3": (approx_kl(blogp, ref_logp) * mask).sum(-1).mean(),
-           "reward": (rewards * mask).sum(-1).mean(), "response_len": lengths.mean(),
-           "eos_frac": (lengths < mask.shape[1]).float().mean()}
-    if s.old_values is not None:
-        var_ret = s.returns[mask > 0].var()
-        explained = 1 - (s.returns - s.old_values)[mask > 0].var() / var_ret
-        out.update(value_mean=masked_mean(s.old_values, mask),
-                   explained_variance=torch.where(var_ret > 0, explained, torch.zeros_like(explained)))
-    return out
 
 
 @dataclass

@@ -1,0 +1,112 @@
+"""The ``hf`` workload's maker side: prompts -> generate (KV cache) -> behaviour / reference
+log-probs -> scores, in fixed-shape batches (:mod:`hpcrl.ppo.workloads.hf`)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from hpcrl.config_check import ConfigError
+
+from ..workload import Collector
+from . import hf_models as M
+from .hf_generate import generate, token_logp
+from .hf_prompts import PromptStream
+
+if TYPE_CHECKING:
+    from .hf import HFActorCritic, HFWorkload
+
+__all__ = ["HFCollector", "left_pad"]
+
+
+def left_pad(rows: list[list[int]], length: int, pad_id: int) -> tuple[Tensor, Tensor]:
+    """``(ids [B, length], mask [B, length])``: each row right-aligned (left padding)."""
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.int64)
+    mask = torch.zeros(len(rows), length, dtype=torch.float32)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, length - len(row):] = torch.tensor(row, dtype=torch.int64)
+            mask[i, length - len(row):] = 1.0
+    return ids, mask
+
+
+class HFCollector(Collector):
+    """Maker side: prompts -> generate (KV cache) -> behaviour / reference log-probs -> scores."""
+
+    def __init__(self, wl: HFWorkload, rank_seed: int, device: torch.device) -> None:
+        self.wl, self.device = wl, device
+        self.stream = PromptStream(len(wl.prompt_ids), rank_seed)
+        self.batches = 0
+        self._sample_seed: int | None = None  # set by assign() for the next collect
+
+    def assign(self, batch: int, seed: int) -> None:
+        """The next collect serves the run's batch ``batch``: prompts ``[batch * B, (batch + 1) * B)`` of
+        the run's prompt order (each epoch shuffled from ``seed``), sampled from a seed of its own,
+        whichever maker collects it. So the makers split the dataset between them, and a resumed run
+        continues with the first batch its trainers had not trained on, exactly as it would have
+        (the maker calls this with the credit's batch number)."""
+        self.stream.seek(batch * self.wl.batch_size, seed)
+        self._sample_seed = (seed * 2**32 + batch) % 2**62  # its sampling too: a resumed run is the same run
+
+    def prompt_batch(self) -> tuple[list[int], Tensor, Tensor]:
+        wl = self.wl
+        idx = self.stream.take(wl.batch_size)
+        if wl.algo == "grpo":
+            idx = [i for i in idx for _ in range(wl.group_size)]
+        ids, mask = left_pad([wl.prompt_ids[i] for i in idx], wl.max_prompt_tokens, wl.pad_id)
+        return idx, ids, mask
+
+    def _scores(self, idx: list[int], tokens: Tensor, attn: Tensor, response: Tensor, amask: Tensor) -> Tensor:
+        wl = self.wl
+        if wl.reward_callable is None:
+            rm = wl.reward_net(tokens.device)
+            return rm(input_ids=tokens, attention_mask=attn.long()).logits[:, 0].float()
+        texts = [wl.tokenizer.decode(r[m > 0].tolist(), skip_special_tokens=True)
+                 for r, m in zip(response.cpu(), amask.cpu())]
+        prompts = [wl.prompt_texts[i] for i in idx]
+        try:
+            scores = M.call_reward_fn(wl.reward_callable, wl.reward_fn, prompts, texts, batch=self.batches)
+        except ConfigError as err:
+            raise wl.renamed(err) from None
+        return torch.tensor(scores, dtype=torch.float32, device=tokens.device)
+
+    @torch.no_grad()
+    def collect(self, model: HFActorCritic, generator: torch.Generator) -> tuple[dict[str, Tensor], dict[str, float]]:
+        wl = self.wl
+        device = next(model.actor.parameters()).device
+        idx, prompt, pmask = self.prompt_batch()
+        prompt, pmask = prompt.to(device), pmask.to(device)
+        seed = int(torch.randint(2**62, (1,), generator=generator)) if self._sample_seed is None else self._sample_seed
+        self._sample_seed = None
+        model.actor.eval()
+        net = wl.maker_actor(model)
+        t0 = time.perf_counter()
+        response, amask = generate(net, prompt, pmask.long(), wl.sampling, wl.eos_id, wl.pad_id, seed)
+        gen_s = max(time.perf_counter() - t0, 1e-9)
+        tokens = torch.cat([prompt, response.to(device)], 1)
+        attn = torch.cat([pmask, amask.to(device)], 1)
+        amask = amask.to(device)
+        logp = token_logp(model.action_logits(tokens, attn, net), response, wl.temperature) * amask
+        ref_logp = token_logp(model.action_logits(tokens, attn, wl.reference_model(device)), response,
+                              wl.temperature) * amask
+        score = self._scores(idx, tokens, attn, response, amask)
+        self.batches += 1
+        n_tok = float(amask.sum())
+        batch = {"tokens": tokens, "attention_mask": attn, "action_mask": amask, "behaviour_logp": logp,
+                 "ref_logp": ref_logp, "score": score,
+                 "maker_tokens_per_s": torch.tensor([n_tok / gen_s], dtype=torch.float32, device=device)}
+        n = float(tokens.shape[0])
+        stats = {"reward_sum": float(score.sum()), "sequences": n, "episode_return_sum": float(score.sum()),
+                 "episodes": n, "env_steps": n_tok, "generate_s": gen_s,
+                 "kl_to_ref_sum": float((logp - ref_logp).sum())}
+        return batch, stats
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stream": self.stream.state_dict(), "batches": self.batches}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stream.load_state_dict(state["stream"])
+        self.batches = int(state["batches"])
