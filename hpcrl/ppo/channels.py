@@ -1,5 +1,8 @@
 """The three channels of detached PPO: the only place in ``hpcrl.ppo`` that sends, receives or broadcasts.
 
+The message formats, every store key and the store handshakes (schema, a maker's life records,
+placements, barrier names) live in :mod:`hpcrl.ppo.wire`, which this module owns and re-exports.
+
 Each channel owns its plane (:mod:`hpcrl.comm.planes`), tags, tensor layout, end-of-stream marker,
 timeouts and the bounds checks of what it receives; a bad message raises :class:`ChannelError`
 naming the sending rank before anything is allocated from it.
@@ -24,10 +27,8 @@ naming the sending rank before anything is allocated from it.
 
 from __future__ import annotations
 
-import json
 import math
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 
@@ -36,137 +37,18 @@ import torch.distributed as dist
 
 from hpcrl.comm import Plane, abort
 
-__all__ = ["ChannelError", "Credit", "CreditChannel", "ExperienceChannel", "Header", "Schema", "WeightChannel",
-           "checksum"]
+from .wire import (FALLBACK_KEY, MAX_PAYLOAD_BYTES, ChannelError, Credit, Header, Schema, SchemaChannel, StatusChannel,
+                   checksum)
+
+__all__ = ["ChannelError", "Credit", "CreditChannel", "ExperienceChannel", "Header", "Schema", "SchemaChannel",
+           "StatusChannel", "WeightChannel", "checksum"]
 
 TAG_CREDIT, TAG_HEADER, TAG_PAYLOAD, TAG_WEIGHTS = 11, 12, 13, 14
 END = -1  # in a credit's trainer field, a header's maker field, a weight header's version: stream ends
-MAX_PAYLOAD_BYTES = 1 << 34  # 16 GiB: a schema announcing more per batch is refused, never allocated
-MAX_SCHEMA_CHARS = 1 << 16  # a schema's JSON: a few fields and stats
 # Completion poll of a pending broadcast (is_completed(): a flag read), backing off from 0.2 ms: to 1 ms
 # while a transfer is in flight, to 5 ms while a maker idles until the next version's header.
 _POLL_MIN_S, _POLL_BUSY_S, _POLL_IDLE_S = 0.0002, 0.001, 0.005
 _LOOK_S = 0.25  # how often a waiting broadcast checks liveness (publisher) or the fallback key (maker)
-
-
-class ChannelError(RuntimeError):
-    """A peer sent something the channel refuses (wrong size, unknown version, bad index)."""
-
-
-# ------------------------------------------------------------------------------------ wire formats
-
-
-@dataclass(frozen=True)
-class Schema:
-    """Names, shapes and dtypes of an experience batch and its stats: agreed once, then every batch
-    is one byte buffer of ``nbytes`` (no per-sample pickling)."""
-
-    fields: tuple[tuple[str, tuple[int, ...], str], ...]
-    stats: tuple[str, ...]
-
-    @classmethod
-    def of(cls, batch: dict[str, torch.Tensor], stats: dict[str, float]) -> "Schema":
-        return cls(tuple((k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in sorted(batch.items())),
-                   tuple(sorted(stats)))
-
-    def to_json(self) -> str:
-        return json.dumps({"fields": self.fields, "stats": self.stats})
-
-    @classmethod
-    def from_json(cls, text: str, source: str = "the store", max_bytes: int = MAX_PAYLOAD_BYTES) -> "Schema":
-        """Parse a schema a peer published (``source`` names it in errors), refusing anything malformed
-        or announcing batches over ``max_bytes`` before any buffer is sized from it."""
-        if len(text) > MAX_SCHEMA_CHARS:
-            raise ChannelError(f"experience schema from {source} refused: {len(text)} characters "
-                               f"(limit {MAX_SCHEMA_CHARS})")
-        try:
-            d = json.loads(text)
-            schema = cls(tuple((str(k), tuple(int(x) for x in s), str(t)) for k, s, t in d["fields"]),
-                         tuple(str(x) for x in d["stats"]))
-        except (ValueError, TypeError, KeyError) as err:
-            raise ChannelError(f"experience schema from {source} refused: malformed ({type(err).__name__}: "
-                               f"{err})") from None
-        for name, shape, dtype in schema.fields:
-            if (not isinstance(getattr(torch, dtype, None), torch.dtype) or dtype.startswith("_")
-                    or len(shape) > 16 or any(not 0 <= x <= max_bytes for x in shape)):
-                raise ChannelError(f"experience schema from {source}: field {name!r}: bad dtype {dtype!r} or "
-                                   f"shape {shape}")
-        if schema.nbytes > max_bytes:
-            raise ChannelError(f"experience schema from {source} refused: {schema.nbytes} bytes per batch "
-                               f"(limit {max_bytes})")
-        return schema
-
-    def _sizes(self) -> list[int]:
-        return [math.prod(s) * torch.empty((), dtype=getattr(torch, t)).element_size() for _, s, t in self.fields]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self._sizes()) + 8 * len(self.stats)
-
-    def pack(self, batch: dict[str, torch.Tensor], stats: dict[str, float]) -> torch.Tensor:
-        """One CPU byte buffer (the host plane carries experience, whatever the maker's device)."""
-        if set(batch) != {k for k, _, _ in self.fields} or set(stats) != set(self.stats):
-            raise ValueError(f"experience keys {sorted(batch)} / stats {sorted(stats)} do not match the schema "
-                             f"{[k for k, _, _ in self.fields]} / {list(self.stats)}")
-        parts = []
-        for name, shape, dtype in self.fields:
-            t = batch[name]
-            if tuple(t.shape) != shape or str(t.dtype).removeprefix("torch.") != dtype:
-                raise ValueError(f"experience field {name!r} is {tuple(t.shape)} {t.dtype}, schema says {shape} {dtype}")
-            parts.append(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
-        parts.append(torch.tensor([float(stats[k]) for k in self.stats], dtype=torch.float64).view(torch.uint8))
-        return torch.cat(parts)
-
-    def unpack(self, buf: torch.Tensor, device: torch.device | str = "cpu"
-               ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """The batch on ``device`` (the trainer's) and its stats."""
-        out, offset = {}, 0
-        for (name, shape, dtype), size in zip(self.fields, self._sizes()):
-            # clone() first: a fresh buffer is aligned for any dtype (the packed offset may not be)
-            t = buf[offset : offset + size].clone().view(getattr(torch, dtype)).reshape(shape)
-            out[name] = t.to(device, non_blocking=True)
-            offset += size
-        values = buf[offset:].clone().view(torch.float64).tolist()
-        return out, dict(zip(self.stats, values))
-
-
-@dataclass(frozen=True)
-class Header:
-    """Experience header: who sent it, for which credit, its sequence number, its policy version,
-    its samples and its payload size."""
-
-    maker: int
-    credit: int
-    seq: int
-    version: int
-    samples: int
-    nbytes: int
-
-    def tensor(self) -> torch.Tensor:
-        return torch.tensor([self.maker, self.credit, self.seq, self.version, self.samples, self.nbytes],
-                            dtype=torch.int64)
-
-    @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> "Header":
-        return cls(*[int(x) for x in t.tolist()])
-
-
-@dataclass(frozen=True)
-class Credit:
-    trainer: int
-    min_version: int
-    credit_id: int
-
-
-def checksum(flat: torch.Tensor, chunk: int = 1 << 20) -> float:
-    """Order-independent exact checksum of a float tensor: its bit patterns summed as integers
-    (modulo 2^52, so float64 carries it exactly). Summed in chunks: one int64 copy of a whole model
-    would cost more than sending it."""
-    bits = flat.detach().contiguous().reshape(-1).view(torch.int32 if flat.element_size() == 4 else torch.int16)
-    total = torch.zeros((), dtype=torch.int64, device=bits.device)
-    for start in range(0, bits.numel(), chunk):
-        total += bits[start : start + chunk].sum(dtype=torch.int64)
-    return float(int(total) % (1 << 52))  # one host sync (per chunk would stall a GPU stream per MiB)
 
 
 # ----------------------------------------------------------------------------------------- credits
@@ -261,16 +143,12 @@ class ExperienceChannel:
 class WeightChannel:
     """Trainer 0 -> makers. ``plane``: the weight plane (trainer 0 + makers; NCCL or gloo), ``host``:
     the world's host plane (point-to-point fallback), ``store``: the rendezvous store (fallback flag).
-    ``numel`` / ``dtype``: the flat weight vector every version carries. ``alive()`` (publisher side)
-    returns False once a maker of the plane is known dead; ``timeout_s`` bounds one delivery.
+    ``numel`` / ``dtype``: the flat weight vector every version carries; ``timeout_s`` bounds one delivery.
     ``transport="point-to-point"`` starts in the fallback mode (one copy per maker over the host plane:
     the pre-broadcast design, kept for comparison); both ends must pass the same."""
 
-    FALLBACK_KEY = "ppo/weights/point-to-point"
-
     def __init__(self, plane: Plane, host: Plane, store: dist.Store, numel: int, dtype: torch.dtype,
-                 bucket_numel: int, timeout_s: float, alive: Callable[[], bool] = lambda: True,
-                 transport: str = "broadcast") -> None:
+                 bucket_numel: int, timeout_s: float, transport: str = "broadcast") -> None:
         if transport not in ("broadcast", "point-to-point"):
             raise ValueError(f"transport must be 'broadcast' or 'point-to-point', not {transport!r}")
         if bucket_numel < 1:
@@ -278,7 +156,7 @@ class WeightChannel:
         self.plane, self.host, self.store = plane, host, store
         self.numel, self.dtype, self.bucket = numel, dtype, bucket_numel
         self.buckets = max(1, math.ceil(numel / bucket_numel))
-        self.timeout_s, self.alive = timeout_s, alive
+        self.timeout_s = timeout_s
         self.src = plane.ranks[0]
         self.point_to_point = transport == "point-to-point"
         self.transport = transport
@@ -288,26 +166,28 @@ class WeightChannel:
         return self.numel * torch.empty((), dtype=self.dtype).element_size()
 
     # publisher ---------------------------------------------------------------------------------
-    def publish(self, flat: torch.Tensor, version: int, makers: list[int]) -> list[int]:
+    def publish(self, flat: torch.Tensor, version: int, makers: list[int],
+                alive: Callable[[], bool] = lambda: True) -> list[int]:
         """Deliver ``flat`` (any device; moved to the plane's device once) as ``version`` to the live
-        ``makers`` (global ranks); returns the ranks it could not reach (point-to-point mode)."""
+        ``makers`` (global ranks); returns the ranks it could not reach (point-to-point mode).
+        ``alive()`` returns False once a maker of the plane is known lost (asked while a broadcast waits)."""
         if flat.numel() != self.numel or flat.dtype != self.dtype:
             raise ValueError(f"weights v{version}: {flat.numel()} x {flat.dtype}, the channel carries "
                              f"{self.numel} x {self.dtype}")
         header = [float(version), float(self.buckets), checksum(flat), float(self.numel)]
-        if not self.point_to_point and not self.alive():
+        if not self.point_to_point and not alive():
             self._fall_back(version)  # a broadcast over a group with a dead member cannot complete
         if not self.point_to_point:
             staged = flat.to(self.plane.device)  # the weights leave the trainer's device once per version
-            if self._broadcast(staged, header, publisher=True):
+            if self._broadcast(staged, header, alive):
                 return []
             self._fall_back(version)
         return self._send_each(flat.to("cpu"), header, makers)
 
-    def end(self, makers: list[int]) -> None:
+    def end(self, makers: list[int], alive: Callable[[], bool] = lambda: True) -> None:
         """Close the stream (best effort: makers that are gone are skipped, within one deadline)."""
         header = [float(END), 0.0, 0.0, 0.0]
-        if not self.point_to_point and self.alive() and self._broadcast(None, header, publisher=True):
+        if not self.point_to_point and alive() and self._broadcast(None, header, alive):
             return
         if not self.point_to_point:
             self._fall_back(END)
@@ -317,7 +197,7 @@ class WeightChannel:
         """From now on point-to-point over the host plane; every member learns it from the store and
         aborts the weight plane, so no pending broadcast is left to a watchdog."""
         self.point_to_point, self.transport = True, "point-to-point"
-        self.store.set(self.FALLBACK_KEY, str(version))
+        self.store.set(FALLBACK_KEY, str(version))
         abort(self.plane)
 
     def _send_each(self, flat: torch.Tensor, header: list[float], makers: list[int],
@@ -341,10 +221,12 @@ class WeightChannel:
                 failed.append(dst)
         return failed
 
-    def _wait(self, works: list, publisher: bool, max_nap_s: float = _POLL_BUSY_S) -> bool:
+    def _wait(self, works: list, alive: Callable[[], bool] | None, max_nap_s: float = _POLL_BUSY_S) -> bool:
         """Poll the works until done (True), or False when the channel must give up on broadcasts: on the
-        publisher when a maker is dead, a work failed, or the delivery is past its deadline; on a maker
-        only when the publisher said so through the store (a failed work there is an error)."""
+        publisher (``alive`` given) when a maker is lost, a work failed, or the delivery is past its
+        deadline; on a maker (``alive`` None) only when the publisher said so through the store (a failed
+        work there is an error)."""
+        publisher = alive is not None
         deadline = time.monotonic() + self.timeout_s
         next_look = time.monotonic() + _LOOK_S
         nap = _POLL_MIN_S
@@ -361,23 +243,23 @@ class WeightChannel:
                 # publisher notices within the heartbeat timeout and falls back; wait for its word.
                 give_up = time.monotonic() + self.timeout_s
                 while time.monotonic() < give_up:
-                    if self.store.check([self.FALLBACK_KEY]):
+                    if self.store.check([FALLBACK_KEY]):
                         return False
                     time.sleep(_LOOK_S)
                 raise
             now = time.monotonic()
             if now >= next_look:  # the liveness / store look is rarer than the poll: M makers share one store
                 next_look = now + _LOOK_S
-                if publisher and not self.alive():
+                if alive is not None and not alive():
                     return False
-                if not publisher and self.store.check([self.FALLBACK_KEY]):
+                if not publisher and self.store.check([FALLBACK_KEY]):
                     return False
             if publisher and now > deadline:
                 return False
             time.sleep(nap)
             nap = min(2 * nap, max_nap_s)
 
-    def _broadcast(self, staged: torch.Tensor | None, header: list[float], publisher: bool) -> bool:
+    def _broadcast(self, staged: torch.Tensor | None, header: list[float], alive: Callable[[], bool]) -> bool:
         if staged is not None:
             self.plane.check([staged], "weights")
         head = torch.tensor(header, dtype=torch.float64, device=self.plane.device)
@@ -385,7 +267,7 @@ class WeightChannel:
         if staged is not None:
             buckets = [staged[i * self.bucket : (i + 1) * self.bucket] for i in range(self.buckets)]
             works += [dist.broadcast(b, self.src, group=self.plane.group, async_op=True) for b in buckets]
-        return self._wait(works, publisher)
+        return self._wait(works, alive)
 
     # maker -------------------------------------------------------------------------------------
     def receive(self, newer_than: int) -> tuple[int, torch.Tensor] | None:
@@ -424,7 +306,7 @@ class WeightChannel:
 
     def _receive_broadcast(self) -> tuple[list[float], torch.Tensor | None] | None:
         head = torch.empty(4, dtype=torch.float64, device=self.plane.device)
-        if not self._wait([dist.broadcast(head, self.src, group=self.plane.group, async_op=True)], False, _POLL_IDLE_S):
+        if not self._wait([dist.broadcast(head, self.src, group=self.plane.group, async_op=True)], None, _POLL_IDLE_S):
             return None
         header = head.tolist()
         self._check_header(header)
@@ -433,7 +315,7 @@ class WeightChannel:
         flat = torch.empty(self.numel, dtype=self.dtype, device=self.plane.device)
         works = [dist.broadcast(flat[i * self.bucket : (i + 1) * self.bucket], self.src, group=self.plane.group,
                                 async_op=True) for i in range(self.buckets)]
-        if not self._wait(works, False):
+        if not self._wait(works, None):
             return None
         return header, flat
 

@@ -23,12 +23,13 @@ import torch
 from hpcrl.comm import IDLE_TIMEOUT, DistContext, DistSetupError, Plane, new_plane, new_planes
 
 from .topology import Topology
+from .wire import share_placements
 
-__all__ = ["Groups", "make_groups", "weight_backend"]
+__all__ = ["RolePlanes", "make_groups", "weight_backend"]
 
 
 @dataclass(frozen=True)
-class Groups:
+class RolePlanes:
     exchange: Plane
     """Credits and experience (every rank; a host plane)."""
     trainer_host: Plane
@@ -46,10 +47,9 @@ def gpu_uuid(device: torch.device) -> str:
 
 def _placements(ctx: DistContext) -> list[Placement]:
     assert ctx.store is not None
-    ctx.store.set(f"ppo/device/{ctx.rank}", f"{ctx.hostname}|{ctx.device}|{gpu_uuid(ctx.device)}")
-    keys = [f"ppo/device/{r}" for r in range(ctx.world_size)]
-    ctx.store.wait(keys, ctx.timeout)
-    return [_placement(k, ctx.store.get(k)) for k in keys]
+    record = f"{ctx.hostname}|{ctx.device}|{gpu_uuid(ctx.device)}"
+    return [_placement(k, raw) for k, raw in share_placements(ctx.store, ctx.rank, ctx.world_size, record,
+                                                              ctx.timeout)]
 
 
 def _placement(key: str, raw: bytes) -> Placement:
@@ -70,7 +70,7 @@ def weight_backend(placements: list[Placement]) -> str:
     return "nccl" if cuda and len({_gpu(p) for p in placements}) == len(placements) else "gloo"
 
 
-def make_groups(ctx: DistContext, top: Topology) -> Groups:
+def make_groups(ctx: DistContext, top: Topology) -> RolePlanes:
     """Create every subgroup (collective over the whole world: every rank calls it, in this order)."""
     if not ctx.is_distributed:
         raise DistSetupError("detached PPO needs at least two ranks (one trainer, one maker)")
@@ -95,11 +95,11 @@ def make_groups(ctx: DistContext, top: Topology) -> Groups:
     # gloo weights travel as host tensors: the plane that carries them is a host plane
     weights = new_plane("device" if backend == "nccl" else "host", weight_ranks, ctx.rank, ctx.device, backend,
                         IDLE_TIMEOUT, eager=True)
-    return Groups(exchange, t_host, t_device, weights)
+    return RolePlanes(exchange, t_host, t_device, weights)
 
 
-def staging_note(groups: Groups, device: torch.device) -> str:
+def staging_note(planes: RolePlanes, device: torch.device) -> str:
     """How weights reach this rank, for the start-up line."""
-    if groups.weights.backend == "nccl":
+    if planes.weights.backend == "nccl":
         return "weights by NCCL broadcast"
     return "weights by gloo broadcast" + (" (staged through host memory)" if device.type == "cuda" else "")

@@ -26,23 +26,6 @@ class Dropped(RuntimeError):
     finished while it was away."""
 
 
-FINISHED_KEY = "ppo/finished"  # set by trainer 0 before the STOP credits
-
-
-# Store keys of a maker's life: samples it handed to its sender (counted as they leave, so a lost
-# maker's count survives it), whether the trainers dropped it, and that it finished after STOP.
-def produced_key(m: int) -> str:
-    return f"ppo/produced/{m}"
-
-
-def dropped_key(m: int) -> str:
-    return f"ppo/dropped/{m}"
-
-
-def done_key(m: int) -> str:
-    return f"ppo/done/{m}"
-
-
 _HOSTS: dict[int, str] = {}  # rank -> host, read once at start: naming a peer must not need the store
 
 

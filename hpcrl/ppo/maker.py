@@ -18,11 +18,12 @@ import torch
 from hpcrl import ops
 from hpcrl.comm import DistContext
 
-from .channels import Credit, CreditChannel, ExperienceChannel, Header, Schema, WeightChannel
+from .channels import (Credit, CreditChannel, ExperienceChannel, Header, Schema, SchemaChannel, StatusChannel,
+                       WeightChannel)
 from .config import DetachedConfig
 from .events import Events, RolloutDone
-from .groups import Groups
-from .liveness import FINISHED_KEY, Dropped, PeerLost, Watcher, bounded, describe, done_key, dropped_key, liveness_store, produced_key
+from .groups import RolePlanes
+from .liveness import Dropped, PeerLost, Watcher, bounded, describe, liveness_store
 from .topology import Topology
 from .workload import Workload
 
@@ -49,26 +50,26 @@ class _Shadow:
 
 
 class Maker:
-    def __init__(self, ctx: DistContext, top: Topology, cfg: DetachedConfig, workload: Workload, groups: Groups,
+    def __init__(self, ctx: DistContext, top: Topology, cfg: DetachedConfig, workload: Workload, planes: RolePlanes,
                  events: Events) -> None:
         self.ctx, self.top, self.cfg, self.workload, self.events = ctx, top, cfg, workload, events
         self.index = top.maker_index(ctx.rank)
         self.device = ctx.device
-        build = getattr(workload, "build_maker_model", workload.build_model)  # e.g. an RLHF actor without its critic
-        self.model = build(cfg.seed, self.device)
-        self.sync_tensors = workload.sync_tensors(self.model)
+        self.model = workload.build_maker_model(cfg.seed, self.device)  # e.g. an RLHF actor without its critic
+        self.tensors = workload.publish_tensors(self.model)
         self.version = 0
         self.collector = workload.make_collector(maker_seed(cfg.seed, self.index), self.device)
         self.generator = torch.Generator().manual_seed(maker_seed(cfg.seed, self.index) + 1)
-        self._assign = getattr(self.collector, "assign", None)
-        self.credits = CreditChannel(groups.exchange, top.trainers)
-        self.experience = ExperienceChannel(groups.exchange)
-        numel = sum(t.numel() for t in self.sync_tensors)
-        dtype = self.sync_tensors[0].dtype
-        self.weights = WeightChannel(groups.weights, groups.exchange, ctx.store, numel, dtype,
+        self.credits = CreditChannel(planes.exchange, top.trainers)
+        self.experience = ExperienceChannel(planes.exchange)
+        self.schema = SchemaChannel(ctx.store)
+        numel = sum(t.numel() for t in self.tensors)
+        dtype = self.tensors[0].dtype
+        self.weights = WeightChannel(planes.weights, planes.exchange, ctx.store, numel, dtype,
                                      cfg.bucket_numel(dtype), cfg.timeout_s)
-        self.live = liveness_store(ctx.store, cfg.heartbeat_timeout_s)
-        self.watch = Watcher(self.live, list(range(top.trainers)), cfg.heartbeat_timeout_s)
+        live = liveness_store(ctx.store, cfg.heartbeat_timeout_s)
+        self.status = StatusChannel(ctx.store, live=live)  # its queries under a deadline use the liveness client
+        self.watch = Watcher(live, list(range(top.trainers)), cfg.heartbeat_timeout_s)
         self._credit_q: queue.Queue = queue.Queue()
         self._outbox: queue.Queue = queue.Queue(maxsize=2)
         self._shadow = _Shadow()
@@ -79,17 +80,17 @@ class Maker:
             threading.Thread(target=self._send_loop, name="experience-out", daemon=True),
             threading.Thread(target=self._weight_loop, name="weights-in", daemon=True),
         ]
-        for t in self._threads:
-            t.start()
 
     # the compute path: the whole loop -----------------------------------------------------------
     def run(self) -> dict[str, float]:
+        for t in self._threads:
+            t.start()
         try:
             return self._loop()
         except Dropped as err:  # woke up after a freeze: the run went on (or ended) without us; leave quietly
             print(f"hpcrl.ppo: {err}", flush=True)
             try:
-                bounded(lambda: self.ctx.store.set(done_key(self.index), "1"), self.cfg.heartbeat_timeout_s)
+                bounded(lambda: self.status.done(self.index), self.cfg.heartbeat_timeout_s)
             except Exception:  # the trainers are gone already
                 pass
             return {"produced": float(self._produced), "dropped": 1.0}
@@ -107,8 +108,8 @@ class Maker:
             self._wait_for_version(credit.min_version)
             t_collect = time.monotonic()
             waiting_s += t_collect - t0
-            if self._assign is not None:  # the credit numbers the run's batch: a fixed slice of a dataset
-                self._assign(credit.credit_id * self.top.trainers + credit.trainer, self.cfg.seed)
+            # the credit numbers the run's batch (a dataset's collector serves a fixed slice of it)
+            self.collector.assign(credit.credit_id * self.top.trainers + credit.trainer, self.cfg.seed)
             batch, stats = self.collector.collect(self.model, self.generator)
             # Timing travels with the batch so the trainers can log the makers' idle fraction: wait = since
             # the previous rollout ended (packing, send queue, credit, weights), busy = collecting this one.
@@ -117,7 +118,7 @@ class Maker:
             stats = {**stats, "maker_wait_s": t_collect - wait_start, "maker_busy_s": prev_end - t_collect}
             if schema is None:  # every maker announces its layout: the trainers size receives by it
                 schema = Schema.of(batch, stats)
-                self.ctx.store.set(f"ppo/schema/{self.ctx.rank}", schema.to_json())
+                self.schema.announce(self.ctx.rank, schema)
             samples = int(stats.get("env_steps", 1))
             payload = schema.pack(batch, stats)
             header = Header(self.index, credit.credit_id, seq, self.version, samples, payload.numel())
@@ -129,7 +130,7 @@ class Maker:
             self.events(RolloutDone(wall + prev_end, self.index, self.version, wall + wait_start, wall + t_collect,
                                     samples))
         self._hand_over(None)  # the sender closes every trainer's stream, then ends
-        self.ctx.store.set(done_key(self.index), "1")  # before the joins: trainer 0 waits for it
+        self.status.done(self.index)  # before the joins: trainer 0 waits for it
         for thread in self._threads:
             thread.join(timeout=self.cfg.timeout_s)
         return {"produced": float(self._produced), "batches": float(seq), "wait_s": waiting_s}
@@ -137,7 +138,7 @@ class Maker:
     def _count(self, samples: int) -> None:
         """Samples counted in the store as they leave, so a lost maker's count outlives it."""
         try:
-            bounded(lambda: self.live.add(produced_key(self.index), samples), self.cfg.heartbeat_timeout_s)
+            bounded(lambda: self.status.count(self.index, samples), self.cfg.heartbeat_timeout_s)
         except Exception as err:  # unresponsive or gone: the store lives with trainer 0 (or the launcher)
             self._check_trainers("the store")  # names a dead trainer if that is what happened
             raise PeerLost(f"maker {self.index}: lost the rendezvous store hosted by "
@@ -205,8 +206,8 @@ class Maker:
         with self._shadow.lock:
             version, flat = self._shadow.version, self._shadow.flat
         if flat is not None and version > self.version:
-            ops.unflatten_(flat, self.sync_tensors)
-            self.workload.after_sync(self.model)
+            ops.unflatten_(flat, self.tensors)
+            self.workload.after_publish(self.model)
             self.version = version
 
     def _wait_for_version(self, min_version: int) -> None:
@@ -229,8 +230,8 @@ class Maker:
 
     def _check_trainers(self, waiting_for: str) -> None:
         try:
-            dropped, finished = bounded(lambda: (self.live.check([dropped_key(self.index)]),
-                                                 self.live.check([FINISHED_KEY])), self.cfg.heartbeat_timeout_s)
+            dropped, finished = bounded(lambda: (self.status.dropped(self.index), self.status.finished()),
+                                        self.cfg.heartbeat_timeout_s)
             if dropped:
                 raise Dropped(f"maker {self.index}: the trainers dropped this maker (its heartbeat stalled for more "
                               f"than {self.cfg.heartbeat_timeout_s:g} s, e.g. while frozen); its rollouts were "

@@ -32,11 +32,6 @@ class Topology:
     def world_size(self) -> int:
         return self.trainers + self.makers
 
-    def role(self, rank: int) -> str:
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} outside a world of {self.world_size}")
-        return "trainer" if rank < self.trainers else "maker"
-
     def maker_rank(self, m: int) -> int:
         return self.trainers + m
 
@@ -50,6 +45,3 @@ class Topology:
             return []
         n = len(live)
         return [live[i] for i in range(n) if i % self.trainers == trainer % n]
-
-    def trainers_of(self, maker: int) -> list[int]:
-        return [t for t in range(self.trainers) if maker in self.makers_of(t)]
