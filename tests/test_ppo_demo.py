@@ -39,7 +39,8 @@ def test_reward_counts_new_words_of_the_prompts_category():
     assert len(set(prompts)) > 30
 
 
-def test_demo_builds_and_its_printed_command_learns(tmp_path):
+@pytest.mark.slow
+def test_demo_builds_and_its_printed_command_learns(tmp_path, capsys):
     out = tmp_path / "demo"
     t0 = time.perf_counter()
     built = subprocess.run([sys.executable, "-m", "hpcrl.ppo.demo", str(out)], capture_output=True, text=True,
@@ -57,7 +58,10 @@ def test_demo_builds_and_its_printed_command_learns(tmp_path):
     first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
     assert len(rewards) == STEPS and first < 0.2 and last > 0.4 and last > first + 0.25, \
         ([round(r, 2) for r in rewards], time.perf_counter() - t0)
-    assert (tmp_path / "runs" / "hf" / "hf" / "actor" / "config.json").is_file()
+    before, after = demo.show(str(out / "model")), demo.show(str(tmp_path / "runs" / "hf" / "hf" / "actor"))
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 14 and " -> " in lines[0] and lines[-1].startswith("mean score"), lines
+    assert after > before, lines  # the trained actor's greedy answers, not the initial model's
 
 
 def test_demo_refuses_a_dir_that_holds_one(tmp_path, capsys):

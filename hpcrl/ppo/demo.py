@@ -6,7 +6,9 @@ tokenizer, pre-trained for a few seconds on the answer *format* of the list task
 (:mod:`hpcrl.ppo.demo_task`); ``DIR/prompts.jsonl``: prompts such as ``list: cat dog``; the reward is
 :func:`reward` (``--hf.reward-fn hpcrl.ppo.demo:reward``): the share of the response's first three words
 that are new words of the prompt's category. A pre-trained policy answers with words of any category
-(score ~0.1); PPO raises it to ~0.9.
+(score ~0.1); the printed command (400 PPO updates, about a minute on 2 cores) raises it to ~0.9.
+``python -m hpcrl.ppo.demo --show MODEL_DIR`` prints a model's greedy answers and their scores (the
+demo's ``DIR/model`` before training, ``RUN_DIR/hf/actor`` after).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from .demo_task import build_causal_lm, format_corpus, reward, task_prompts, write_prompts
+from .demo_task import CATEGORIES, build_causal_lm, format_corpus, greedy_answers, reward, task_prompts, write_prompts
 
 __all__ = ["build", "command", "main", "reward"]
 
@@ -36,43 +38,82 @@ def build(out: Path, seed: int = 0, pretrain_steps: int = 300, prompts: int = 25
 
 def command(out: Path, total_steps: int = 400, run_dir: str = "runs/hf", python: str | None = None) -> list[str]:
     """The ``python -m hpcrl.ppo`` command line that trains on the demo in ``out``."""
-    exe = python or sys.executable
-    if os.path.abspath(exe).startswith(os.getcwd() + os.sep):
-        exe = os.path.relpath(exe)  # .venv/bin/python, as the README spells it
-    return [exe, "-m", "hpcrl.ppo", "--workload", "hf", "--hf.model", str(out / "model"),
+    return [python or _python(), "-m", "hpcrl.ppo", "--workload", "hf", "--hf.model", str(out / "model"),
             "--hf.reward-fn", "hpcrl.ppo.demo:reward", "--hf.prompts", str(out / "prompts.jsonl"), *TRAIN_ARGS,
             "--total-steps", str(total_steps), "--run-dir", run_dir]
 
 
+def show(model_dir: str) -> float:
+    """Print the greedy answer of ``model_dir`` (the demo's model, or a trained RUN_DIR/hf/actor) to one
+    prompt per category with its score; returns the mean score."""
+    prompts = task_prompts(len(CATEGORIES), seed=7)
+    answers = greedy_answers(model_dir, prompts)
+    scores = reward(prompts, answers)
+    for p, a, s in zip(prompts, answers, scores):
+        print(f"{p} -> {a}  (score {s:.2f})")
+    mean = sum(scores) / len(scores)
+    print(f"mean score {mean:.2f} over {len(scores)} prompts (greedy)")
+    return mean
+
+
+def _python() -> str:
+    """This interpreter, relative when under the working directory (``.venv/bin/python``, as the README
+    spells it)."""
+    exe = sys.executable
+    return os.path.relpath(exe) if os.path.abspath(exe).startswith(os.getcwd() + os.sep) else exe
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0].replace("``", ""))
-    p.add_argument("dir", type=Path, help="where to write model/ and prompts.jsonl (must not hold them already)")
+    p.add_argument("dir", type=Path, nargs="?", help="where to write model/ and prompts.jsonl (must not hold them)")
+    p.add_argument("--show", metavar="MODEL_DIR", default=None,
+                   help="instead: print a model's greedy answers and scores, e.g. RUN_DIR/hf/actor after training")
     p.add_argument("--seed", type=int, default=0, help="model init, pre-training and prompts (default: 0)")
     p.add_argument("--pretrain-steps", type=int, default=300,
                    help="format pre-training steps, batch 64 (0: a random model; default: 300, a few seconds)")
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
-    taken = [p for p in (args.dir / "model", args.dir / "prompts.jsonl") if p.exists()]
-    if taken:
-        print(f"{PROG}: error: {taken[0]} already exists; pass a new DIR (the demo never overwrites files)",
-              file=sys.stderr)
-        return 2
-    if args.pretrain_steps < 0:
-        print(f"{PROG}: error: --pretrain-steps {args.pretrain_steps}: must be >= 0, e.g. 300", file=sys.stderr)
-        return 2
-    import torch
+def _quiet() -> None:
     import transformers
 
-    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()  # "Writing model shards" / "Loading weights" bars
     transformers.utils.logging.set_verbosity_error()
+
+
+def _refusal(args: argparse.Namespace) -> str | None:
+    if (args.dir is None) == (args.show is None):
+        return "pass DIR (build the demo there) or --show MODEL_DIR, not both or neither"
+    if args.show is not None:
+        ok = (Path(args.show) / "config.json").is_file()
+        return None if ok else f"--show {args.show}: no config.json there; pass DIR/model or RUN_DIR/hf/actor"
+    taken = [p for p in (args.dir / "model", args.dir / "prompts.jsonl") if p.exists()]
+    if taken:
+        return f"{taken[0]} already exists; pass a new DIR (the demo never overwrites files)"
+    if args.pretrain_steps < 0:
+        return f"--pretrain-steps {args.pretrain_steps}: must be >= 0, e.g. 300"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    refusal = _refusal(args)
+    if refusal is not None:
+        print(f"{PROG}: error: {refusal}", file=sys.stderr)
+        return 2
+    _quiet()
+    if args.show is not None:
+        show(args.show)
+        return 0
+    import torch
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
     model, prompts = build(args.dir, args.seed, args.pretrain_steps)
-    print(f"{PROG}: wrote {model} (Llama, 2 layers, hidden 64) and {prompts}; train with:")
-    print(shlex.join(command(args.dir)))
+    py = _python()
+    print(f"{PROG}: wrote {model} (Llama, 2 layers, hidden 64) and {prompts}")
+    print(f"{PROG}: greedy answers before / after training: {py} -m {PROG} --show {model} | --show runs/hf/hf/actor")
+    print(f"{PROG}: train with:")
+    print(shlex.join(command(args.dir, python=py)))
     return 0
 
 

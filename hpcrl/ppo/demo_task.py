@@ -154,3 +154,19 @@ def write_prompts(path: Path, prompts: list[str], key: str = "prompt") -> Path:
         for i, p in enumerate(prompts):
             f.write(json.dumps({key: p, "id": i}) + "\n")
     return path
+
+
+def greedy_answers(model_dir: str | Path, prompts: list[str]) -> list[str]:
+    """The model's greedy answers (:data:`ANSWER_WORDS` + 1 new tokens) to ``prompts``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tok.padding_side = "left"  # a batch of prompts ends where the answers begin
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    batch = tok(prompts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=ANSWER_WORDS + 1, do_sample=False, pad_token_id=tok.pad_token_id)
+    return tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
