@@ -1,4 +1,4 @@
-"""CleanRL-style single-file FastSAC learner: the baseline of benchmarks/sac_throughput.py.
+"""CleanRL-style single-file FastSAC (learner and training loop): the baseline of benchmarks/sac_throughput.py.
 
 This is the FastSAC a user would write without hpcrl, in the style of CleanRL's
 ``sac_continuous_action.py`` and holosoma's ``fast_sac`` (docs/holosoma.md#the-learner,
@@ -305,7 +305,8 @@ class CleanRLStyleSAC:
 
 class CleanRLStyleLoop:
     """hpcrl.sac's loop (normaliser update, act, env step, replay add, episode returns, updates) written
-    CleanRL style: numpy replay, per-env return bookkeeping in numpy. ``step()`` is one vector env step."""
+    CleanRL style: numpy replay, per-env return bookkeeping in numpy. ``step()`` is one vector env step;
+    the returns of the episodes it finished are appended to ``finished``."""
 
     def __init__(self, cfg, env, seed: int = 0):
         self.cfg, self.env = cfg, env
@@ -313,22 +314,26 @@ class CleanRLStyleLoop:
         self.agent = CleanRLStyleSAC(cfg, env.obs_dim, env.action_dim, env.action_low, env.action_high)
         self.norm = EmpiricalNormalization(env.obs_dim)
         self.rb = ReplayBuffer(cfg.buffer_size, cfg.num_envs, env.obs_dim, env.action_dim, seed=seed)
-        self.returns = np.zeros(cfg.num_envs, dtype=np.float32)
+        self.returns = np.zeros(cfg.num_envs, dtype=np.float64)
         self.finished: list[float] = []
         self.obs = env.reset(seed=seed)
-        self.it = 0
+        self.it = self.updates = 0
+
+    def normalize(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.norm(obs) if self.cfg.obs_normalization else obs
 
     def step(self) -> None:
         cfg, env = self.cfg, self.env
-        self.norm.update(self.obs)
+        if cfg.obs_normalization:
+            self.norm.update(self.obs)
         if self.it < cfg.random_steps:
             low, high = env.action_low, env.action_high
             action = low + (high - low) * torch.rand(cfg.num_envs, env.action_dim)
         else:
             with torch.no_grad():
-                action, _ = self.agent.actor.get_action(self.norm(self.obs))
+                action, _ = self.agent.actor.get_action(self.normalize(self.obs))
         result = env.step(action)
-        reward = result.reward.numpy()
+        reward = result.reward.numpy().astype(np.float64)
         self.rb.add(self.obs.numpy(), result.next_obs.numpy(), action.numpy(), reward * cfg.reward_scale,
                     result.terminated.numpy())
         self.returns += reward
@@ -340,7 +345,8 @@ class CleanRLStyleLoop:
         if self.it >= cfg.learning_starts:
             for _ in range(cfg.num_updates):
                 data = self.rb.sample(cfg.batch_size)
-                data = data._replace(observations=self.norm(data.observations),
-                                     next_observations=self.norm(data.next_observations))
+                data = data._replace(observations=self.normalize(data.observations),
+                                     next_observations=self.normalize(data.next_observations))
                 self.agent.update(data)
+                self.updates += 1
         self.it += 1

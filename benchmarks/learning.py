@@ -57,7 +57,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from _timing import loadavg, write_json  # noqa: E402
-from cleanrl_style_sac import CleanRLStyleSAC, EmpiricalNormalization, ReplayBuffer  # noqa: E402
+from cleanrl_style_sac import CleanRLStyleLoop  # noqa: E402
 
 from benchmarks import schema  # noqa: E402
 from hpcrl.envs import first_episode_returns, make_env  # noqa: E402
@@ -141,17 +141,11 @@ def run_fastsac(preset: str, flags: list[str], run_dir: Path, budget_s: float | 
 def run_baseline(cfg: SACConfig, target_env_steps: int, max_s: float, seed: int) -> dict[str, Any]:
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(seed)
-    env = make_env(cfg.env, cfg.num_envs, "cpu", seed=seed)
+    loop = CleanRLStyleLoop(cfg, make_env(cfg.env, cfg.num_envs, "cpu", seed=seed), seed=seed)
     eval_n = max(1, cfg.eval_episodes)
-    agent = CleanRLStyleSAC(cfg, env.obs_dim, env.action_dim, env.action_low, env.action_high)
-    norm = EmpiricalNormalization(env.obs_dim)
-    rb = ReplayBuffer(cfg.buffer_size, cfg.num_envs, env.obs_dim, env.action_dim, seed=seed)
-    returns = np.zeros(cfg.num_envs, dtype=np.float64)
-    window: list[float] = []
     train_curve: dict[str, list] = {"env_steps": [], "episode_return": [], "time_s": []}
     eval_curve: dict[str, list] = {"env_steps": [], "eval_return": [], "time_s": []}
     iterations = math.ceil(target_env_steps / cfg.num_envs)
-    updates = 0
     load_before = loadavg()
 
     def evaluate() -> float:
@@ -159,50 +153,24 @@ def run_baseline(cfg: SACConfig, target_env_steps: int, max_s: float, seed: int)
 
         @torch.no_grad()
         def act(o: torch.Tensor) -> torch.Tensor:
-            mean, _ = agent.actor(norm(o) if cfg.obs_normalization else o)
-            return torch.tanh(mean) * agent.actor.action_scale + agent.actor.action_bias
+            mean, _ = loop.agent.actor(loop.normalize(o))
+            return torch.tanh(mean) * loop.agent.actor.action_scale + loop.agent.actor.action_bias
 
         r = float(first_episode_returns(eval_env, eval_env.reset(seed=seed + 1_000_003), act).mean())
         eval_env.close() if hasattr(eval_env, "close") else None
         return r
 
-    obs = env.reset(seed=seed)
     t0 = time.perf_counter()
     it = 0
     for it in range(iterations):
-        if cfg.obs_normalization:
-            norm.update(obs)
-        if it < cfg.random_steps:
-            low, high = env.action_low, env.action_high
-            action = low + (high - low) * torch.rand(cfg.num_envs, env.action_dim)
-        else:
-            with torch.no_grad():
-                action, _ = agent.actor.get_action(norm(obs) if cfg.obs_normalization else obs)
-        result = env.step(action)
-        reward = result.reward.numpy().astype(np.float64)
-        rb.add(obs.numpy(), result.next_obs.numpy(), action.numpy(), reward * cfg.reward_scale,
-               result.terminated.numpy())
-        returns += reward
-        done = (result.terminated | result.truncated).numpy()
-        if done.any():
-            window.extend(returns[done].tolist())
-            returns[done] = 0.0
-        obs = result.obs
-        if it >= cfg.learning_starts:
-            for _ in range(cfg.num_updates):
-                data = rb.sample(cfg.batch_size)
-                if cfg.obs_normalization:
-                    data = data._replace(observations=norm(data.observations),
-                                         next_observations=norm(data.next_observations))
-                agent.update(data)
-                updates += 1
+        loop.step()
         steps = (it + 1) * cfg.num_envs
         last = it + 1 == iterations
-        if ((it + 1) % cfg.log_every == 0 or last) and window:
+        if ((it + 1) % cfg.log_every == 0 or last) and loop.finished:
             train_curve["env_steps"].append(steps)
-            train_curve["episode_return"].append(round(float(np.mean(window)), 2))
+            train_curve["episode_return"].append(round(float(np.mean(loop.finished)), 2))
             train_curve["time_s"].append(round(time.perf_counter() - t0, 2))
-            window = []
+            loop.finished.clear()
         if cfg.eval_every and ((it + 1) % cfg.eval_every == 0 or last) or (last and cfg.eval_episodes):
             eval_curve["env_steps"].append(steps)
             eval_curve["eval_return"].append(round(evaluate(), 2))
@@ -211,6 +179,7 @@ def run_baseline(cfg: SACConfig, target_env_steps: int, max_s: float, seed: int)
             break
     seconds = time.perf_counter() - t0
     steps = (it + 1) * cfg.num_envs
+    updates = loop.updates
     return {
         "what": "benchmarks/cleanrl_style_sac.py learner in a CleanRL-style loop, hyper-parameters of the FastSAC run",
         "target_env_steps": target_env_steps, "env_steps": steps, "reached_equal_samples": steps >= target_env_steps,
