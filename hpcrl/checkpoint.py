@@ -38,6 +38,7 @@ import torch
 
 from hpcrl.h5io import atomic_path, load_h5, save_h5
 from hpcrl.rundir import RunDirError, identity_difference, identity_hash, make_dir, normalize_identity
+from hpcrl.rundir_reuse import nothing_to_resume, remove_run
 
 __all__ = ["CheckpointError", "CorruptCheckpoint", "Restored", "checkpoint_root", "clear", "committed", "fresh_or_refuse",
            "latest", "load", "nothing_to_resume", "preflight", "read_manifest", "restore", "save", "store_agree",
@@ -176,20 +177,13 @@ def _prune(root: Path, step: int, keep: int) -> None:
 
 
 def clear(run_dir: str | os.PathLike) -> list[Path]:
-    """Delete every checkpoint (committed or not) of ``run_dir``, and ``checkpoints/`` once empty;
-    returns the committed ones removed. For a fresh start: the run dir now belongs to the new run
-    (rank 0, holding the run-dir lock)."""
-    root = checkpoint_root(run_dir)
-    if not root.is_dir():
-        return []
+    """Remove the previous run's files from ``run_dir`` (every checkpoint, committed or not, and
+    everything else hpcrl wrote: :func:`hpcrl.rundir_reuse.remove_run`); returns the committed
+    checkpoints removed. For a fresh start, on rank 0 holding the run-dir lock: the entry points
+    refuse a run dir holding a previous run unless ``--overwrite`` (already done then) or
+    ``--resume --resume-missing fresh`` found nothing to resume, so this is normally a no-op."""
     gone = committed(run_dir)
-    for p in root.iterdir():
-        if p.is_dir() and (_step_of(p) >= 0 or p.name.startswith((f".tmp-{PREFIX}", TRASH))):
-            shutil.rmtree(p, ignore_errors=True)
-    try:
-        root.rmdir()  # no checkpoints/ left: the sbatch scripts pass --resume only when it exists
-    except OSError:
-        pass
+    remove_run(run_dir)
     return gone
 
 
@@ -289,7 +283,7 @@ def _check_identity(path: Path, manifest: dict[str, Any], identity: Mapping[str,
     saved = manifest.get("identity")
     if not isinstance(saved, dict):
         raise CheckpointError(f"--resume: {path} records no run identity, so it cannot be matched to this run; "
-                              "use another --run-dir (or run without --resume to start over there)")
+                              "use another --run-dir (or pass --overwrite instead of --resume to start over there)")
     diff = identity_difference(saved, identity)
     if diff:
         raise CheckpointError(f"--resume: {path} belongs to another run: {diff}; resume with the settings it was "
@@ -341,17 +335,9 @@ def preflight(run_dir: str | os.PathLike, world_size: int, *, identity: Mapping[
         return path
     if problems:
         raise CheckpointError(f"--resume: no usable checkpoint in {checkpoint_root(run_dir)}: " + " | ".join(problems)
-                              + "; run without --resume to start over there (this deletes them), or use another "
+                              + "; pass --overwrite instead of --resume to start over there (this deletes them), or use another "
                               "--run-dir")
     return None
-
-
-def nothing_to_resume(run_dir: str | os.PathLike) -> str:
-    """"no checkpoint in DIR" (and whether only an uncommitted one is there), for the --resume messages."""
-    root = checkpoint_root(run_dir)
-    torn = root.is_dir() and any(p.name.startswith(f".tmp-{PREFIX}") for p in root.iterdir())
-    return f"no checkpoint in {root}" + (" (only an uncommitted one: the run was stopped while writing its first "
-                                         "checkpoint)" if torn else "")
 
 
 def fresh_or_refuse(run_dir: str | os.PathLike, resume_missing: str, announce: bool, prog: str) -> None:
@@ -418,7 +404,7 @@ def restore(run_dir: str | os.PathLike, rank: int, world_size: int, device: torc
             _report(f"skipping unusable checkpoint {path}: {what}")
     root = checkpoint_root(run_dir)
     raise CheckpointError(f"--resume: no usable checkpoint in {root}: " + " | ".join(skipped)
-                          + "; run without --resume to start over there (this deletes them), or use another "
+                          + "; pass --overwrite instead of --resume to start over there (this deletes them), or use another "
                           "--run-dir")
 
 

@@ -40,12 +40,14 @@ def show(value: Any) -> str:
 class Check:
     """Range checks of one config; each failure is one line: flag, value, range, a value that works."""
 
-    def __init__(self, cfg: Any) -> None:
-        self.cfg, self.defaults = cfg, type(cfg)()
+    def __init__(self, cfg: Any, defaults: Any = None, source: str = "the default") -> None:
+        """``defaults``: where a suggested value comes from (default ``type(cfg)()``), named ``source``
+        in the message (e.g. a preset's values: a fix that works with the preset in use)."""
+        self.cfg, self.defaults, self.source = cfg, type(cfg)() if defaults is None else defaults, source
 
     def fail(self, name: str, rule: str, fix: str | None = None) -> None:
         if fix is None:
-            fix = f"e.g. {flag(name)} {_example(getattr(self.defaults, name))} (the default)"
+            fix = f"e.g. {flag(name)} {_example(getattr(self.defaults, name))} ({self.source})"
         raise ConfigError(f"{flag(name)} {show(getattr(self.cfg, name))}: must be {rule}; {fix}")
 
     def integer(self, name: str, lo: int | None = None, hi: int | None = None, hint: str = "",
@@ -98,7 +100,7 @@ class Check:
             d_lo, d_hi = getattr(self.defaults, low), getattr(self.defaults, high)
             raise ConfigError(f"{flag(low)} {show(lo)} {flag(high)} {show(hi)}: must be "
                              f"{flag(low)} < {flag(high)} ({what}); "
-                             f"e.g. {flag(low)} {show(d_lo)} {flag(high)} {show(d_hi)} (the defaults)")
+                             f"e.g. {flag(low)} {show(d_lo)} {flag(high)} {show(d_hi)} ({self.source})")
 
 
 def _example(value: Any) -> str:

@@ -16,6 +16,7 @@ __all__ = [
     "DEFAULT_TRAINERS",
     "EXIT_BAD_CONFIG",
     "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
     "EXIT_NONFINITE",
     "EXIT_STOPPED",
     "ppo_role",
@@ -25,6 +26,7 @@ __all__ = [
 EXIT_FAILED = 1  # a rank failed; the message names it
 EXIT_BAD_CONFIG = 2  # bad configuration, caught before (or while) ranks start
 EXIT_STOPPED = 75  # sysexits EX_TEMPFAIL: stopped on request after a checkpoint; rerun with --resume
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C twice, the ranks killed without a checkpoint
 EXIT_NONFINITE = 65  # sysexits EX_DATAERR: the env returned NaN/inf (FastSAC --nonfinite error); fix the env
 
 # Detached PPO: ranks [0, trainers) train, [trainers, trainers + makers) make experience.

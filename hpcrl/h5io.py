@@ -1,17 +1,15 @@
-"""Nested dicts of tensors and scalars <-> HDF5 groups (h5py), and atomic file writes (private modes)."""
+"""Nested dicts of tensors and scalars <-> HDF5 groups (h5py), written atomically (:func:`hpcrl.rundir.atomic_path`)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import h5py
 import numpy as np
 import torch
 
-from hpcrl.rundir import file_mode
+from hpcrl.rundir import atomic_path  # re-exported: where checkpoint writers look for it
 
 _NONE = "__none__"
 
@@ -54,26 +52,6 @@ def read_tree(group: h5py.Group) -> dict[str, Any]:
         else:
             tree[key] = value
     return tree
-
-
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike, mode: int | None = None) -> Iterator[Path]:
-    """Yield a temporary sibling path; on success give it ``mode`` (default
-    :func:`hpcrl.rundir.file_mode`: 0600, or 0640 with ``HPCRL_SHARED_RUN_DIR=1``), fsync it and
-    rename it over ``path``.
-
-    A crash or exception before the rename leaves any previous file at ``path`` untouched.
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    try:
-        yield tmp
-        os.chmod(tmp, file_mode() if mode is None else mode)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def save_h5(path: str | os.PathLike, tree: dict[str, Any], format_version: int = 1) -> None:

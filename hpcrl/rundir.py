@@ -22,7 +22,7 @@ since T; use another --run-dir or stop that run". A lock left by a dead run is s
 :func:`identity_difference` names the first field that differs, with both values.
 
 **Modes.** Run directories this code creates are ``0700``, checkpoint directories ``0700`` and the
-files written through :func:`write_text` / :func:`hpcrl.h5io.atomic_path` (checkpoints, manifest,
+files written through :func:`write_text` / :func:`atomic_path` (checkpoints, manifest,
 config.json, metrics.jsonl, the lock) ``0600``. On a cluster where a group shares run directories
 set ``HPCRL_SHARED_RUN_DIR=1``: ``0750`` / ``0640`` (group may read, never write). An existing run
 directory keeps its mode (this code never loosens or tightens a directory it did not create).
@@ -33,6 +33,7 @@ configuration) with the one-line message.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -43,12 +44,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
-__all__ = ["HEARTBEAT_S", "LOCK_NAME", "STALE_S", "RunDirError", "RunDirLock", "acquire", "claim", "dir_mode",
-           "file_mode", "identity_difference", "identity_hash", "make_dir", "normalize_identity", "write_text"]
+__all__ = ["HEARTBEAT_S", "LOCK_NAME", "STALE_S", "RunDirError", "RunDirLock", "acquire", "atomic_path", "claim", "dir_mode",
+           "file_mode", "identity_difference", "identity_hash", "make_dir", "normalize_identity", "probe", "write_text"]
 
 LOCK_NAME = ".lock"
+LAUNCHED_PID_ENV = "HPCRL_LAUNCHED_PID"  # set by hpcrl.comm.spawn: the pid of the command that spawned the ranks
 SHARED_ENV = "HPCRL_SHARED_RUN_DIR"
 HEARTBEAT_S = 5.0  # the holder rewrites its record this often
 STALE_S = 30.0  # a record from another host whose heartbeat did not move for this long is stale (generous:
@@ -92,10 +94,28 @@ def make_dir(path: str | os.PathLike) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, mode: int | None = None) -> Iterator[Path]:
+    """Yield a temporary sibling path; on success give it ``mode`` (default
+    :func:`file_mode`: 0600, or 0640 with ``HPCRL_SHARED_RUN_DIR=1``), fsync it and
+    rename it over ``path``.
+
+    A crash or exception before the rename leaves any previous file at ``path`` untouched.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        yield tmp
+        os.chmod(tmp, file_mode() if mode is None else mode)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_text(path: str | os.PathLike, text: str) -> None:
     """Atomically replace ``path`` with ``text`` (temp file, fsync, rename), mode :func:`file_mode`."""
-    from hpcrl.h5io import atomic_path  # h5io imports this module for the modes
-
     with atomic_path(path) as tmp:
         tmp.write_text(text)
 
@@ -168,8 +188,9 @@ def _describe(record: dict[str, Any] | None) -> str:
     if not record:
         return "another process (it has not written its record yet)"
     job = f", Slurm job {record['slurm_job']}" if record.get("slurm_job") else ""
-    return (f"pid {record.get('pid', '?')} on host {record.get('host', '?')} since "
-            f"{_when(record.get('started'))}{job}")
+    pid, launched = record.get("pid", "?"), record.get("launched_pid")
+    who = f"pid {launched} (its rank 0 is pid {pid})" if launched and launched != pid else f"pid {pid}"
+    return f"{who} on host {record.get('host', '?')} since {_when(record.get('started'))}{job}"
 
 
 def _read_record_fd(fd: int) -> dict[str, Any] | None:
@@ -237,8 +258,9 @@ class RunDirLock:
     """The run-dir lock of this process (``held`` False on ranks other than 0: nothing to release)."""
 
     def __init__(self, path: Path | None, fd: int | None = None, flock: bool = False,
-                 record: dict[str, Any] | None = None) -> None:
+                 record: dict[str, Any] | None = None, made_dirs: tuple[Path, ...] = ()) -> None:
         self.path, self._fd, self.flock, self.record = path, fd, flock, record
+        self.made_dirs = made_dirs  # directories acquire() made, deepest first: removed on release if still empty
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -279,12 +301,53 @@ class RunDirLock:
             pass
         finally:
             os.close(fd)
+        _remove_empty(self.made_dirs)
 
     def __enter__(self) -> RunDirLock:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _remove_empty(dirs: tuple[Path, ...]) -> None:
+    """A start that failed before writing anything leaves no empty run dir behind."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:  # not empty (the run wrote something), or gone: keep it / nothing to do
+            return
+
+
+def _missing_dirs(path: Path) -> tuple[Path, ...]:
+    """``path`` and its parents that do not exist yet, deepest first."""
+    missing = []
+    for at in (path, *path.parents):
+        if at.exists():
+            break
+        missing.append(at)
+    return tuple(missing)
+
+
+def probe(run_dir: str | os.PathLike) -> None:
+    """:class:`RunDirError` at once when a live process on this host holds ``run_dir``'s lock: what an
+    entry point can tell before it spawns anything. Locks held elsewhere (a heartbeat to watch) are
+    left to :func:`claim`."""
+    path = Path(run_dir) / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        locked = _try_flock(fd)
+        record = _settled_record(fd) if locked is not True else _read_record_fd(fd)
+    finally:
+        os.close(fd)  # drops the flock if we took it
+    if record and record.get("host") == socket.gethostname() and _int(record.get("pid")) == os.getpid():
+        return  # this process holds it (flock would refuse our second open of the same file)
+    if locked is False or (locked is None and record and record.get("host") == socket.gethostname()
+                           and pid_alive(_int(record.get("pid")), str(record.get("pid_start", "")))):
+        raise _in_use(Path(run_dir), record)
 
 
 def _encode(record: dict[str, Any]) -> bytes:
@@ -304,7 +367,8 @@ def _same_file(fd: int, path: Path) -> bool:
 
 def _my_record() -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": proc_start(os.getpid()),
-            "started": time.time(), "slurm_job": os.environ.get("SLURM_JOB_ID", ""), "argv": sys.argv, "beat": 0}
+            "launched_pid": _int(os.environ.get(LAUNCHED_PID_ENV, os.getpid())), "started": time.time(),
+            "slurm_job": os.environ.get("SLURM_JOB_ID", ""), "argv": sys.argv, "beat": 0}
 
 
 def _in_use(run_dir: Path, record: dict[str, Any] | None, extra: str = "") -> RunDirError:
@@ -315,10 +379,19 @@ def _in_use(run_dir: Path, record: dict[str, Any] | None, extra: str = "") -> Ru
 def acquire(run_dir: str | os.PathLike) -> RunDirLock:
     """Create ``run_dir`` if needed and take its lock; :class:`RunDirError` when a live run holds it."""
     run_dir = Path(run_dir)
+    made_dirs = _missing_dirs(run_dir)
     try:
         make_dir(run_dir)
     except OSError as err:
         raise RunDirError(f"cannot create run dir {run_dir}: {err.strerror or err}") from None
+    try:
+        return _acquire(run_dir, made_dirs)
+    except BaseException:
+        _remove_empty(made_dirs)
+        raise
+
+
+def _acquire(run_dir: Path, made_dirs: tuple[Path, ...]) -> RunDirLock:
     path = run_dir / LOCK_NAME
     me = socket.gethostname()
     for _ in range(20):  # retried only when the file vanished or was replaced between our steps
@@ -354,7 +427,7 @@ def acquire(run_dir: str | os.PathLike) -> RunDirLock:
                                       "this filesystem has no flock to tell whether its holder lives; if no run "
                                       f"uses {run_dir}, delete {path}")
             record = _my_record()
-            lock = RunDirLock(path, fd, locked is True, record)
+            lock = RunDirLock(path, fd, locked is True, record, made_dirs)
             try:
                 lock._write()
             except OSError as err:

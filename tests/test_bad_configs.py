@@ -173,12 +173,13 @@ def cli_in_process(monkeypatch, no_launcher):
     (["--alpha-init", "0"], ["--alpha-init 0", "> 0"]),
 ])
 def test_sac_cli_in_process_exits_2_before_spawning(args, parts, monkeypatch, capsys, cli_in_process):
+    import hpcrl.comm
     import hpcrl.sac.__main__ as sac_main
 
     def spawned(*a, **kw):
         raise AssertionError("ranks were spawned for a bad configuration")
 
-    monkeypatch.setattr(sac_main, "spawn", spawned)
+    monkeypatch.setattr(hpcrl.comm, "spawn", spawned)  # the entry point imports it once the config passed
     rc = sac_main.main(SAC_TINY + ["--nproc", "2", *args])
     assert_bad_cli(rc, capsys.readouterr().err, "hpcrl.sac: error:", *parts)
 

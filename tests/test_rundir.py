@@ -177,10 +177,10 @@ def test_second_start_refuses_with_exit_2_and_a_killed_run_is_taken_over(tmp_pat
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
-    third = run_cli(SHORT + ["--run-dir", str(run)], timeout=60)
+    third = run_cli(SHORT + ["--run-dir", str(run), "--overwrite"], timeout=60)
     assert third.returncode == 0, third.stderr
     assert f"took over the stale lock of pid {first.pid} on host {HOST}" in third.stderr
-    assert "fresh start in" in third.stdout and "checkpoint(s) of the run that used it before" in third.stdout
+    assert f"--overwrite: removed the previous run in {run} (config.json, metrics.jsonl, checkpoints" in third.stderr
     assert [r["env_steps"] for r in metrics(run)] == list(range(20, 121, 20))
     assert not (run / rundir.LOCK_NAME).exists()  # released at the end
 

@@ -538,6 +538,7 @@ def spawn(
                     "WORLD_SIZE": str(nproc),
                     "LOCAL_WORLD_SIZE": str(nproc),
                     "HPCRL_LAUNCHER": "local",  # torchrun-style variables, but the run reports "local"
+                    rundir.LAUNCHED_PID_ENV: str(os.getpid()),  # the run-dir lock names the pid the user started
                     "GLOO_SOCKET_IFNAME": _loopback_interface(),  # gloo listens where the hostname resolves
                     SECRET_ENV: secret,
                     **(env or {}),

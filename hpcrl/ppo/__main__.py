@@ -18,56 +18,53 @@ import os
 import signal
 import sys
 
-from hpcrl.comm import SpawnError, check_local_gpus, cuda_count, detect_launch, spawn
+from hpcrl.cli import exit_code, run_exit
+from hpcrl.comm import check_local_gpus, cuda_count, detect_launch, spawn
 from hpcrl.comm.devices import resolve_kind
-from hpcrl.comm.local import SpawnConfigError, is_config_error
-from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_STOPPED
+from hpcrl.config_check import ConfigError
+from hpcrl.conventions import EXIT_BAD_CONFIG
+from hpcrl.rundir import RunDirError
+from hpcrl.rundir_reuse import check_resumable, overwrite
 
-from .config import ConfigError, parse_args
+from .config import DetachedConfig, parse_args
 from .liveness import PeerLost
 from .run import build_workload, train, validate
-
-EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C twice
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(sys.argv[1:] if argv is None else argv)
-    except ConfigError as err:  # tyro could not parse a flag: its message, one line
+        cfg.check()  # every range and the run dir, before anything is built or spawned
+        check_resumable(cfg.run_dir, cfg.resume, cfg.resume_missing)  # what the trainers would refuse
+    except (ConfigError, RunDirError) as err:  # one line
         print(f"hpcrl.ppo: error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     try:
-        cfg.check()  # every range, before anything is built or spawned
-        build_workload(cfg)  # fail on a bad workload or device before starting any process
-        for role in ("trainer", "maker"):
-            resolve_kind(getattr(cfg, f"{role}_device"), cuda_count(), f"--{role}-device")
-        if detect_launch().source == "single" and cfg.makers + cfg.trainers > 1:
-            validate(cfg, cfg.makers + cfg.trainers)
-            # Spawned ranks get cuda:(rank mod GPUs); makers may share GPUs, trainers (one NCCL group) may not.
-            check_local_gpus(cfg.trainers, cfg.trainer_device, cuda_count(), "--trainer-device", "--trainers")
-            # spawn forwards stop signals to the ranks while they run and restores these afterwards.
-            for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
-                signal.signal(sig, signal.SIG_IGN)
-            world = cfg.makers + cfg.trainers
-            rows = spawn(train, world, args=(cfg,), timeout_s=None, num_threads=cfg.threads,
-                         expendable=range(cfg.trainers, world))  # trainers drop dead makers and go on
-        else:
-            rows = [train(cfg)]
-    except SpawnConfigError as err:  # a rank found it: one line, however many ranks did
-        print(f"hpcrl.ppo: error: {err}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
-    except (SpawnError, PeerLost) as err:
-        print(f"hpcrl.ppo: error: {err}", file=sys.stderr)
-        return EXIT_FAILED
-    except KeyboardInterrupt:
-        print("hpcrl.ppo: interrupted: stopped without a checkpoint", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Exception as err:  # ConfigError, DistSetupError, RunDirError: exit 2, one line
-        if not is_config_error(err):
+        if cfg.overwrite and detect_launch().world_size == 1:  # else trainer 0 does it, holding the lock
+            overwrite(cfg.run_dir)
+        return run_exit(_run(cfg))
+    except (Exception, KeyboardInterrupt) as err:  # one line and its exit code; a bug keeps its traceback
+        code = exit_code(err, "hpcrl.ppo", failures=(PeerLost,))
+        if code is None:
             raise
-        print(f"hpcrl.ppo: error: {err}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
-    return EXIT_STOPPED if any(row and row.get("preempted") for row in rows) else 0
+        return code
+
+
+def _run(cfg: DetachedConfig) -> list[dict]:
+    build_workload(cfg)  # fail on a bad workload or device before starting any process
+    for role in ("trainer", "maker"):
+        resolve_kind(getattr(cfg, f"{role}_device"), cuda_count(), f"--{role}-device")
+    if detect_launch().source != "single" or cfg.makers + cfg.trainers == 1:
+        return [train(cfg)]
+    validate(cfg, cfg.makers + cfg.trainers)
+    # Spawned ranks get cuda:(rank mod GPUs); makers may share GPUs, trainers (one NCCL group) may not.
+    check_local_gpus(cfg.trainers, cfg.trainer_device, cuda_count(), "--trainer-device", "--trainers")
+    # spawn forwards stop signals to the ranks while they run and restores these afterwards.
+    for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    world = cfg.makers + cfg.trainers
+    return spawn(train, world, args=(cfg,), timeout_s=None, num_threads=cfg.threads,
+                 expendable=range(cfg.trainers, world))  # trainers drop dead makers and go on
 
 
 def _exit(code: int) -> None:

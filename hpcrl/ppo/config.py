@@ -8,20 +8,18 @@ constructor (:func:`parse_args`, :attr:`DetachedConfig.plugin_args`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Literal
-
-import contextlib
-import io
-import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Annotated, Literal
 
 import torch
 import tyro
 
+from hpcrl.cli import flag_value, tyro_call
 from hpcrl.config_check import DEVICE, MAX_SEED, MAX_TIMEOUT_S, Check, ConfigError, show
 from hpcrl.conventions import DEFAULT_MAKERS, DEFAULT_TRAINERS
+from hpcrl.rundir_reuse import check_fresh_start
 
+from .plugins import plugin_class
 from .workloads.hf_options import HFGroupOptions
 from .workloads.options import LMOptions, PPOOptions, VectorEnvOptions
 
@@ -93,6 +91,9 @@ class DetachedConfig:
     """Non-empty path without control characters."""
     resume: bool = False
     """Continue the run in --run-dir from its newest checkpoint (--resume-missing says what happens when there is none)."""
+    overwrite: bool = False
+    """Delete the previous run in --run-dir (its checkpoints, metrics, ...) and start fresh there; without it
+    (or --resume) a run dir holding a previous run is refused."""
     resume_missing: str = "error"
     """With --resume and no usable checkpoint in run_dir: "error" refuses (exit 2), "fresh" starts a new run
     and says so (what the sbatch scripts pass: a job requeued before its first checkpoint starts over)."""
@@ -165,6 +166,10 @@ class DetachedConfig:
         c.text("run_dir")
         _check_run_dir(c, self.run_dir)
         c.boolean("resume")
+        c.boolean("overwrite")
+        if self.resume and self.overwrite:
+            raise ConfigError("--resume --overwrite: --resume continues the run in --run-dir, --overwrite replaces "
+                              "it; pass one of them")
         if self.resume_missing not in ("error", "fresh"):
             c.fail("resume_missing", "one of error, fresh")
         c.real("timeout_s", 0.0, MAX_TIMEOUT_S, lo_open=True, hint="seconds")
@@ -175,6 +180,7 @@ class DetachedConfig:
         c.integer("threads", 1, hint="torch threads per rank")
         c.integer("checkpoint_every", 0, hint="PPO updates between checkpoints; 0 = only at the end")
         self._check_options(c)
+        check_fresh_start(self.run_dir, self.resume, self.overwrite)  # last: a refusal names the run dir
 
     def _check_options(self, c: Check) -> None:
         """Each option group's ranges, and that the groups given are the workload's own."""
@@ -229,7 +235,7 @@ def parse_args(argv: list[str], prog: str = "python -m hpcrl.ppo") -> DetachedCo
     ``package.module:Class`` workload the flags left over as its :attr:`~DetachedConfig.plugin_args`.
     A flag tyro cannot parse is a :class:`ConfigError` of one line (tyro's own message, without its
     box); ``--help`` prints and exits 0 as usual (with the plugin's own options after hpcrl.ppo's)."""
-    workload = _last_value(argv, "--workload")
+    workload = flag_value(argv, "--workload")
     if workload is not None and is_plugin(workload) and any(a in ("-h", "--help") for a in argv):
         _plugin_help(workload, prog)
     cfg, rest = tyro_call(lambda: tyro.cli(DetachedConfig, args=argv, prog=prog, return_unknown_args=True,
@@ -246,21 +252,8 @@ DESCRIPTION = ("Detached PPO: experience makers and PPO trainers as separate pro
                "its constructor's typed arguments (python -m hpcrl.ppo --workload pkg.mod:Cls --help lists them).")
 
 
-def _last_value(argv: list[str], name: str) -> str | None:
-    """The value of the last ``name V`` / ``name=V`` in argv, as argparse reads it."""
-    value = None
-    for i, arg in enumerate(argv):
-        if arg == name and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif arg.startswith(name + "="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
 def _plugin_help(workload: str, prog: str) -> None:
     """Print the plugin's own options (from its constructor) before hpcrl.ppo's help."""
-    from .run import plugin_class
-
     try:
         cls = plugin_class(workload)
     except ConfigError as err:
@@ -272,33 +265,3 @@ def _plugin_help(workload: str, prog: str) -> None:
     except SystemExit:
         pass
     print()
-
-
-def tyro_call(parse: Callable[[], Any], prog: str) -> Any:
-    """Run a tyro parse; a parse error (tyro prints a box of help and exits 2) becomes one
-    :class:`ConfigError` line holding tyro's message. ``--help`` (exit 0) prints as tyro prints it."""
-    out = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
-            return parse()
-    except SystemExit as err:
-        text = out.getvalue()
-        if not err.code:  # --help: the captured text is the help
-            print(text, end="")
-            raise
-        raise ConfigError(_tyro_message(text) + f"; see {prog} --help") from None
-
-
-_RULE = re.compile(r"[\s\-─━╭╮╰╯│]*[-─━]{3,}[\s\-─━╭╮╰╯│]*")  # a box's horizontal line
-
-
-def _tyro_message(text: str) -> str:
-    """The message of a tyro error box: the lines between its first two rules, joined."""
-    lines = [line.strip(" │\t") for line in text.splitlines()]
-    rules = [i for i, line in enumerate(lines) if _RULE.fullmatch(line)]
-    if len(rules) >= 2:
-        body = lines[rules[0] + 1:rules[1]]
-    else:
-        body = [line for line in lines if line]
-    message = " ".join(line for line in body if line).strip()
-    return message or "could not parse the command line"

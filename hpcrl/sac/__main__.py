@@ -24,32 +24,16 @@ import dataclasses
 import signal
 import sys
 
-import tyro
-
-from hpcrl.comm import SpawnError, check_local_gpus, cuda_count, spawn
-from hpcrl.comm.local import SpawnConfigError, SpawnDataError, is_config_error
-from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_NONFINITE, EXIT_STOPPED
-
+from hpcrl.cli import cli, exit_code, flag_value, run_exit
 from hpcrl.config_check import ConfigError
 from hpcrl.config_file import load_config_file
+from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_NONFINITE
+from hpcrl.rundir import RunDirError
+from hpcrl.rundir_reuse import check_resumable, overwrite
 
-from .config import PRESETS, SACConfig, preset, seed_runs
-from .train import RESOLVED_KEYS, NonFiniteEnvData, plan, train
+from .config import PRESETS, RESOLVED_KEYS, SACConfig, preset, seed_runs
 
-EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C twice
-
-
-def _flag_value(argv: list[str], name: str) -> str | None:
-    """The value of ``--name V`` / ``--name=V`` in ``argv`` (the last one wins, as in tyro), or None."""
-    found = None
-    for i, arg in enumerate(argv):
-        if arg == name:
-            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                raise ConfigError(f"{name} needs a value")
-            found = argv[i + 1]
-        elif arg.startswith(name + "="):
-            found = arg[len(name) + 1 :]
-    return found
+PROG = "python -m hpcrl.sac"
 
 
 def parse(argv: list[str]) -> SACConfig:
@@ -57,11 +41,12 @@ def parse(argv: list[str]) -> SACConfig:
     ``--preset`` and ``--config`` are read first (they set the defaults the other flags are parsed
     against) and are also ordinary fields, so ``--help`` lists them."""
     help_only = "-h" in argv or "--help" in argv
-    config = "" if help_only else (_flag_value(argv, "--config") or "")
-    # "resume" is skipped too: a run's config.json records whether *it* resumed; rerunning a config
-    # starts fresh unless --resume is passed.
-    values = load_config_file(config, SACConfig, ignore=RESOLVED_KEYS | {"config", "resume"}) if config else {}
-    name = ("holosoma" if help_only else _flag_value(argv, "--preset")) or values.pop("preset", None) or "holosoma"
+    config = "" if help_only else (flag_value(argv, "--config") or "")
+    # "resume" and "overwrite" are skipped too: a run's config.json records what *it* was started with;
+    # rerunning a config starts fresh (and is refused on a run dir in use) unless the flag is passed again.
+    ignore = RESOLVED_KEYS | {"config", "resume", "overwrite"}
+    values = load_config_file(config, SACConfig, ignore=ignore) if config else {}
+    name = ("holosoma" if help_only else flag_value(argv, "--preset")) or values.pop("preset", None) or "holosoma"
     values.pop("preset", None)
     if name not in PRESETS:
         raise ConfigError(f"--preset {name}: must be one of {', '.join(sorted(PRESETS))}; e.g. --preset pendulum")
@@ -69,14 +54,18 @@ def parse(argv: list[str]) -> SACConfig:
         default = dataclasses.replace(preset(name), **values, config=config)
     except TypeError as err:  # unreachable for checked keys; kept one line
         raise ConfigError(f"--config {config}: {err}") from None
-    return tyro.cli(SACConfig, default=default, args=argv,
-                    description=f"FastSAC, data parallel. Values: preset < --config file < flags "
-                                f"(presets: {', '.join(sorted(PRESETS))}). Exit codes: 0 done, 2 bad configuration, "
-                                f"{EXIT_NONFINITE} non-finite env data, 1 a rank failed, 75 stopped after a "
-                                "checkpoint (--resume), 130 interrupted twice.")
+    return cli(SACConfig, argv, PROG, default=default,
+               description=f"FastSAC, data parallel. Values: preset < --config file < flags "
+                           f"(presets: {', '.join(sorted(PRESETS))}). Exit codes: 0 done, 2 bad configuration, "
+                           f"{EXIT_NONFINITE} non-finite env data, 1 a rank failed, 75 stopped after a "
+                           "checkpoint (--resume), 130 interrupted twice.")
 
 
 def _run(cfg: SACConfig) -> list[dict]:
+    from hpcrl.comm import check_local_gpus, cuda_count, spawn  # heavy: after every refusal that needs no torch
+
+    from .train import plan, train
+
     if cfg.nproc > 1:
         plan(cfg, cfg.nproc)  # fail before spawning anything
         check_local_gpus(cfg.nproc, cfg.device, cuda_count())
@@ -89,12 +78,21 @@ def _run(cfg: SACConfig) -> list[dict]:
     return [train(cfg)]
 
 
+def _one_launched_process() -> bool:
+    """This process is the run's only one or spawns its ranks (else rank 0 carries out --overwrite)."""
+    from hpcrl.comm import detect_launch
+
+    return detect_launch().world_size == 1
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse(sys.argv[1:] if argv is None else argv)
-        cfg.check()  # --seeds and every range, before the first run starts
+        cfg.check()  # --seeds, every range and every run dir, before the first run starts
         runs = seed_runs(cfg)
-    except ConfigError as err:
+        for run in runs:  # what the ranks would refuse, before any seed starts
+            check_resumable(run.run_dir, run.resume, run.resume_missing)
+    except (ConfigError, RunDirError) as err:
         print(f"hpcrl.sac: error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     for i, run in enumerate(runs):
@@ -108,28 +106,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main_one(cfg: SACConfig) -> int:
     try:
-        rows = _run(cfg)
-    except NonFiniteEnvData as err:  # one process: the rank's one-line message
-        print(f"hpcrl.sac: error: {err}", file=sys.stderr)
-        return EXIT_NONFINITE
-    except SpawnDataError as err:  # every rank stopped on the same non-finite env data: its one line
-        print(f"hpcrl.sac: error: {err}", file=sys.stderr)
-        return EXIT_NONFINITE
-    except SpawnConfigError as err:  # a rank found it: one line, however many ranks did
-        print(f"hpcrl.sac: error: {err}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
-    except SpawnError as err:  # a local rank failed: the message names the first and carries its traceback
-        print(f"hpcrl.sac: error: {err}", file=sys.stderr)
-        return EXIT_FAILED
-    except KeyboardInterrupt:
-        print("hpcrl.sac: interrupted: stopped without a checkpoint", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Exception as err:  # ConfigError, DistSetupError, RunDirError: exit 2, one line
-        if not is_config_error(err):
+        if cfg.overwrite and _one_launched_process():
+            overwrite(cfg.run_dir)  # right before this seed: an aborted sweep leaves the later seeds' runs
+        return run_exit(_run(cfg))
+    except (Exception, KeyboardInterrupt) as err:  # one line and its exit code; a bug keeps its traceback
+        code = exit_code(err, "hpcrl.sac")
+        if code is None:
             raise
-        print(f"hpcrl.sac: error: {err}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
-    return EXIT_STOPPED if any(row and row.get("preempted") for row in rows) else 0
+        return code
 
 
 if __name__ == "__main__":

@@ -17,11 +17,15 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from hpcrl.config_check import DEVICE, MAX_SEED, MAX_TIMEOUT_S, Check, ConfigError
+from hpcrl.rundir_reuse import check_fresh_start
 
 GradSyncMode = Literal["flat", "view", "ddp"]
 NonFiniteMode = Literal["error", "skip"]
 WandbMode = Literal["online", "offline", "disabled"]
 AmpMode = Literal["none", "bf16", "fp16"]
+
+RESOLVED_KEYS = frozenset({"world_size", "envs_per_rank", "batch_per_rank", "iterations", "launcher", "hosts"})
+"""Keys a run's config.json adds to the fields (what the run resolved); a --config file may hold them."""
 
 
 
@@ -30,7 +34,8 @@ class SACConfig:
     """Defaults follow holosoma's FastSACConfig (docs/holosoma.md) unless a preset says otherwise."""
 
     preset: str = "holosoma"
-    """Start from this preset's values (holosoma, pendulum); --config and the other flags override it."""
+    """Start from this preset's values (holosoma, pendulum, halfcheetah, playground); --config and the other
+    flags override it."""
     config: str = ""
     """YAML or JSON file of field values (e.g. the config.json a run wrote) used as defaults; flags override
     it. "" = none."""
@@ -47,6 +52,9 @@ class SACConfig:
     """Non-empty path without control characters."""
     resume: bool = False
     """Continue from the newest complete checkpoint in run_dir/checkpoints."""
+    overwrite: bool = False
+    """Delete the previous run in run_dir (its checkpoints, metrics, policies, ...) and start fresh there;
+    without it (or --resume) a run dir holding a previous run is refused."""
     resume_missing: str = "error"
     """With --resume and no usable checkpoint in run_dir: "error" refuses (exit 2), "fresh" starts a new run
     and says so (what the sbatch scripts pass: a job requeued before its first checkpoint starts over)."""
@@ -170,12 +178,18 @@ class SACConfig:
         ValueError) with one line naming the flag, the bad value, the valid range and a value that works
         (world-size dependent checks, e.g. divisibility by the number of ranks, are
         :func:`hpcrl.sac.train.plan`'s)."""
-        c = Check(self)
+        known = isinstance(self.preset, str) and self.preset in PRESETS
+        c = Check(self, preset(self.preset) if known else None,
+                  f"the {self.preset} preset's" if known and self.preset != "holosoma" else "the default")
         c.text("env", spaces=False)
         c.integer("num_envs", 1, hint="parallel envs over all ranks")
         c.integer("total_env_steps", 1, hint="env transitions to collect")
         c.text("run_dir")
         c.boolean("resume")
+        c.boolean("overwrite")
+        if self.resume and self.overwrite:
+            raise ConfigError("--resume --overwrite: --resume continues the run in --run-dir, --overwrite replaces "
+                              "it; pass one of them")
         c.choice("resume_missing", {"error", "fresh"}.__contains__, "error, fresh")
         c.integer("seed", 0, MAX_SEED)
         c.choice("device", DEVICE.fullmatch, "auto, cpu, cuda or cuda:K")
@@ -243,6 +257,8 @@ class SACConfig:
                 parse_seeds(self.seeds)
             except ValueError as err:
                 c.fail("seeds", f"comma-separated integers in [0, {MAX_SEED}] ({err})", "e.g. --seeds 0,1,2")
+        for run in seed_runs(self):  # last: the values are sound; a refusal names the run dir
+            check_fresh_start(run.run_dir, self.resume, self.overwrite)
 
 
 PRESETS: dict[str, dict] = {

@@ -1,0 +1,132 @@
+"""What every ``python -m hpcrl.*`` command line shares: tyro parsing whose errors are one line, the
+value of a flag read before parsing, and the exception -> exit code ladder of the training entry
+points. Light on purpose (tyro is imported when a parse runs): the entry points refuse bad flags and
+run dirs before anything heavy loads."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import shlex
+import sys
+from typing import Any, Callable
+
+from hpcrl.config_check import ConfigError, show
+from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_STOPPED
+
+__all__ = ["cli", "exit_code", "flag_value", "tyro_call"]
+
+
+def flag_value(argv: list[str], name: str) -> str | None:
+    """The value of ``name V`` / ``name=V`` in ``argv`` (the last one wins, as in tyro), or None;
+    :class:`ConfigError` when the flag is there without a value."""
+    found = None
+    for i, arg in enumerate(argv):
+        if arg == name:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise ConfigError(f"{name} needs a value")
+            found = argv[i + 1]
+        elif arg.startswith(name + "="):
+            found = arg[len(name) + 1:]
+    return found
+
+
+def tyro_call(parse: Callable[[], Any], prog: str, default: Any = None) -> Any:
+    """Run a tyro parse; a parse error (tyro prints a box of help and exits 2) becomes one
+    :class:`ConfigError` line: tyro's message, its "perhaps you meant ..." flags, and a value that
+    works for the flag it names (from ``default``, the config the flags are parsed against, else
+    tyro's shown default). ``--help`` (exit 0) prints as tyro prints it."""
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
+            return parse()
+    except SystemExit as err:
+        text = out.getvalue()
+        if not err.code:  # --help: the captured text is the help
+            print(text, end="")
+            raise
+        raise ConfigError(_tyro_message(text, default) + f"; see {prog} --help") from None
+
+
+def cli(cls: type, argv: list[str], prog: str, **kwargs: Any) -> Any:
+    """``tyro.cli(cls, args=argv, prog=prog, **kwargs)`` through :func:`tyro_call`."""
+    import tyro
+
+    return tyro_call(lambda: tyro.cli(cls, args=argv, prog=prog, **kwargs), prog, kwargs.get("default"))
+
+
+_RULE = re.compile(r"[─━]{3,}|[+|\s]*-{3,}[+|\s]*$")  # a box's horizontal line (a title may sit in it)
+_FLAG = re.compile(r"--[A-Za-z0-9][\w.-]*")
+_SHOWN_DEFAULT = re.compile(r"\(default: ([^)]*)\)")
+
+
+def _sections(text: str) -> list[list[str]]:
+    """The non-empty lines of a tyro error box between its rules (a title above the first rule, as
+    tyro prints it without a terminal, is dropped)."""
+    sections: list[list[str]] = []
+    current: list[str] | None = None  # None: before the first rule
+    for line in (raw.strip(" │┃\t") for raw in text.splitlines()):
+        if _RULE.search(line) if "─" in line or "━" in line else _RULE.match(line):
+            current = []
+            sections.append(current)
+        elif line and current is not None:
+            current.append(line)
+    sections = [s for s in sections if s]
+    return sections or [[line.strip() for line in text.splitlines() if line.strip()]]
+
+
+def _example(flag: str, default: Any, shown: str | None) -> str | None:
+    """A value that works for ``flag``: its value in ``default`` (nested groups by dots), else tyro's."""
+    value = default
+    for part in flag[2:].replace("-", "_").split("."):
+        value = getattr(value, part, None) if value is not None else None
+    if value is not None and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return shlex.quote(str(value)) if isinstance(value, str) else show(value)
+    return shown
+
+
+def _tyro_message(text: str, default: Any = None) -> str:
+    """One line from a tyro error box: its message, the flags it suggests, and an example value."""
+    sections = _sections(text)
+    if not sections:
+        return "could not parse the command line"
+    message = re.sub(r"\s+", " ", " ".join(sections[0]))
+    extra = []
+    for section in sections[1:]:
+        joined = " ".join(section)
+        if section[0].lower().startswith("perhaps you meant"):
+            flags = [m.group(0) for line in section[1:] if (m := _FLAG.match(line))]
+            if flags:
+                extra.append("perhaps you meant " + " or ".join(dict.fromkeys(flags)))
+        elif section[0].lower().startswith("argument helptext") and (named := _FLAG.search(message)):
+            shown = _SHOWN_DEFAULT.search(joined)
+            if (value := _example(named.group(0), default, shown.group(1) if shown else None)) is not None:
+                extra.append(f"e.g. {named.group(0)} {value}")
+    return "; ".join([message.rstrip(". "), *extra])
+
+
+def exit_code(err: BaseException, prog: str, failures: tuple[type[BaseException], ...] = ()) -> int | None:
+    """The exit code of an exception that ended a run, after printing its one line on stderr; None
+    for an exception that is a bug (the caller re-raises it: a traceback). ``failures``: more types
+    that mean "a rank failed" (exit 1; e.g. detached PPO's lost trainer)."""
+    from hpcrl.comm.local import SpawnConfigError, SpawnDataError, SpawnError, is_config_error, is_data_error
+
+    if isinstance(err, KeyboardInterrupt):
+        print(f"{prog}: interrupted: stopped without a checkpoint", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if isinstance(err, SpawnDataError) or is_data_error(err):  # one rank's line, whichever ranks hit it
+        code = EXIT_NONFINITE
+    elif isinstance(err, SpawnConfigError) or is_config_error(err):
+        code = EXIT_BAD_CONFIG
+    elif isinstance(err, (SpawnError, *failures)):
+        code = EXIT_FAILED  # the message names the rank that failed first (and carries its traceback)
+    else:
+        return None
+    print(f"{prog}: error: {err}", file=sys.stderr)
+    return code
+
+
+def run_exit(rows: list[Any]) -> int:
+    """0, or :data:`EXIT_STOPPED` when a rank's final row says it stopped on request after a checkpoint."""
+    return EXIT_STOPPED if any(row and row.get("preempted") for row in rows) else 0
