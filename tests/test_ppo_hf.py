@@ -27,6 +27,7 @@ from hpcrl.ppo.workloads.hf import HFWorkload, group_advantages, left_pad  # noq
 from hpcrl.ppo.workloads.hf_generate import (SamplingParams, filter_logits, generate, generate_recompute,  # noqa: E402
                                              position_ids, response_mask, token_logp)
 from hpcrl.ppo.workloads.hf_prompts import PromptStream, epoch_order  # noqa: E402
+from test_ppo_update import HostReads  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 PLUGIN = "hpcrl.ppo.workloads.hf:HFWorkload"
@@ -191,6 +192,21 @@ def test_ppo_raises_verifiable_reward(art):
     assert hist[-1]["entropy"] < hist[0]["entropy"]
     # synchronous loop (lag 0): the trainer's log-probs before each update are the maker's
     assert max(h["maker_logp_gap"] for h in hist) < 1e-4, [h["maker_logp_gap"] for h in hist]
+
+
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_update_reads_the_host_once(art, algo):
+    """No scalar read from the device between minibatches (but transformers' own, inside its models'
+    forward): the stats come back in one transfer."""
+    wl = _wl(art, algo=algo, batch_size=4, **({"group_size": 2} if algo == "grpo" else {}))
+    model = wl.build_model(0)
+    batch, _ = wl.make_collector(11).collect(model, torch.Generator().manual_seed(2))
+    learner = wl.make_learner(model, wl.default_config(), GradSync([p for p in model.parameters() if p.requires_grad],
+                                                                     plane=Plane.local("device")))
+    with HostReads([m for m in (model.actor, model.critic) if m is not None]) as counter:
+        stats = learner.update([batch], torch.Generator().manual_seed(0))
+    assert counter.reads == 0 and stats["sequences"] == 4.0 * (2 if algo == "grpo" else 1)
+    assert ("value_loss" in stats) == (algo == "ppo") and ("kl_loss" in stats) == (algo == "grpo")
 
 
 def test_grpo_raises_verifiable_reward_without_critic(art):

@@ -14,6 +14,7 @@ from hpcrl.ppo.losses import (
     per_token_kl_penalty,
     policy_loss,
     sequence_rewards_with_kl,
+    token_gae,
     value_loss,
     whiten,
 )
@@ -191,6 +192,21 @@ def test_entropy_bonus_and_masked_mean():
     assert float(entropy_bonus(ent, 0.01)) == pytest.approx(-0.02)
     assert float(entropy_bonus(ent, 0.5, mask=torch.tensor([1, 0, 1]))) == pytest.approx(-1.0)
     assert float(masked_mean(ent, torch.zeros(3, dtype=torch.bool))) == 0.0
+
+
+def test_token_gae_ends_each_sequence_at_its_last_token():
+    """The sequence ends at its last action token (right padding): what a one-hot end marker gives."""
+    g = torch.Generator().manual_seed(3)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    rewards, values = torch.randn(3, 4, generator=g) * mask, torch.randn(3, 4, generator=g)
+    adv, ret = token_gae(rewards, values, mask, 0.9, 0.8, normalize=False)
+    last = torch.nn.functional.one_hot(torch.clamp(mask.sum(-1).long() - 1, min=0), 4).float()
+    nxt = torch.cat([values[:, 1:], torch.zeros(3, 1)], 1)
+    want_adv, want_ret = gae(rewards.T, values.T, nxt.T, last.T, last.T, 0.9, 0.8)
+    assert torch.equal(adv, want_adv.T * mask) and torch.equal(ret, want_ret.T)
+    assert float(adv[1, 2:].abs().sum()) == 0.0
+    whitened, _ = token_gae(rewards, values, mask, 0.9, 0.8, normalize=True)
+    assert float(masked_mean(whitened, mask)) == pytest.approx(0.0, abs=1e-6)
 
 
 def test_approx_kl_k3():

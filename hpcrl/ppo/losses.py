@@ -194,3 +194,17 @@ def sequence_rewards_with_kl(
     idx = last_valid_index(mask)
     bonus = score.to(rewards.dtype) * mask.any(-1).to(rewards.dtype)
     return rewards.scatter_add(-1, idx.unsqueeze(-1), bonus.unsqueeze(-1))
+
+
+def token_gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float,
+              normalize: bool) -> tuple[Tensor, Tensor]:
+    """GAE over ``[B, G]`` response tokens (right-padded ``mask``): the sequence terminates at its last
+    action token, so nothing bootstraps past it; advantages are 0 outside ``mask`` and whitened over
+    it with ``normalize``. Returns ``(advantages, returns)``, ``[B, G]``."""
+    # where each row ends, by scatter: one_hot would read the indices' range on the host
+    end = torch.clamp(mask.sum(-1).long() - 1, min=0)
+    last = torch.zeros(mask.shape, dtype=rewards.dtype, device=mask.device).scatter_(-1, end.unsqueeze(-1), 1.0)
+    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)
+    adv, returns = gae(rewards.T, values.T, next_values.T, last.T, last.T, gamma, lam)  # time-major
+    adv, returns = adv.T * mask, returns.T
+    return (whiten(adv, mask=mask) if normalize else adv), returns

@@ -15,7 +15,7 @@ from typing import Any, Callable, Literal, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-from .losses import approx_kl, masked_mean, policy_loss, value_loss
+from .losses import approx_kl, entropy_bonus, masked_mean, policy_loss, value_loss
 from .workload import PPOConfig
 
 __all__ = ["Coefs", "GradStep", "Outputs", "Plan", "Samples", "minibatch_indices", "ppo_losses", "ppo_update",
@@ -131,14 +131,13 @@ def ppo_losses(out: Outputs, s: Samples, c: Coefs) -> tuple[Tensor, dict[str, Te
     if s.old_values is not None:
         vl = value_loss(out.values, s.old_values, s.returns, c.value_clip, mask=s.mask)
         loss, stats["value_loss"] = loss + c.vf * vl, vl
-    ent = masked_mean(out.entropy, s.mask)
-    loss = loss - c.ent * ent
+    loss = loss + entropy_bonus(out.entropy, c.ent, s.mask)
     if s.ref_logp is not None:
         kl = masked_mean(approx_kl(out.logp, s.ref_logp), s.mask)
         loss, stats["kl_loss"] = loss + c.kl * kl, kl
     with torch.no_grad():
         anchor = s.behaviour_logp if s.proximal_logp is None else s.proximal_logp
-        stats.update(entropy=ent, approx_kl=masked_mean(approx_kl(anchor, out.logp), s.mask), **pstats)
+        stats.update(entropy=masked_mean(out.entropy, s.mask), approx_kl=masked_mean(approx_kl(anchor, out.logp), s.mask), **pstats)
     return loss, {k: v.detach() for k, v in stats.items()}
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ..losses import approx_kl, gae, masked_mean, sequence_rewards_with_kl, whiten
+from ..losses import approx_kl, masked_mean, sequence_rewards_with_kl, token_gae
 from ..update import Coefs, GradStep, Outputs, Plan, Samples, ppo_update, read_stats
 from ..workload import AdamLearner, PPOConfig
 from .hf_generate import token_logp
@@ -49,15 +49,9 @@ class HFLearner(AdamLearner):
             adv = group_advantages(score, wl.group_size)[:, None] * mask
             rewards = sequence_rewards_with_kl(score, blogp, ref_logp, mask, 0.0, wl.kl_estimator)
             return Samples(blogp, adv, proximal_logp=prox, ref_logp=ref_logp, mask=mask), rewards
-        g = mask.shape[1]
         old_values = model.values(tokens, attn).float()
         rewards = sequence_rewards_with_kl(score, blogp, ref_logp, mask, cfg.kl_coef, wl.kl_estimator)
-        last = torch.nn.functional.one_hot(torch.clamp(mask.sum(-1).long() - 1, min=0), g).to(rewards.dtype)
-        next_values = torch.cat([old_values[:, 1:], torch.zeros_like(old_values[:, :1])], 1)
-        adv, returns = gae(rewards.T, old_values.T, next_values.T, last.T, last.T, cfg.gamma, cfg.gae_lambda)
-        adv, returns = adv.T * mask, returns.T
-        if cfg.normalize_advantages:
-            adv = whiten(adv, mask=mask)
+        adv, returns = token_gae(rewards, old_values, mask, cfg.gamma, cfg.gae_lambda, cfg.normalize_advantages)
         return Samples(blogp, adv, old_values, returns, prox, mask=mask), rewards
 
     def update(self, batches: list[dict[str, Tensor]], generator: torch.Generator) -> dict[str, float]:

@@ -53,10 +53,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..losses import approx_kl, gae, masked_mean, sequence_rewards_with_kl, whiten
+from ..losses import approx_kl, masked_mean, sequence_rewards_with_kl, token_gae
 from ..update import Coefs, GradStep, Outputs, Plan, Samples, ppo_update, read_stats
 from ..workload import AdamLearner, Collector, PPOConfig, Workload
 from .lm_corpus import CountingCorpus, TargetTokenReward, pretrain
@@ -320,15 +319,9 @@ class LMLearner(AdamLearner):
         cfg, model = self.cfg, self.model
         tokens, mask = b["tokens"], b["action_mask"]
         blogp, ref_logp, score = b["behaviour_logp"].float(), b["ref_logp"].float(), b["score"].float()
-        g = blogp.shape[1]
         old_values = model.values(tokens).float()
         rewards = sequence_rewards_with_kl(score, blogp, ref_logp, mask, cfg.kl_coef, self.wl.kl_estimator)
-        last = F.one_hot(torch.clamp(mask.sum(-1).long() - 1, min=0), g).to(rewards.dtype)
-        next_values = torch.cat([old_values[:, 1:], torch.zeros_like(old_values[:, :1])], 1)
-        adv, returns = gae(rewards.T, old_values.T, next_values.T, last.T, last.T, cfg.gamma, cfg.gae_lambda)
-        adv, returns = adv.T * mask, returns.T
-        if cfg.normalize_advantages:
-            adv = whiten(adv, mask=mask)
+        adv, returns = token_gae(rewards, old_values, mask, cfg.gamma, cfg.gae_lambda, cfg.normalize_advantages)
         prox_logp = None
         if cfg.truncated_is is not None:
             prox_logp = token_logp(model.action_logits(tokens), tokens[:, self.wl.prompt_len :])
