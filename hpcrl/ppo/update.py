@@ -137,7 +137,9 @@ def ppo_losses(out: Outputs, s: Samples, c: Coefs) -> tuple[Tensor, dict[str, Te
         loss, stats["kl_loss"] = loss + c.kl * kl, kl
     with torch.no_grad():
         anchor = s.behaviour_logp if s.proximal_logp is None else s.proximal_logp
-        stats.update(entropy=masked_mean(out.entropy, s.mask), approx_kl=masked_mean(approx_kl(anchor, out.logp), s.mask), **pstats)
+        stats["entropy"] = masked_mean(out.entropy, s.mask)
+        stats["approx_kl"] = masked_mean(approx_kl(anchor, out.logp), s.mask)
+    stats.update(pstats)
     return loss, {k: v.detach() for k, v in stats.items()}
 
 

@@ -203,7 +203,8 @@ class _PluginCollector(Collector):
 class _PluginLearner(Learner):
     def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.optimizer = inner.optimizer if isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer) else None
+        found = getattr(inner, "optimizer", None)
+        self.optimizer = found if isinstance(found, torch.optim.Optimizer) else None
 
     def update(self, batches: list[dict[str, torch.Tensor]], generator: torch.Generator) -> dict[str, float]:
         return self.inner.update(batches, generator)

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from ..workload import Workload
 from .vector_env import VectorEnvWorkload
 
 __all__ = ["VectorEnvWorkload", "make_workload", "workload_names"]
 
 
-def _vector(env: str, name: str, **defaults: Any) -> Callable[..., Any]:
+def _vector(env: str, name: str, **defaults: Any) -> Callable[..., Workload]:
     def make(**kwargs: Any) -> VectorEnvWorkload:
         return VectorEnvWorkload(**{"env": env, "name": name, **defaults, **kwargs})
 
@@ -30,19 +31,19 @@ def _vector(env: str, name: str, **defaults: Any) -> Callable[..., Any]:
 _CONTINUOUS = {"num_envs": 16, "rollout_len": 64}
 
 
-def _lm(**kwargs: Any) -> Any:
+def _lm(**kwargs: Any) -> Workload:
     from .lm import LMWorkload  # lazy: the LM workload is optional and heavier
 
     return LMWorkload(**kwargs)
 
 
-def _hf(**kwargs: Any) -> Any:
+def _hf(**kwargs: Any) -> Workload:
     from .hf import RegisteredHFWorkload  # lazy: needs transformers (pip install '.[hf]')
 
     return RegisteredHFWorkload(**kwargs)
 
 
-_REGISTRY: dict[str, Callable[..., Any]] = {
+_REGISTRY: dict[str, Callable[..., Workload]] = {
     "cartpole": _vector("cartpole", "cartpole"),
     "swingup": _vector("cartpole_swingup", "swingup", **_CONTINUOUS),
     "continuous": _vector("cartpole_swingup", "continuous", **_CONTINUOUS),
@@ -56,7 +57,7 @@ def workload_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def make_workload(name: str, **kwargs: Any) -> Any:
+def make_workload(name: str, **kwargs: Any) -> Workload:
     """Build a workload by registry name; unknown names raise ValueError listing the known ones."""
     try:
         factory = _REGISTRY[name]
