@@ -23,7 +23,7 @@ from hpcrl.metrics import RunLogger
 from hpcrl.replay import ReplayShard
 
 from .agent import FastSAC
-from .config import ConfigError, SACConfig
+from .config import RESOLVED_KEYS, ConfigError, SACConfig
 from .events import Events, ignore
 from .layout import Layout, plan
 from .loop import reduce_shared_state, run_loop
@@ -36,7 +36,6 @@ __all__ = ["RESOLVED_KEYS", "RESUMABLE_FIELDS", "ConfigError", "Layout", "NonFin
 
 # Keys of RUN_DIR/config.json that the run resolved (not SACConfig fields): --config skips them, so a
 # run's own config.json reruns as written.
-RESOLVED_KEYS = frozenset({"world_size", "envs_per_rank", "batch_per_rank", "iterations", "launcher", "hosts"})
 
 
 class RunDirConfigError(ConfigError, rundir.RunDirError):
