@@ -24,6 +24,11 @@ class ConfigError(ValueError):
     exit 2 on it."""
 
 
+class DataError(RuntimeError):
+    """The run's data is unusable (e.g. the env returned NaN/inf); the message (one line) names what and
+    where. Not a configuration error: the entry points exit 65 (sysexits EX_DATAERR) on it."""
+
+
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 

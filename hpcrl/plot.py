@@ -33,6 +33,7 @@ from typing import Annotated, Any, Literal
 import numpy as np
 import tyro
 
+from hpcrl.cli import cli
 from hpcrl.config_check import ConfigError
 from hpcrl.conventions import EXIT_BAD_CONFIG
 
@@ -236,8 +237,8 @@ def plot_runs(groups: dict[str, list[Run]], out: str | Path, band: str = "std", 
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = tyro.cli(PlotConfig, args=sys.argv[1:] if argv is None else argv)
     try:
+        cfg = cli(PlotConfig, sys.argv[1:] if argv is None else argv, "python -m hpcrl.plot")
         if not cfg.out.lower().endswith(".png"):
             raise ConfigError(f"--out {cfg.out}: must be a path ending in .png; e.g. --out runs.png")
         if not cfg.run_dirs:

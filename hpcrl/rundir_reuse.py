@@ -1,6 +1,6 @@
 """Whether a run may start fresh in a run directory, and ``--overwrite``. Torch-free: the entry points
-ask before anything heavy is imported or any rank is spawned, and every rank asks again in its
-config check (torchrun / srun start ranks directly).
+ask before anything heavy is imported or any rank is spawned; under srun / torchrun every rank runs
+the entry point, so every rank asks (:func:`check_start`), before its rendezvous.
 
 A directory that holds a previous run (finished or interrupted: a committed checkpoint, a metrics
 row, a best/final policy, an outcome record, an hf export, or a half-done ``--overwrite``) is refused
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from hpcrl.rundir import RunDirError, probe
 
-__all__ = ["RUN_FILES", "check_fresh_start", "check_resumable", "committed_steps", "nothing_to_resume",
+__all__ = ["RUN_FILES", "check_fresh_start", "check_resumable", "check_start", "committed_steps", "nothing_to_resume",
            "overwrite", "previous_run", "remove_run"]
 
 RUN_FILES = ("config.json", "metrics.jsonl", "outcome.json", "wandb_id", "checkpoints", "best", "final", "tb",
@@ -115,6 +115,14 @@ def remove_run(run_dir: str | os.PathLike) -> list[str]:
         if p.name.startswith(TRASH):
             shutil.rmtree(p)
     return present
+
+
+def check_start(run_dir: str | os.PathLike, resume: bool, resume_missing: str, overwrite: bool) -> None:
+    """Everything an entry point checks about the run dir before it starts or spawns a rank:
+    :func:`check_fresh_start` and :func:`check_resumable`. Every process a launcher starts runs the
+    entry point, so each asks before its rendezvous, when no rank can hold the lock yet."""
+    check_fresh_start(run_dir, resume, overwrite)
+    check_resumable(run_dir, resume, resume_missing)
 
 
 def overwrite(run_dir: str | os.PathLike) -> None:

@@ -413,11 +413,15 @@ def test_launch_algo_with_a_newline_is_refused(tmp_path, capsys):
     assert_bad_cli(rc, capsys.readouterr().err, "algo='sac\\nid' (ALGO)", "control character")
 
 
-def test_launch_argparse_errors_exit_2(capsys):
-    with pytest.raises(SystemExit) as info:
-        launch_main(["sac", "--nodes", "two", "--dry-run"])
-    assert info.value.code == EXIT_BAD_CONFIG
-    assert "argument --nodes: invalid int value: 'two'" in capsys.readouterr().err
+def test_launch_flag_errors_exit_2_with_one_line(capsys):
+    assert launch_main(["sac", "--nodes", "two", "--dry-run"]) == EXIT_BAD_CONFIG
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--nodes" in err and "'two'" in err and "e.g. --nodes 1" in err
+    assert launch_main(["sac", "--node", "2", "--dry-run"]) == EXIT_BAD_CONFIG
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--nodes" in err.split("perhaps you meant")[1]
+    assert launch_main(["sac", "--local", "--slurm", "--dry-run"]) == EXIT_BAD_CONFIG
+    assert "--local --slurm" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("fields, message", [

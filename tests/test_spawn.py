@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from hpcrl import checkpoint
 from hpcrl.comm import SpawnError, init_distributed, shutdown, spawn
-from hpcrl.comm import local
+from hpcrl.comm import scratch
 from hpcrl.comm.local import SpawnConfigError
 
 TESTS = Path(__file__).resolve().parent
@@ -115,6 +115,28 @@ def _stop_aware(pid_dir: str) -> str:
             return "stopped"
         time.sleep(0.01)
     return "finished"
+
+
+def _stop_reason(pid_dir: str) -> str:
+    """Like a trainer: a StopRequest; returns the reason it was given."""
+    from hpcrl.comm import StopRequest
+
+    stop = StopRequest.install()
+    Path(pid_dir, f"rank-{os.environ['RANK']}").write_text(str(os.getpid()))
+    deadline = time.monotonic() + 30
+    while not stop.reason and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return stop.reason
+
+
+def test_a_forwarded_ctrl_c_is_reported_as_ctrl_c_and_a_sigterm_as_sigterm(tmp_path):
+    for sig, reason in ((signal.SIGINT, "Ctrl-C"), (signal.SIGTERM, "SIGTERM")):
+        pids = tmp_path / sig.name
+        pids.mkdir()
+        timer = threading.Thread(target=lambda: (_wait_pids(pids, 2), os.kill(os.getpid(), sig)))
+        timer.start()
+        assert spawn(_stop_reason, 2, args=(str(pids),), timeout_s=60) == [reason, reason]
+        timer.join()
 
 
 def _collective_loop(pid_dir: str) -> None:
@@ -227,7 +249,7 @@ def test_sigkilled_parent_takes_its_ranks_and_its_scratch_dir_is_swept(tmp_path,
     finally:
         _finish(proc, 1)
     assert len(_scratch_dirs(tmp_path)) == 1  # a SIGKILLed parent cannot clean up ...
-    live = tmp_path / "scratch" / f"hpcrl-spawn-{local._host_tag()}-{os.getpid()}-{local._proc_start(os.getpid())}-x"
+    live = tmp_path / "scratch" / f"{scratch.PREFIX}{scratch.host_tag()}-{os.getpid()}-{scratch.start_tag(os.getpid())}-x"
     live.mkdir()  # ... but a live owner's directory is kept
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "scratch"))
     assert spawn(_returns_rank, 1, timeout_s=60) == [0]  # ... the next spawn sweeps the dead one

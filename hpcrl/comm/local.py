@@ -28,8 +28,8 @@ The parent supervises like an agent:
 - **Failures are attributed** to the rank whose exit the parent observed first (ties: a rank killed
   by a signal before one that raised, then the earlier exception), with its signal name, exit code
   or the exception's last line, not to a peer that died of it later.
-- **Configuration errors** raised inside a rank (an exception whose class, or a base class, is named
-  in :data:`CONFIG_ERROR_NAMES`) come back as :class:`SpawnConfigError` carrying the rank's one-line
+- **Configuration errors** raised inside a rank (an instance of one of
+  :data:`~hpcrl.comm.spawn_errors.CONFIG_ERRORS`) come back as :class:`SpawnConfigError` carrying the rank's one-line
   message, so entry points exit 2 without a traceback however many ranks hit it.
 - **Expendable ranks** (``expendable=``) may fail without stopping the others (detached PPO's
   makers): their failure is a warning line on stderr, and part of the error if the run fails.
@@ -37,240 +37,42 @@ The parent supervises like an agent:
 
 from __future__ import annotations
 
-import ctypes
 import json
 import multiprocessing.connection
 import multiprocessing.resource_tracker
 import os
 import pickle
-import re
 import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Collection, Sequence
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hpcrl import rundir
 
+from .scratch import make_scratch_dir
 from .secret import SECRET_ENV, new_secret
+from .spawn_child import STOP_SIGNALS, run_child
+from .spawn_errors import (CONFIG_ERRORS, DATA_ERRORS, SpawnConfigError, SpawnDataError, SpawnError, is_config_error,
+                           is_data_error)
+from .stop import INTERRUPT_ENV
 
-__all__ = ["CONFIG_ERROR_NAMES", "DATA_ERROR_NAMES", "FORWARD_SIGNALS", "SpawnConfigError", "SpawnDataError",
-           "SpawnError", "is_config_error", "is_data_error", "spawn"]
+__all__ = ["CONFIG_ERRORS", "DATA_ERRORS", "FORWARD_SIGNALS", "SpawnConfigError", "SpawnDataError", "SpawnError",
+           "is_config_error", "is_data_error", "spawn"]
 
 _KILL_GRACE_S = 3.0  # SIGTERM -> SIGKILL when spawn stops ranks itself
 _EXPENDABLE_GRACE_S = 30.0  # expendable ranks still running this long after the others finished are stopped
-_HOLD_S = 5.0  # a stop signal held for the rank function's own handler is delivered by default after this
-_PREFIX = "hpcrl-spawn-"
+_INTERRUPTED = "interrupted"  # a file in the scratch dir: the SIGTERMs the ranks get are a forwarded Ctrl-C
 
 FORWARD_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)
 """What :func:`spawn` forwards to its ranks by default (SIGINT as SIGTERM)."""
-
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)  # what the ranks' StopRequest handles
-
-CONFIG_ERROR_NAMES = frozenset({"ConfigError", "DistSetupError", "RunDirError"})
-"""Exception class names that mean "this configuration cannot run" (``hpcrl.sac.train.ConfigError``,
-``hpcrl.ppo.run.ConfigError``, ``hpcrl.comm.DistSetupError``, ``hpcrl.rundir.RunDirError``) and their
-subclasses. Matched by name along the class's MRO, so this module imports none of them."""
-
-
-def is_config_error(err: BaseException) -> bool:
-    """True when ``err`` is a configuration error (see :data:`CONFIG_ERROR_NAMES`): exit 2, one line."""
-    return any(cls.__name__ in CONFIG_ERROR_NAMES for cls in type(err).__mro__)
-
-
-DATA_ERROR_NAMES = frozenset({"NonFiniteEnvData"})
-"""Exception class names that mean "the run's data is unusable" (``hpcrl.sac.train.NonFiniteEnvData``):
-like configuration errors, reported as the rank's one line (:class:`SpawnDataError`), with their own
-exit code at the entry point."""
-
-
-def is_data_error(err: BaseException) -> bool:
-    return any(cls.__name__ in DATA_ERROR_NAMES for cls in type(err).__mro__)
-
-
-class SpawnError(RuntimeError):
-    """A spawned rank failed (``rank``, ``exitcode``) or the run timed out (``rank`` is None)."""
-
-    def __init__(self, message: str, rank: int | None, exitcode: int | None):
-        super().__init__(message)
-        self.rank = rank
-        self.exitcode = exitcode
-
-
-class SpawnDataError(SpawnError):
-    """A rank stopped on unusable data (see :data:`DATA_ERROR_NAMES`); ``str(err)`` is its one-line message."""
-
-
-class SpawnConfigError(SpawnError):
-    """A rank raised a configuration error; ``str(err)`` is its one-line message, ``type_name`` its class."""
-
-    def __init__(self, message: str, rank: int | None, exitcode: int | None, type_name: str = ""):
-        super().__init__(message, rank, exitcode)
-        self.type_name = type_name
-
-
-# -- the child --------------------------------------------------------------------------------------
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies (Linux), then make sure the parent
-    did not die before we asked (we would have been re-parented, and nobody would ever kill us)."""
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
-class _Hold:
-    """Stop signals that arrive before the rank function installed its own handler (imports, start-up):
-    held, then re-sent to this process as soon as the handler is another one (polled from a thread,
-    started only when something is held). A function that never installs one gets a held signal with
-    the default action ``_HOLD_S`` after it arrived."""
-
-    def __init__(self, signals: Sequence[int]) -> None:
-        self.signals = tuple(signals)
-        self.pending: dict[int, float] = {}  # signal -> when it arrived
-        self.expired: set[int] = set()
-        self.done, self.wake = threading.Event(), threading.Event()
-        self.thread: threading.Thread | None = None
-        self.handler = self._handle  # one bound-method object: getsignal() returns this very object
-        for sig in self.signals:
-            signal.signal(sig, self.handler)
-
-    def _handle(self, signum: int, _frame: Any) -> None:
-        if signum in self.expired:  # held too long: the default action after all
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        self.pending.setdefault(signum, time.monotonic())
-        self.wake.set()
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._deliver, name="hpcrl-spawn-hold", daemon=True)
-            self.thread.start()
-
-    def _deliver(self) -> None:
-        while not self.done.is_set():
-            if not self.pending:
-                self.wake.wait()
-                self.wake.clear()
-                continue
-            for sig, since in list(self.pending.items()):
-                if signal.getsignal(sig) is not self.handler:
-                    del self.pending[sig]
-                    os.kill(os.getpid(), sig)
-                elif time.monotonic() - since > _HOLD_S:
-                    del self.pending[sig]
-                    self.expired.add(sig)
-                    os.kill(os.getpid(), sig)
-            self.done.wait(0.01)
-
-    def close(self) -> None:
-        self.done.set()
-        self.wake.set()
-
-
-def _quiet(signals: Sequence[int]) -> None:
-    """The function is done: stop signals no longer mean anything here. SIG_IGN, because the
-    interpreter resets Python-level handlers to SIG_DFL while it exits, and a signal then would
-    kill a rank that finished its work."""
-    for sig in signals:
-        signal.signal(sig, signal.SIG_IGN)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
-def _child(fn: Callable[..., Any], args: Sequence[Any], env: dict[str, str], num_threads: int | None, tmp: str,
-           parent_pid: int, hold: Sequence[int], ignore_sigint: bool, unblock: Sequence[int]) -> None:
-    _die_with_parent(parent_pid)
-    os.environ.update(env)
-    rank = env["RANK"]
-    held = _Hold(hold)
-    if ignore_sigint:  # the parent turns Ctrl-C into SIGTERM for us; the terminal's own SIGINT is noise
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if unblock:  # the parent blocked them while starting us, so none could kill us during the imports
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, unblock)
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
-    try:
-        result = fn(*args)
-    except Exception as err:
-        _quiet(_STOP_SIGNALS)
-        # A file, not a queue: a queue's feeder thread can deadlock a child that exits right after.
-        lines = traceback.format_exception_only(type(err), err)
-        record = {"time": time.time(), "type": f"{type(err).__module__}.{type(err).__qualname__}",
-                  "config": is_config_error(err), "data": is_data_error(err), "message": str(err),
-                  "last": (lines[-1] if lines else repr(err)).strip(), "traceback": traceback.format_exc()}
-        _write_atomic(Path(tmp, f"error-{rank}"), json.dumps(record).encode())
-        raise SystemExit(1) from None
-    finally:
-        held.close()
-    _quiet(_STOP_SIGNALS)
-    _write_atomic(Path(tmp, f"result-{rank}"), pickle.dumps(result))
-
-
-# -- scratch directories ----------------------------------------------------------------------------
-def _host_tag() -> str:
-    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:40] or "host"
-
-
-def _proc_start(pid: int) -> str:
-    """The process's start time (:func:`hpcrl.rundir.proc_start`), "0" where /proc is not available: a
-    field of the scratch directory's name."""
-    return rundir.proc_start(pid) or "0"
-
-
-def _owner_alive(pid: int, start: str) -> bool:
-    return rundir.pid_alive(pid, "" if start == "0" else start)
-
-
-_SCRATCH = re.compile(re.escape(_PREFIX) + r"(?P<host>.+)-(?P<pid>\d+)-(?P<start>\d+)-[A-Za-z0-9_]+")
-
-
-def sweep_scratch(root: str | None = None) -> list[str]:
-    """Remove this user's scratch directories left on this host by parents that are gone; return them."""
-    root = root or tempfile.gettempdir()
-    host, uid, removed = _host_tag(), os.getuid(), []
-    try:
-        entries = list(os.scandir(root))
-    except OSError:
-        return removed
-    for entry in entries:
-        m = _SCRATCH.fullmatch(entry.name)
-        if not m or m["host"] != host:
-            continue
-        try:
-            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != uid:
-                continue
-        except OSError:
-            continue
-        if not _owner_alive(int(m["pid"]), m["start"]):
-            shutil.rmtree(entry.path, ignore_errors=True)
-            removed.append(entry.path)
-    return removed
-
-
-def _scratch_dir() -> str:
-    sweep_scratch()
-    pid = os.getpid()
-    return tempfile.mkdtemp(prefix=f"{_PREFIX}{_host_tag()}-{pid}-{_proc_start(pid)}-")
-
 
 # -- the parent -------------------------------------------------------------------------------------
 def _signame(signum: int) -> str:
@@ -290,6 +92,7 @@ class _Forwarder:
         self.requested: str = ""  # the first forwarded signal's name
         self.interrupts = 0
         self.killed = False
+        self.marker: Path | None = None  # written before a Ctrl-C is forwarded (the ranks' stop reason)
 
     @property
     def active(self) -> bool:
@@ -327,6 +130,11 @@ class _Forwarder:
             os.write(2, b"hpcrl: interrupted: the ranks stop at their next step boundary (checkpoint, exit 75); "
                         b"interrupt again to kill them without a checkpoint\n")
         self.requested = self.requested or _signame(signum)
+        if signum == signal.SIGINT and self.marker is not None:
+            try:
+                self.marker.touch()
+            except OSError:  # the ranks then say SIGTERM: a worse reason, the same stop
+                pass
         self._send(signal.SIGTERM if signum == signal.SIGINT else signum)
 
 
@@ -516,7 +324,7 @@ def spawn(
         blocked = fwd.signals if fwd.active and hasattr(signal, "pthread_sigmask") else ()
         # what the ranks hold for their StopRequest: the forwarded stop signals (SIGINT arrives as SIGTERM)
         ignore_sigint = fwd.active and signal.SIGINT in fwd.signals
-        hold = tuple(s for s in _STOP_SIGNALS if fwd.active and (s in fwd.signals or (s == signal.SIGTERM and ignore_sigint)))
+        hold = tuple(s for s in STOP_SIGNALS if fwd.active and (s in fwd.signals or (s == signal.SIGTERM and ignore_sigint)))
         # Forwarded signals wait (pending) until every rank exists; the children inherit the mask and
         # unblock them once their handlers are in place, so a signal during start-up stops them too.
         if blocked:  # its first launch unblocks SIGINT and SIGTERM in this thread (bpo-33613): launch it now
@@ -525,8 +333,9 @@ def spawn(
         try:
             store = _loopback_store(nproc)
             secret = new_secret()
-            tmp = _scratch_dir()
+            tmp = make_scratch_dir()
             exits = _Exits(procs, tmp, fwd)
+            fwd.marker = Path(tmp, _INTERRUPTED)
             unblock = tuple(s for s in blocked if old_mask is None or s not in old_mask)
             for rank in range(nproc):
                 child_env = {
@@ -539,11 +348,12 @@ def spawn(
                     "LOCAL_WORLD_SIZE": str(nproc),
                     "HPCRL_LAUNCHER": "local",  # torchrun-style variables, but the run reports "local"
                     rundir.LAUNCHED_PID_ENV: str(os.getpid()),  # the run-dir lock names the pid the user started
+                    INTERRUPT_ENV: str(Path(tmp, _INTERRUPTED)),
                     "GLOO_SOCKET_IFNAME": _loopback_interface(),  # gloo listens where the hostname resolves
                     SECRET_ENV: secret,
                     **(env or {}),
                 }
-                p = ctx.Process(target=_child, name=f"rank{rank}",
+                p = ctx.Process(target=run_child, name=f"rank{rank}",
                                 args=(fn, tuple(args), child_env, num_threads, tmp, os.getpid(), hold, ignore_sigint,
                                       unblock))
                 procs.append(p)

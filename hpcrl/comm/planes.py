@@ -78,9 +78,6 @@ class Plane:
         """A member of a group of more than one rank: collectives on this plane communicate."""
         return self.member and self.group is not None and self.size > 1
 
-    def group_rank(self, global_rank: int) -> int:
-        return self.ranks.index(global_rank)
-
     def check(self, tensors: Sequence[torch.Tensor], what: str = "tensor") -> None:
         """Raise if a tensor is on the wrong kind of device for this plane (metadata only: no sync)."""
         for t in tensors:

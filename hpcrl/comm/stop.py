@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -12,7 +13,10 @@ from hpcrl.conventions import EXIT_STOPPED
 from .planes import Plane
 from .reduce import all_reduce_sum_
 
-__all__ = ["EXIT_STOPPED", "StopRequest"]
+__all__ = ["EXIT_STOPPED", "INTERRUPT_ENV", "StopRequest"]
+
+INTERRUPT_ENV = "HPCRL_INTERRUPT_FILE"
+"""Set by :func:`hpcrl.comm.spawn`: a file that exists once the SIGTERM a rank gets is a forwarded Ctrl-C."""
 
 
 class StopRequest:
@@ -35,7 +39,9 @@ class StopRequest:
         return req
 
     def _handle(self, signum, _frame) -> None:
-        self.reason = signal.Signals(signum).name
+        marker = os.environ.get(INTERRUPT_ENV)
+        ctrl_c = signum == signal.SIGTERM and marker and os.path.exists(marker)
+        self.reason = "Ctrl-C" if ctrl_c else signal.Signals(signum).name
 
     def agreed(self, plane: Plane, fault: bool = False) -> bool:
         """True on every rank of a host ``plane`` if any of them was signalled (one tiny gloo

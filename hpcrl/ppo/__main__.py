@@ -24,7 +24,7 @@ from hpcrl.comm.devices import resolve_kind
 from hpcrl.config_check import ConfigError
 from hpcrl.conventions import EXIT_BAD_CONFIG
 from hpcrl.rundir import RunDirError
-from hpcrl.rundir_reuse import check_resumable, overwrite
+from hpcrl.rundir_reuse import check_start, overwrite
 
 from .config import DetachedConfig, parse_args
 from .liveness import PeerLost
@@ -34,8 +34,9 @@ from .run import build_workload, train, validate
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(sys.argv[1:] if argv is None else argv)
-        cfg.check()  # every range and the run dir, before anything is built or spawned
-        check_resumable(cfg.run_dir, cfg.resume, cfg.resume_missing)  # what the trainers would refuse
+        cfg.check()  # every range, before anything is built or spawned
+        # every rank launched by srun / torchrun asks too, before its rendezvous (no rank has the lock yet)
+        check_start(cfg.run_dir, cfg.resume, cfg.resume_missing, cfg.overwrite)
     except (ConfigError, RunDirError) as err:  # one line
         print(f"hpcrl.ppo: error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG

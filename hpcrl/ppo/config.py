@@ -7,7 +7,8 @@ constructor (:func:`parse_args`, :attr:`DetachedConfig.plugin_args`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from difflib import get_close_matches
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -17,7 +18,6 @@ import tyro
 from hpcrl.cli import flag_value, tyro_call
 from hpcrl.config_check import DEVICE, MAX_SEED, MAX_TIMEOUT_S, Check, ConfigError, show
 from hpcrl.conventions import DEFAULT_MAKERS, DEFAULT_TRAINERS
-from hpcrl.rundir_reuse import check_fresh_start
 
 from .plugins import plugin_class
 from .workloads.hf_options import HFGroupOptions
@@ -180,7 +180,6 @@ class DetachedConfig:
         c.integer("threads", 1, hint="torch threads per rank")
         c.integer("checkpoint_every", 0, hint="PPO updates between checkpoints; 0 = only at the end")
         self._check_options(c)
-        check_fresh_start(self.run_dir, self.resume, self.overwrite)  # last: a refusal names the run dir
 
     def _check_options(self, c: Check) -> None:
         """Each option group's ranges, and that the groups given are the workload's own."""
@@ -204,7 +203,8 @@ class DetachedConfig:
                                   f"--workload {family[0]}"
                                   + ("; a plugin workload takes its own flags (its constructor's)" if plugin else ""))
         if self.plugin_args and not plugin:
-            raise ConfigError(f"unrecognized option(s) {' '.join(self.plugin_args)} for --workload {self.workload}: "
+            raise ConfigError(f"unrecognized option(s) {' '.join(self.plugin_args)} for --workload {self.workload}"
+                              f"{_perhaps(self.plugin_args)}: "
                               "only a package.module:Class workload takes flags of its own; see python -m hpcrl.ppo "
                               "--help for the --env.*, --lm.*, --hf.* and --ppo.* options")
 
@@ -215,6 +215,23 @@ class DetachedConfig:
     @property
     def stale_cap(self) -> int:
         return self.lag if self.max_lag is None else self.max_lag
+
+
+def _known_flags() -> list[str]:
+    """Every flag of :class:`DetachedConfig`, its option groups' included (``--env.num-envs``)."""
+    flags = []
+    for f in fields(DetachedConfig):
+        kind = f.default_factory if f.default_factory is not MISSING else None  # the option groups
+        inner = [f"{f.name}.{g.name}" for g in fields(kind)] if is_dataclass(kind) else [f.name]
+        flags += ["--" + name.replace("_", "-") for name in inner]
+    return flags
+
+
+def _perhaps(args: tuple[str, ...]) -> str:
+    """" (perhaps you meant --total-steps)" for unknown flags close to known ones, else ""."""
+    known = _known_flags()
+    close = [m for a in args if a.startswith("--") for m in get_close_matches(a.split("=")[0], known, 1, 0.8)]
+    return f" (perhaps you meant {' or '.join(dict.fromkeys(close))})" if close else ""
 
 
 def _check_run_dir(c: Check, run_dir: str) -> None:

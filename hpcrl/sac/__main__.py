@@ -29,7 +29,7 @@ from hpcrl.config_check import ConfigError
 from hpcrl.config_file import load_config_file
 from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_NONFINITE
 from hpcrl.rundir import RunDirError
-from hpcrl.rundir_reuse import check_resumable, overwrite
+from hpcrl.rundir_reuse import check_start, overwrite
 
 from .config import PRESETS, RESOLVED_KEYS, SACConfig, preset, seed_runs
 
@@ -88,10 +88,10 @@ def _one_launched_process() -> bool:
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse(sys.argv[1:] if argv is None else argv)
-        cfg.check()  # --seeds, every range and every run dir, before the first run starts
+        cfg.check()  # --seeds and every range, before the first run starts
         runs = seed_runs(cfg)
-        for run in runs:  # what the ranks would refuse, before any seed starts
-            check_resumable(run.run_dir, run.resume, run.resume_missing)
+        for run in runs:  # every rank launched by srun / torchrun asks too, before its rendezvous
+            check_start(run.run_dir, run.resume, run.resume_missing, run.overwrite)
     except (ConfigError, RunDirError) as err:
         print(f"hpcrl.sac: error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG

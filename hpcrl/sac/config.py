@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from hpcrl.config_check import DEVICE, MAX_SEED, MAX_TIMEOUT_S, Check, ConfigError
-from hpcrl.rundir_reuse import check_fresh_start
 
 GradSyncMode = Literal["flat", "view", "ddp"]
 NonFiniteMode = Literal["error", "skip"]
@@ -257,8 +256,6 @@ class SACConfig:
                 parse_seeds(self.seeds)
             except ValueError as err:
                 c.fail("seeds", f"comma-separated integers in [0, {MAX_SEED}] ({err})", "e.g. --seeds 0,1,2")
-        for run in seed_runs(self):  # last: the values are sound; a refusal names the run dir
-            check_fresh_start(run.run_dir, self.resume, self.overwrite)
 
 
 PRESETS: dict[str, dict] = {

@@ -1,0 +1,63 @@
+"""Scratch directories of local spawns (``hpcrl-spawn-<host>-<pid>-<start>-*`` in the temp dir): one
+per :func:`hpcrl.comm.spawn`, removed on every exit the parent lives through; those of dead parents
+(SIGKILL, power loss) are swept by the next spawn on the same host."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import tempfile
+
+from hpcrl import rundir
+
+__all__ = ["PREFIX", "host_tag", "make_scratch_dir", "start_tag", "sweep_scratch"]
+
+PREFIX = "hpcrl-spawn-"
+
+
+def host_tag() -> str:
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:40] or "host"
+
+
+def start_tag(pid: int) -> str:
+    """The process's start time (:func:`hpcrl.rundir.proc_start`), "0" where /proc is not available: a
+    field of the scratch directory's name."""
+    return rundir.proc_start(pid) or "0"
+
+
+def _owner_alive(pid: int, start: str) -> bool:
+    return rundir.pid_alive(pid, "" if start == "0" else start)
+
+
+_SCRATCH = re.compile(re.escape(PREFIX) + r"(?P<host>.+)-(?P<pid>\d+)-(?P<start>\d+)-[A-Za-z0-9_]+")
+
+
+def sweep_scratch(root: str | None = None) -> list[str]:
+    """Remove this user's scratch directories left on this host by parents that are gone; return them."""
+    root = root or tempfile.gettempdir()
+    host, uid, removed = host_tag(), os.getuid(), []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _SCRATCH.fullmatch(entry.name)
+        if not m or m["host"] != host:
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != uid:
+                continue
+        except OSError:
+            continue
+        if not _owner_alive(int(m["pid"]), m["start"]):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
+def make_scratch_dir() -> str:
+    sweep_scratch()
+    pid = os.getpid()
+    return tempfile.mkdtemp(prefix=f"{PREFIX}{host_tag()}-{pid}-{start_tag(pid)}-")

@@ -1,0 +1,48 @@
+"""How a spawned rank's failure comes back to the parent: one-line configuration and data errors
+(their own exit codes at the entry points), anything else with the rank's traceback."""
+
+from __future__ import annotations
+
+from hpcrl.config_check import ConfigError, DataError
+from hpcrl.rundir import RunDirError
+
+from .context import DistSetupError
+
+__all__ = ["CONFIG_ERRORS", "DATA_ERRORS", "SpawnConfigError", "SpawnDataError", "SpawnError", "is_config_error",
+           "is_data_error"]
+
+CONFIG_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DistSetupError, RunDirError)
+"""Exceptions that mean "this configuration cannot run" (and their subclasses): exit 2, one line."""
+DATA_ERRORS: tuple[type[BaseException], ...] = (DataError,)
+"""Exceptions that mean "the run's data is unusable" (e.g. the env returned NaN/inf): one line, exit 65."""
+_DATA_ERROR_NAMES = frozenset({"NonFiniteEnvData"})  # until hpcrl.sac's NonFiniteEnvData subclasses DataError
+
+
+def is_config_error(err: BaseException) -> bool:
+    """True when ``err`` is a configuration error (see :data:`CONFIG_ERRORS`): exit 2, one line."""
+    return isinstance(err, CONFIG_ERRORS)
+
+
+def is_data_error(err: BaseException) -> bool:
+    return isinstance(err, DATA_ERRORS) or any(cls.__name__ in _DATA_ERROR_NAMES for cls in type(err).__mro__)
+
+
+class SpawnError(RuntimeError):
+    """A spawned rank failed (``rank``, ``exitcode``) or the run timed out (``rank`` is None)."""
+
+    def __init__(self, message: str, rank: int | None, exitcode: int | None):
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+
+
+class SpawnDataError(SpawnError):
+    """A rank stopped on unusable data (see :data:`DATA_ERRORS`); ``str(err)`` is its one-line message."""
+
+
+class SpawnConfigError(SpawnError):
+    """A rank raised a configuration error; ``str(err)`` is its one-line message, ``type_name`` its class."""
+
+    def __init__(self, message: str, rank: int | None, exitcode: int | None, type_name: str = ""):
+        super().__init__(message, rank, exitcode)
+        self.type_name = type_name

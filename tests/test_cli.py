@@ -1,0 +1,97 @@
+"""Every command line answers a bad flag with one line (flag, value, a valid value, tyro's "perhaps you
+meant"), exit 2; the shared pieces of hpcrl.cli (tyro's box to one line, a flag's value before
+parsing, the exit-code ladder)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpcrl import cli
+from hpcrl.config_check import ConfigError, DataError
+from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NONFINITE
+from hpcrl.rundir import RunDirError
+
+UNICODE_BOX = """\
+╭─ Unrecognized options ─────────────────────────────────────────╮
+│ Unrecognized options: --total-env-step, 5                      │
+│ ────────────────────────────────────────────────────────────── │
+│ Perhaps you meant:                                             │
+│     --total-env-steps INT                                      │
+│         Transitions to collect over all ranks (>= 1; rounded   │
+│         up to a multiple of num_envs). (default: 100000)       │
+│ ────────────────────────────────────────────────────────────── │
+│ For full helptext, run /tmp/x.py --help                        │
+╰────────────────────────────────────────────────────────────────╯
+"""
+PLAIN_BOX = """\
+ Value error
+ -----------------------------------------------------------
+  Error parsing --batch-size: invalid literal for int() with
+  base 10: 'abc'
+  ----------------------------------------------------------
+  Argument helptext:
+  --batch-size INT
+  GLOBAL batch per update (>= 1). (default: 8192)
+  ----------------------------------------------------------
+  For full helptext, see x --help
+"""
+
+
+class Preset:
+    batch_size = 256
+
+
+def test_a_tyro_box_becomes_one_line_with_the_suggestion_and_a_value_that_works():
+    assert cli._tyro_message(UNICODE_BOX) == ("Unrecognized options: --total-env-step, 5; "
+                                              "perhaps you meant --total-env-steps")
+    assert cli._tyro_message(PLAIN_BOX) == ("Error parsing --batch-size: invalid literal for int() with base 10: "
+                                            "'abc'; e.g. --batch-size 8192")
+    assert cli._tyro_message(PLAIN_BOX, Preset()).endswith("e.g. --batch-size 256")  # the values in use
+    assert "\n" not in cli._tyro_message(UNICODE_BOX) and "helptext" not in cli._tyro_message(PLAIN_BOX)
+
+
+def test_flag_value_is_the_last_one_and_needs_a_value():
+    assert cli.flag_value(["--a", "1", "--a=2"], "--a") == "2"
+    assert cli.flag_value(["--ab", "1"], "--a") is None
+    with pytest.raises(ConfigError, match="--a needs a value"):
+        cli.flag_value(["--a", "--b"], "--a")
+
+
+def test_the_exit_code_ladder(capsys):
+    assert cli.exit_code(ConfigError("bad"), "p") == EXIT_BAD_CONFIG
+    assert cli.exit_code(RunDirError("in use"), "p") == EXIT_BAD_CONFIG
+    assert cli.exit_code(DataError("nan"), "p") == EXIT_NONFINITE
+    assert cli.exit_code(KeyboardInterrupt(), "p") == EXIT_INTERRUPTED
+
+    class Lost(RuntimeError):
+        pass
+
+    assert cli.exit_code(Lost("trainer 1"), "p", failures=(Lost,)) == EXIT_FAILED
+    assert cli.exit_code(ZeroDivisionError("bug"), "p") is None  # a bug keeps its traceback
+    err = capsys.readouterr().err.splitlines()
+    assert err[:3] == ["p: error: bad", "p: error: in use", "p: error: nan"] and len(err) == 5
+
+
+def _main(module: str):
+    import importlib
+
+    return importlib.import_module(module).main
+
+
+@pytest.mark.parametrize("module, argv, parts", [
+    ("hpcrl.sac.__main__", ["--total-env-step", "5"], ["--total-env-step", "perhaps you meant --total-env-steps"]),
+    ("hpcrl.sac.__main__", ["--preset", "pendulum", "--batch-size", "x"], ["--batch-size", "'x'",
+                                                                           "e.g. --batch-size 256"]),
+    ("hpcrl.sac.__main__", ["--amp", "fp8"], ["'fp8'", "--amp", "'bf16'"]),
+    ("hpcrl.ppo.__main__", ["--total-step", "5"], ["--total-step", "perhaps you meant --total-steps"]),
+    ("hpcrl.ppo.__main__", ["--env.num-env", "5"], ["perhaps you meant --env.num-envs"]),
+    ("hpcrl.ppo.__main__", ["--lag", "one"], ["--lag", "'one'", "e.g. --lag 1"]),
+    ("hpcrl.launch.__main__", ["sac", "--nodes", "two", "--dry-run"], ["--nodes", "'two'", "e.g. --nodes 1"]),
+    ("hpcrl.plot", ["--bnd", "x"], ["--bnd", "perhaps you meant --band"]),
+])
+def test_every_cli_answers_a_bad_flag_with_one_line(module, argv, parts, capsys):
+    assert _main(module)(argv) == EXIT_BAD_CONFIG
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and "│" not in err, err
+    for part in parts:
+        assert part in err, err
