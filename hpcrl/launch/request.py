@@ -9,8 +9,14 @@ import re
 import unicodedata
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Annotated, get_type_hints
+
+import tyro
 
 import hpcrl
+
+from hpcrl.rundir import RunDirError
+from hpcrl.rundir_reuse import check_fresh_start
 
 from .errors import LaunchError  # re-exported: hpcrl.launch.request.LaunchError keeps working
 from .roles import check_ppo_world
@@ -18,13 +24,8 @@ from .roles import check_ppo_world
 JOB_ID = "%j"  # placeholder in run_dir / folder, filled with the job id (Slurm's own notation)
 
 # Flags the launcher sets on the trainer itself; passing them as trainer arguments would be ambiguous.
-_OWNED_FLAGS = {"--run-dir": "run_dir", "--resume": "resume", "--nproc": "nodes / tasks_per_node"}
-
-# The launcher CLI's flag of each field (messages name both: Python callers know fields, shell users flags).
-FLAGS = {"algo": "ALGO", "trainer_args": "-- TRAINER ARGS", "nodes": "--nodes", "gpus_per_node": "--gpus-per-node",
-         "tasks_per_node": "--tasks-per-node", "partition": "--partition", "time_min": "--time",
-         "cpus_per_task": "--cpus-per-task", "run_dir": "--run-dir", "resume": "--resume", "folder": "--folder",
-         "signal_delay_s": "--signal-delay"}
+_OWNED_FLAGS = {"--run-dir": "run_dir", "--resume": "resume", "--overwrite": "overwrite",
+                "--nproc": "nodes / tasks_per_node"}
 
 # Integer fields: (lowest valid value, what it counts); tasks_per_node may also be None.
 _COUNTS = {"nodes": (1, "nodes to allocate"), "gpus_per_node": (0, "GPUs per node; 0 = CPU ranks"),
@@ -61,26 +62,37 @@ def _has_main(algo: str) -> bool:
 
 @dataclass(frozen=True)
 class JobRequest:
-    """One trainer job: ``nodes x tasks_per_node`` ranks, each running ``python -m hpcrl.<algo>``."""
+    """One trainer job: ``nodes x tasks_per_node`` ranks, each running ``python -m hpcrl.<algo>``. Every
+    field is a flag of ``python -m hpcrl.launch`` (:data:`FLAGS`) and a keyword of :func:`~hpcrl.launch.submit`."""
 
-    algo: str = "sac"
-    trainer_args: tuple[str, ...] = ()
+    algo: Annotated[str, tyro.conf.Suppress] = "sac"
+    """The trainer: ``python -m hpcrl.<algo>`` (the launcher's positional ALGO)."""
+    trainer_args: Annotated[tuple[str, ...], tyro.conf.Suppress] = ()
+    """The trainer's arguments (on the command line: everything after ``--``)."""
     nodes: int = 1
+    """Nodes to allocate (>= 1)."""
     gpus_per_node: int = 0
+    """One task (rank) per GPU; 0 = CPU ranks."""
     tasks_per_node: int | None = None
-    """None: one task per GPU, or 1 without GPUs."""
+    """Ranks per node; None (unset): one task per GPU, or 1 without GPUs."""
     partition: str | None = None
     """None: the cluster's default partition."""
-    time_min: int = 60
+    time_min: Annotated[int, tyro.conf.arg(name="time")] = 60
+    """Time limit in minutes."""
     cpus_per_task: int = 1
+    """CPUs per rank."""
     run_dir: str = f"runs/{{algo}}-{JOB_ID}"
     """Trainer run directory; ``{algo}`` and ``%j`` (job id) are filled in, so a requeue finds it again."""
     resume: bool = False
     """Continue the run in ``run_dir`` (it must hold checkpoints)."""
+    overwrite: bool = False
+    """Replace the previous run in ``run_dir`` (the trainer's --overwrite, on the job's first start only: a
+    requeued job resumes what it wrote)."""
     folder: str = f"logs/{JOB_ID}"
     """submitit's folder: batch script, pickles, one stdout/stderr log per task."""
-    signal_delay_s: int = 180
-    """USR2 this long before the time limit: the ranks finish a metrics row and checkpoint in that time."""
+    signal_delay_s: Annotated[int, tyro.conf.arg(name="signal-delay")] = 180
+    """USR2 this long before the time limit (seconds): the ranks finish a metrics row and checkpoint in that
+    time, and the job requeues."""
 
     @property
     def ntasks_per_node(self) -> int:
@@ -126,8 +138,12 @@ class JobRequest:
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise LaunchError(f"{name}={value!r} ({FLAGS[name]}): must be an integer >= {low} ({what}); "
                                   f"pass {FLAGS[name]} {low} or more")
-        if not isinstance(self.resume, bool):
-            raise LaunchError(f"resume={self.resume!r} ({FLAGS['resume']}): must be True or False")
+        for name in ("resume", "overwrite"):
+            if not isinstance(getattr(self, name), bool):
+                raise LaunchError(f"{name}={getattr(self, name)!r} ({FLAGS[name]}): must be True or False")
+        if self.resume and self.overwrite:
+            raise LaunchError("resume=True and overwrite=True (--resume --overwrite): --resume continues the run in "
+                              "--run-dir, --overwrite replaces it; pass one of them")
         partition = self.partition
         if partition is not None and not (isinstance(partition, str) and _PARTITION.fullmatch(partition)):
             raise LaunchError(f"partition={self.partition!r} ({FLAGS['partition']}): must be a Slurm partition name "
@@ -170,9 +186,26 @@ class JobRequest:
             if not (path / "checkpoints").is_dir():
                 raise LaunchError(f"nothing to resume: {path / 'checkpoints'} does not exist")
             return
+        if JOB_ID not in str(path):  # a named run dir: the trainer would refuse a previous run there (exit 2)
+            try:
+                check_fresh_start(path, self.resume, self.overwrite)
+            except RunDirError as err:
+                raise LaunchError(str(err)) from None
         # the job creates the directory: the nearest existing ancestor must be a writable directory
         ancestor = path
         while not ancestor.exists() and ancestor != ancestor.parent:
             ancestor = ancestor.parent
         if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
             raise LaunchError(f"run directory {path} cannot be created: {ancestor} is not a writable directory")
+
+
+def _flag(name: str) -> str:
+    """The launcher's flag of field ``name`` (its tyro name where the field renames it)."""
+    for meta in getattr(get_type_hints(JobRequest, include_extras=True)[name], "__metadata__", ()):
+        if isinstance(getattr(meta, "name", None), str):
+            return f"--{meta.name}"
+    return "--" + name.replace("_", "-")
+
+
+# The launcher CLI's flag of each field (messages name both: Python callers know fields, shell users flags).
+FLAGS = {f.name: _flag(f.name) for f in fields(JobRequest)} | {"algo": "ALGO", "trainer_args": "-- TRAINER ARGS"}

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from hpcrl.cli import flag_value
+from hpcrl.config_check import ConfigError
 from hpcrl.conventions import DEFAULT_MAKERS, DEFAULT_TRAINERS
 
 from .errors import LaunchError
@@ -18,24 +20,15 @@ from .errors import LaunchError
 _DEFAULTS = {"trainers": DEFAULT_TRAINERS, "makers": DEFAULT_MAKERS}
 
 
-def flag_value(args: Sequence[str], flag: str) -> str | None:
-    """The last value of ``flag`` in ``args`` (``--flag V`` or ``--flag=V``), as tyro/argparse read it."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
 def ppo_groups(trainer_args: Sequence[str]) -> tuple[int, int]:
     """(trainers, makers) that ``python -m hpcrl.ppo *trainer_args`` will run."""
     counts = []
     for name, default in _DEFAULTS.items():
-        raw = flag_value(trainer_args, f"--{name}")
         try:
+            raw = flag_value(list(trainer_args), f"--{name}")
             counts.append(int(raw) if raw is not None else default)
+        except ConfigError as err:  # the flag without its value
+            raise LaunchError(str(err)) from None
         except ValueError:
             raise LaunchError(f"--{name} {raw!r} is not an integer") from None
     trainers, makers = counts

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import secrets
 import shutil
 from dataclasses import dataclass
-from typing import Iterator, Literal, Sequence
+from typing import Any, Iterator, Literal, Sequence
 
 import submitit
 from submitit.core.utils import FailedJobError
@@ -53,23 +54,26 @@ class Submission:
                 f"           (task 0; task t writes {self.job_id}_<t>_log.out/.err in {out.parent})")
 
 
-def submit(algo: str = "sac", trainer_args: Sequence[str] = (), *, nodes: int = 1, gpus_per_node: int = 0,
-           tasks_per_node: int | None = None, partition: str | None = None, time_min: int = 60,
-           cpus_per_task: int = 1, run_dir: str = JobRequest.run_dir, resume: bool = False,
-           folder: str = JobRequest.folder, signal_delay_s: int = JobRequest.signal_delay_s,
-           local: bool | None = None, dry_run: bool = False) -> Submission:
+def submit(algo: str = "sac", trainer_args: Sequence[str] = (), *, local: bool | None = None, dry_run: bool = False,
+           **fields: Any) -> Submission:
     """Start ``python -m hpcrl.<algo> *trainer_args`` as ``nodes x tasks_per_node`` ranks (one per GPU).
 
-    ``local``: None picks Slurm when ``sbatch`` is on PATH, else submitit's local executor (this host,
-    ``tasks_per_node`` processes); True/False force one. ``run_dir`` and ``folder`` may hold ``%j`` (the
-    job id), ``run_dir`` also ``{algo}``. ``dry_run`` submits nothing and returns the Slurm batch script in
-    ``Submission.sbatch``. Raises :class:`LaunchError` for a request that cannot run, before submitting
-    it where possible. See :class:`JobRequest` for the fields.
+    ``fields``: the other :class:`JobRequest` fields by name (``nodes``, ``gpus_per_node``, ``time_min``,
+    ...). ``local``: None picks Slurm when ``sbatch`` is on PATH, else submitit's local executor (this
+    host, ``tasks_per_node`` processes); True/False force one. ``run_dir`` and ``folder`` may hold ``%j``
+    (the job id), ``run_dir`` also ``{algo}``. ``dry_run`` submits nothing and returns the Slurm batch
+    script in ``Submission.sbatch``. Raises :class:`LaunchError` for a request that cannot run, before
+    submitting it where possible.
     """
-    request = JobRequest(algo=algo, trainer_args=tuple(trainer_args), nodes=nodes, gpus_per_node=gpus_per_node,
-                         tasks_per_node=tasks_per_node, partition=partition, time_min=time_min,
-                         cpus_per_task=cpus_per_task, run_dir=run_dir, resume=resume, folder=folder,
-                         signal_delay_s=signal_delay_s)
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(JobRequest)})
+    if unknown:
+        raise TypeError(f"submit() got unexpected keyword argument(s) {', '.join(unknown)}; see JobRequest")
+    return submit_request(JobRequest(algo=algo, trainer_args=tuple(trainer_args), **fields), local=local,
+                          dry_run=dry_run)
+
+
+def submit_request(request: JobRequest, *, local: bool | None = None, dry_run: bool = False) -> Submission:
+    """:func:`submit` of a whole :class:`JobRequest`."""
     request.check()
     slurm = _use_slurm(local)
     if slurm:
@@ -81,7 +85,7 @@ def submit(algo: str = "sac", trainer_args: Sequence[str] = (), *, nodes: int = 
         return Submission(request, "slurm" if slurm else "local", run_dir_template, render(request))
 
     executor = _executor(request, slurm)
-    task = TrainerTask(request.module, request.trainer_args, run_dir_template, request.resume)
+    task = TrainerTask(request.module, request.trainer_args, run_dir_template, request.resume, request.overwrite)
     # Submitting from inside a job: its SLURM_* and rank variables must not leak into the new job
     # (sbatch reads some of them as options; the local executor's ranks would think they run under srun).
     with submitit.helpers.clean_env(), _job_secret(slurm):

@@ -1,7 +1,7 @@
 """The function submitit runs in every task: one trainer rank as ``python -m hpcrl.<algo>``.
 
 Entry-point contract (hpcrl.sac today; any ``hpcrl.<algo>`` that keeps it can be launched):
-``python -m hpcrl.<algo> ARGS --run-dir DIR [--resume]``, ranks from the launcher's variables,
+``python -m hpcrl.<algo> ARGS --run-dir DIR [--resume | --overwrite]``, ranks from the launcher's variables,
 exit 0 when done, :data:`hpcrl.conventions.EXIT_STOPPED` (75) after a requested stop wrote a
 checkpoint (SIGUSR2/SIGTERM), anything else a failure (``EXIT_FAILED``, ``EXIT_BAD_CONFIG``, a
 signal); rank 0 appends rows to ``DIR/metrics.jsonl``.
@@ -94,6 +94,8 @@ class TrainerTask(Checkpointable):
     run_dir: str
     """Absolute; ``%j`` becomes the job id, which a requeued job keeps."""
     resume: bool = False
+    overwrite: bool = False
+    """Pass ``--overwrite`` on the first start (a requeue resumes instead: it must keep what this job wrote)."""
 
     _trainer = None  # the running _Trainer (not a field: never pickled into a resubmission)
 
@@ -104,7 +106,8 @@ class TrainerTask(Checkpointable):
         resume = self.resume or int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0
         cmd = [sys.executable, "-m", self.module, *self.trainer_args, "--run-dir", run_dir]
         # a requeue before the first checkpoint committed finds nothing to resume: that run starts over
-        self._trainer = _Trainer(cmd + (["--resume", "--resume-missing", "fresh"] if resume else []), rank_environment(job))
+        start = ["--resume", "--resume-missing", "fresh"] if resume else ["--overwrite"] if self.overwrite else []
+        self._trainer = _Trainer(cmd + start, rank_environment(job))
         code = self._trainer.wait()
         if code in RESUMABLE:
             # Stopped for a requeue: leave no result, the rerun writes it. Task 0's requeue happens in

@@ -2,6 +2,8 @@
 
 Without a launcher it spawns ``makers + trainers`` local ranks (gloo). Under ``srun``/``torchrun``
 each task takes its role from its rank: trainers ``[0, T)``, makers after.
+A run dir that holds a previous run is refused (exit 2) unless ``--resume`` continues it or
+``--overwrite`` replaces it (:mod:`hpcrl.rundir_reuse`).
 Exit codes: 0 done, 2 bad configuration (one line, whichever rank found it), 1 a rank failed (the
 message names the rank that failed first), 75 stopped by SIGUSR2/SIGTERM after the trainers wrote a
 checkpoint (resume with ``--resume``), 130 interrupted twice.

@@ -3,6 +3,9 @@
 Values: the preset (default holosoma) < ``--config FILE`` (YAML or JSON; a run's own config.json is
 accepted as written) < the other flags.
 
+A run dir that holds a previous run (checkpoints, metrics rows, policies) is refused (exit 2) unless
+``--resume`` continues it or ``--overwrite`` replaces it (:mod:`hpcrl.rundir_reuse`).
+
 Without a launcher and with ``--nproc N`` it spawns N local ranks (gloo); under ``srun`` or
 ``torchrun`` every task runs one rank (the bootstrap reads the launcher's variables).
 
