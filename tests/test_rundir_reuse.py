@@ -135,3 +135,18 @@ def test_ppo_second_start_refused_and_overwrite_replaces(tmp_path):
     assert f"--overwrite: removed the previous run in {run}" in over.stderr
     rows = (run / "metrics.jsonl").read_bytes()
     assert rows != before["metrics.jsonl"] and rows.count(b"\n") == before["metrics.jsonl"].count(b"\n")
+
+
+def test_the_launcher_refuses_a_named_run_dir_holding_a_run_unless_overwrite(tmp_path):
+    from hpcrl.launch import LaunchError, submit
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"env_steps": 8}\n')
+    common = dict(run_dir=str(run), folder=str(tmp_path / "logs" / "%j"), local=True, dry_run=True)
+    with pytest.raises(LaunchError, match=f"run dir {run} holds a previous run"):
+        submit("sac", [], **common)
+    with pytest.raises(LaunchError, match="trainer argument --overwrite is set by the launcher"):
+        submit("sac", ["--overwrite"], **common)
+    assert submit("sac", [], overwrite=True, **common).request.overwrite
+    assert submit("sac", [], run_dir=str(tmp_path / "run-%j"), folder=common["folder"], local=True, dry_run=True)
