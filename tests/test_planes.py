@@ -58,10 +58,12 @@ def test_more_local_ranks_than_gpus_is_an_error_naming_both_fixes():
 
 
 def test_sac_nproc_beyond_gpus_fails_before_spawning(monkeypatch, capsys, tmp_path):
+    import hpcrl.comm
     import hpcrl.sac.__main__ as cli
 
-    monkeypatch.setattr(cli, "cuda_count", lambda: 1)
-    monkeypatch.setattr(cli, "spawn", lambda *a, **k: pytest.fail("spawned despite N > G"))
+    # the entry point imports torch-side helpers only once its torch-free refusals have passed
+    monkeypatch.setattr(hpcrl.comm, "cuda_count", lambda: 1)
+    monkeypatch.setattr(hpcrl.comm, "spawn", lambda *a, **k: pytest.fail("spawned despite N > G"))
     code = cli.main(["--preset", "pendulum", "--nproc", "2", "--run-dir", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 2 and "--nproc 2 local ranks on CUDA but 1 GPU(s)" in err and "--device cpu" in err

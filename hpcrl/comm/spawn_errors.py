@@ -15,7 +15,6 @@ CONFIG_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DistSetupError, R
 """Exceptions that mean "this configuration cannot run" (and their subclasses): exit 2, one line."""
 DATA_ERRORS: tuple[type[BaseException], ...] = (DataError,)
 """Exceptions that mean "the run's data is unusable" (e.g. the env returned NaN/inf): one line, exit 65."""
-_DATA_ERROR_NAMES = frozenset({"NonFiniteEnvData"})  # until hpcrl.sac's NonFiniteEnvData subclasses DataError
 
 
 def is_config_error(err: BaseException) -> bool:
@@ -24,7 +23,7 @@ def is_config_error(err: BaseException) -> bool:
 
 
 def is_data_error(err: BaseException) -> bool:
-    return isinstance(err, DATA_ERRORS) or any(cls.__name__ in _DATA_ERROR_NAMES for cls in type(err).__mro__)
+    return isinstance(err, DATA_ERRORS)
 
 
 class SpawnError(RuntimeError):

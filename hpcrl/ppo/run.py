@@ -55,16 +55,11 @@ def build_workload(cfg: DetachedConfig) -> tuple[Workload, PPOConfig]:
 
 
 def validate(cfg: DetachedConfig, world_size: int) -> Topology:
-    cfg.check()  # every field's range (ConfigError naming the flag)
+    """The rank layout, once ``cfg.check()`` passed (every range, lag <= max_lag): the world must hold it."""
     top = Topology(cfg.trainers, cfg.makers)
     if world_size != top.world_size:
         raise ConfigError(f"--trainers {cfg.trainers} + --makers {cfg.makers} = {top.world_size} ranks, but the "
                           f"launcher started {world_size}; start {top.world_size} tasks or change the counts")
-    for name in ("batches_per_step", "total_steps"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"{name}={getattr(cfg, name)} must be >= 1")
-    if cfg.lag < 0 or cfg.stale_cap < cfg.lag:
-        raise ConfigError(f"need 0 <= lag <= max_lag, got lag={cfg.lag}, max_lag={cfg.max_lag}")
     return top
 
 
@@ -73,7 +68,7 @@ def check_resumable(cfg: DetachedConfig, top: Topology) -> None:
     another run's checkpoint, or nothing to resume, is a :class:`hpcrl.rundir.RunDirError` on every
     rank (exit 2), not a trainer failure the makers learn about later."""
     if checkpoint.preflight(cfg.run_dir, top.trainers, identity=run_identity(cfg, top.trainers)) is None \
-            and getattr(cfg, "resume_missing", "error") != "fresh":
+            and cfg.resume_missing != "fresh":
         raise rundir.RunDirError(f"--resume: {checkpoint.nothing_to_resume(cfg.run_dir)}; run without --resume to "
                                  "start fresh, or pass --resume-missing fresh to start fresh whenever there is "
                                  "nothing to resume")

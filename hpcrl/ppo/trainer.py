@@ -243,16 +243,14 @@ class Trainer:
 
     # start-up, checkpoints, shutdown --------------------------------------------------------------
     def _start(self) -> float:
-        """Resume (or start fresh, clearing the checkpoints of the run that used the run dir before);
+        """Resume (or start fresh in a run dir the entry point found free, or cleared with --overwrite);
         trainer 0 writes the config. Returns the env steps so far."""
         cfg, run_dir = self.cfg, Path(self.cfg.run_dir)
         found = self._restore() if cfg.resume else None
         env_steps = self._load(found) if found is not None else 0.0
         if self.index == 0:
-            if found is None and (removed := checkpoint.clear(run_dir)):  # the run dir is this run's now
-                print(f"hpcrl.ppo: fresh start in {run_dir}: removed {len(removed)} checkpoint(s) of the run that "
-                      f"used it before (newest {removed[0].name}); pass --resume to continue a run instead",
-                      flush=True)
+            if found is None:  # a fresh start (the entry point refused a run dir holding another run)
+                checkpoint.clear(run_dir)
             self._write_config(run_dir)
             rundir.clear_outcome(run_dir)  # until this run says how it ended (the batch scripts read it)
         return env_steps

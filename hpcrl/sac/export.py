@@ -32,6 +32,7 @@ from typing import Annotated, Literal
 import torch
 import tyro
 
+from hpcrl.cli import cli
 from hpcrl.config_check import Check, ConfigError
 from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_FAILED
 from hpcrl.h5io import atomic_path
@@ -170,8 +171,8 @@ def export(cfg: ExportConfig) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = tyro.cli(ExportConfig, args=sys.argv[1:] if argv is None else argv)
     try:
+        cfg = cli(ExportConfig, sys.argv[1:] if argv is None else argv, "python -m hpcrl.sac.export")
         export(cfg)
     except ConfigError as err:
         print(f"hpcrl.sac.export: error: {err}", file=sys.stderr)

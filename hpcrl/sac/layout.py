@@ -26,12 +26,8 @@ def _nearest_multiples(value: int, world: int) -> str:
 def plan(cfg: SACConfig, world_size: int) -> Layout:
     """Validate the global sizes against the world size. The contract: ``num_envs`` and ``batch_size``
     are global, every rank runs ``num_envs / W`` envs and samples ``batch_size / W`` transitions per
-    update, so W changes the speed of a run, not what it learns from."""
-    cfg.check()  # every field's range first (one line naming the flag)
-    for name in ("num_envs", "batch_size", "total_env_steps", "num_updates", "policy_frequency", "buffer_size",
-                 "n_step", "log_every"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"{name}={getattr(cfg, name)} must be >= 1")
+    update, so W changes the speed of a run, not what it learns from. Call after ``cfg.check()`` (every
+    field's range)."""
     if cfg.num_envs % world_size:
         raise ConfigError(f"num_envs={cfg.num_envs} not divisible by world_size={world_size}; "
                           f"use e.g. --num-envs {_nearest_multiples(cfg.num_envs, world_size)}")

@@ -9,13 +9,14 @@ from typing import Any
 import torch
 
 from hpcrl.comm import DistContext
+from hpcrl.config_check import DataError
 
 from .config import SACConfig
 
 _NONFINITE_KEY = "sac/nonfinite/{rank}"
 
 
-class NonFiniteEnvData(RuntimeError):
+class NonFiniteEnvData(DataError):
     """The env returned a NaN/inf reward or observation (``--nonfinite error``); the message (one line)
     names the env, the rank, the vector step, the quantity and the fix. Not a configuration error."""
 

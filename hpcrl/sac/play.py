@@ -25,6 +25,7 @@ from typing import Annotated, Literal
 import torch
 import tyro
 
+from hpcrl.cli import cli
 from hpcrl.config_check import MAX_SEED, Check, ConfigError
 from hpcrl.conventions import EXIT_BAD_CONFIG
 from hpcrl.envs import GYM_PREFIX, first_episode_returns, make_env
@@ -183,8 +184,8 @@ def play(cfg: PlayConfig) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = tyro.cli(PlayConfig, args=sys.argv[1:] if argv is None else argv)
     try:
+        cfg = cli(PlayConfig, sys.argv[1:] if argv is None else argv, "python -m hpcrl.sac.play")
         play(cfg)
     except ConfigError as err:
         print(f"hpcrl.sac.play: error: {err}", file=sys.stderr)

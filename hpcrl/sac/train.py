@@ -75,9 +75,8 @@ def _train(cfg: SACConfig, stop: StopRequest, ctx: DistContext, layout: Layout, 
     found = _resume(cfg, ctx) if cfg.resume else None
     if found is not None:
         state = restore(parts, found, ctx.device, ctx.rank)
-    elif ctx.rank == 0 and (removed := checkpoint.clear(run_dir)):  # a fresh start: the run dir is this run's now
-        print(f"hpcrl.sac: fresh start in {run_dir}: removed {len(removed)} checkpoint(s) of the run that used it "
-              f"before (newest {removed[0].name}); pass --resume to continue a run instead", flush=True)
+    elif ctx.rank == 0:  # a fresh start (the entry point refused a run dir holding another run): clear leftovers
+        checkpoint.clear(run_dir)
     _broadcast_learner(parts, ctx)
     if ctx.rank == 0:
         _write_config(cfg, ctx, layout, found.path if found is not None else None)
