@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 
-def sync(device: torch.device | str) -> None:
+def wait_for(device: torch.device | str) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
 
@@ -37,11 +37,11 @@ def _calls_per_repeat(fn: Callable[[], Any], device: torch.device, warmup: int, 
         fn()
     n = 1
     while True:
-        sync(device)
+        wait_for(device)
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
-        sync(device)
+        wait_for(device)
         elapsed = time.perf_counter() - t0
         if elapsed >= min_repeat_s / 4 or n >= max_inner:
             break

@@ -41,7 +41,7 @@ def busbw_factor(op: str, world: int) -> float:
 def fastsac_param_groups(device: str = "cpu", critic_hidden: int | None = None,
                          actor_hidden: int | None = None) -> dict[str, list[torch.Tensor]]:
     """Parameters of the FastSAC networks at holosoma's default sizes (obs 64, action 16), grouped
-    as the agent syncs them: critic + log alpha in one collective, the actor in another."""
+    as the agent averages them: critic + log alpha in one collective, the actor in another."""
     from hpcrl.sac.config import SACConfig
     from hpcrl.sac.networks import Actor, DistributionalCritic
 
@@ -170,7 +170,7 @@ def measure_update_compute(device: str = "cpu", batch: int = 256, repeats: int =
         mean, log_std = actor(obs)
         critic(obs, torch.tanh(mean + log_std.exp())).logsumexp(-1).mean().backward()
 
-    def sync():
+    def wait():
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
@@ -179,10 +179,10 @@ def measure_update_compute(device: str = "cpu", batch: int = 256, repeats: int =
         fn(); fn()  # noqa: E702 - warm-up
         xs = []
         for _ in range(repeats):
-            sync()
+            wait()
             t0 = time.perf_counter()
             fn()
-            sync()
+            wait()
             xs.append(time.perf_counter() - t0)
         times[name] = statistics.median(xs)
     per_update = times["critic"] + times["actor"] / pf

@@ -84,7 +84,7 @@ class SleepModel(nn.Module):
             self.head.weight.copy_(torch.randn(2, 4, generator=g) * 0.1)
             self.head.bias.zero_()
         n = int(param_mib * MiB) // 4
-        # frozen ballast: published with the rest (sync_tensors = every parameter), never trained
+        # frozen ballast: published with the rest (publish_tensors = every parameter), never trained
         self.ballast = nn.Parameter(torch.randn(n, generator=g) if n else torch.zeros(0), requires_grad=False)
 
 
@@ -101,17 +101,17 @@ class SleepWorkload:
     def build_model(self, seed: int, device: torch.device | str = "cpu") -> nn.Module:
         return SleepModel(seed, self.param_mib).to(device)
 
-    def sync_tensors(self, model: nn.Module) -> list[torch.Tensor]:
+    def publish_tensors(self, model: nn.Module) -> list[torch.Tensor]:
         return [p.data for p in model.parameters()]
 
-    def after_sync(self, model: nn.Module) -> None:
+    def after_publish(self, model: nn.Module) -> None:
         pass
 
     def make_collector(self, rank_seed: int, device: torch.device | str) -> "SleepCollector":
         return SleepCollector(self)
 
-    def make_learner(self, model: nn.Module, cfg: Any, grad_sync: Any) -> "SleepLearner":
-        return SleepLearner(self, model, grad_sync)
+    def make_learner(self, model: nn.Module, cfg: Any, grad_average: Any) -> "SleepLearner":
+        return SleepLearner(self, model, grad_average)
 
 
 class SleepCollector:
@@ -134,15 +134,15 @@ class SleepCollector:
 
 
 class SleepLearner:
-    def __init__(self, w: SleepWorkload, model: nn.Module, grad_sync: Any) -> None:
-        self.w, self.model, self.sync = w, model, grad_sync
+    def __init__(self, w: SleepWorkload, model: nn.Module, grad_average: Any) -> None:
+        self.w, self.model, self.averager = w, model, grad_average
 
     def update(self, batches, generator):
         time.sleep(self.w.train_s)
         obs = torch.cat([b["obs"] for b in batches])
         self.model.zero_grad(set_to_none=True)
         self.model.head(obs).square().mean().backward()
-        self.sync.all_reduce()
+        self.averager.all_reduce()
         with torch.no_grad():
             for p in self.model.head.parameters():
                 p -= 0.01 * p.grad
@@ -199,14 +199,14 @@ class TimedWorkload:
         self._inner, _ = build_workload(cfg)
         self.name = self._inner.name
 
-    def __getattr__(self, name: str) -> Any:  # build_model, sync_tensors, after_sync, default_config
+    def __getattr__(self, name: str) -> Any:  # build_model, publish_tensors, after_publish, default_config
         return getattr(self._inner, name)
 
     def make_collector(self, rank_seed, device):
         return _Timed(self._inner.make_collector(rank_seed, device), "collect")
 
-    def make_learner(self, model, cfg, grad_sync):
-        return _Timed(self._inner.make_learner(model, cfg, grad_sync), "update")
+    def make_learner(self, model, cfg, grad_average):
+        return _Timed(self._inner.make_learner(model, cfg, grad_average), "update")
 
 
 # -- inside the ranks ---------------------------------------------------------------------------------

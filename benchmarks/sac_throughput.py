@@ -19,7 +19,7 @@ b. Full loop: env-steps/s of ``hpcrl.sac.train`` on Pendulum (pendulum preset: 8
    CleanRL style (cleanrl_style_sac.CleanRLStyleLoop), timed over windows of the same length; runs of
    the two alternate.
 c. Data parallel: per-update time at W=1 and W=2 ranks (gloo, hpcrl.comm.spawn), fixed per-rank batch
-   256, pendulum sizes: ``hpcrl.sac.train`` with --grad-sync flat / view / ddp, timed by its
+   256, pendulum sizes: ``hpcrl.sac.train`` with --grad-average flat / view / ddp, timed by its
    ``UpdatesDone`` events (per env step the slowest rank's), and the baseline's holosoma-style all-reduce
    timed in blocks of updates. DP overhead = t(W=2) / t(W=1) - 1, from the medians and from the fastest
    (least disturbed) steps. W=2 on 2 cores leaves no core for anything else: the worst case.
@@ -253,7 +253,7 @@ def bench_dp(batch: int, steps: int, skip: int) -> dict[str, Any]:
                 ranks = spawn(baseline_dp_rank, world, args=(batch, steps + skip), timeout_s=900)
             else:
                 with tempfile.TemporaryDirectory(prefix="sac-dp-") as tmp:
-                    cfg = loop_config(steps + skip, batch_size=batch * world, grad_sync=mode, run_dir=tmp)
+                    cfg = loop_config(steps + skip, batch_size=batch * world, grad_average=mode, run_dir=tmp)
                     ranks = [r.updates for r in spawn(train_and_record, world, args=(cfg,), timeout_s=900)]
             steps_seen = sorted(ranks[0])[skip:]
             slowest = [max(r[s] for r in ranks) for s in steps_seen]  # per step, the slowest rank's
@@ -351,7 +351,7 @@ def print_tables(eq: dict, learner: list[dict], loop: dict, dp: dict) -> None:
                 + [["ratio", f"{loop['ratio_wall']:.2f}x"]])
     print_table(f"c. data parallel, gloo, per-rank batch {dp['per_rank_batch']}, ms per update (median over "
                 f"{dp['steps']} env steps, slowest rank)",
-                ["grad sync", "W=1 ms", "W=2 ms", "DP overhead", "W=1 min", "W=2 min", "overhead (min)", "target"],
+                ["grad averaging", "W=1 ms", "W=2 ms", "DP overhead", "W=1 min", "W=2 min", "overhead (min)", "target"],
                 [[m, f"{dp['W1'][m]['ms_per_update']:.2f}", f"{dp['W2'][m]['ms_per_update']:.2f}",
                   f"{100 * dp['overhead'][m]:+.1f} %", f"{dp['W1'][m]['ms_min']:.2f}", f"{dp['W2'][m]['ms_min']:.2f}",
                   f"{100 * dp['overhead_min'][m]:+.1f} %",

@@ -15,7 +15,33 @@ from typing import Any, Callable
 from hpcrl.config_check import ConfigError, show
 from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_STOPPED
 
-__all__ = ["cli", "exit_code", "flag_value", "tyro_call"]
+__all__ = ["OLD_NAMES", "cli", "exit_code", "flag_value", "renamed", "tyro_call", "warn_renamed"]
+
+# Config fields renamed when each concept got one word ("average" gradients, "replica check"); the old
+# spellings still work, with a warning, for one release: as flags and as --config file keys.
+OLD_NAMES = {"grad_sync": "grad_average", "check_sync_every": "check_replicas_every"}
+
+
+def renamed(name: str) -> str | None:
+    """The current name of an old field name ``name`` (spelt with ``-`` or ``_``, kept so), else None."""
+    new = OLD_NAMES.get(name.replace("-", "_"))
+    return None if new is None else (new.replace("_", "-") if "-" in name else new)
+
+
+def warn_renamed(old: str, new: str) -> None:
+    print(f"hpcrl: warning: {old} is now {new}; the old name goes in the next release", file=sys.stderr, flush=True)
+
+
+def _current_flags(argv: list[str]) -> list[str]:
+    out = []
+    for arg in argv:
+        flag, eq, value = arg.partition("=")
+        new = renamed(flag[2:]) if flag.startswith("--") else None
+        if new is not None:
+            warn_renamed(flag, "--" + new)
+            arg = "--" + new + eq + value
+        out.append(arg)
+    return out
 
 
 def flag_value(argv: list[str], name: str) -> str | None:
@@ -50,9 +76,10 @@ def tyro_call(parse: Callable[[], Any], prog: str, default: Any = None) -> Any:
 
 
 def cli(cls: type, argv: list[str], prog: str, **kwargs: Any) -> Any:
-    """``tyro.cli(cls, args=argv, prog=prog, **kwargs)`` through :func:`tyro_call`."""
+    """``tyro.cli(cls, args=argv, prog=prog, **kwargs)`` through :func:`tyro_call` (old flag names renamed)."""
     import tyro
 
+    argv = _current_flags(list(argv))
     return tyro_call(lambda: tyro.cli(cls, args=argv, prog=prog, **kwargs), prog, kwargs.get("default"))
 
 

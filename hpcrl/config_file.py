@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any, Collection
 
+from hpcrl.cli import renamed, warn_renamed
 from hpcrl.config_check import ConfigError
 
 __all__ = ["load_config_file"]
@@ -56,6 +57,9 @@ def load_config_file(path: str | Path, cls: type, *, ignore: Collection[str] = (
     for key, value in data.items():
         if key in ignore:
             continue
+        if (new := renamed(str(key))) is not None:
+            warn_renamed(f"{where}: key {key}", new)
+            key = new
         name = str(key).replace("-", "_")  # a flag's spelling is accepted too
         if name not in fields:
             raise ConfigError(f"{where}: unknown key {key!r} (not a field of {cls.__name__}); remove it or fix "

@@ -30,20 +30,20 @@ class ToyWorkload:
         torch.manual_seed(seed)
         model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
         if self.trainable_only:
-            model[0].requires_grad_(False)  # a frozen "base"; only the head is synced
+            model[0].requires_grad_(False)  # a frozen "base"; only the head is published
         return model
 
-    def sync_tensors(self, model: nn.Module) -> list[torch.Tensor]:
+    def publish_tensors(self, model: nn.Module) -> list[torch.Tensor]:
         return [p.data for p in model.parameters() if p.requires_grad or not self.trainable_only]
 
-    def after_sync(self, model: nn.Module) -> None:
+    def after_publish(self, model: nn.Module) -> None:
         pass
 
     def make_collector(self, rank_seed: int, device: torch.device) -> "ToyCollector":
         return ToyCollector(self, rank_seed)
 
-    def make_learner(self, model, cfg, grad_sync) -> "ToyLearner":
-        return ToyLearner(self, model, grad_sync)
+    def make_learner(self, model, cfg, grad_average) -> "ToyLearner":
+        return ToyLearner(self, model, grad_average)
 
 
 def model_checksum(model: nn.Module) -> float:
@@ -72,8 +72,8 @@ class ToyCollector:
 
 
 class ToyLearner:
-    def __init__(self, w: ToyWorkload, model: nn.Module, grad_sync) -> None:
-        self.w, self.model, self.sync = w, model, grad_sync
+    def __init__(self, w: ToyWorkload, model: nn.Module, grad_average) -> None:
+        self.w, self.model, self.averager = w, model, grad_average
         self.opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
         self.mismatches = 0
 
@@ -87,7 +87,7 @@ class ToyLearner:
         obs = torch.cat([b["obs"] for b in batches])
         self.opt.zero_grad()
         self.model(obs).square().mean().backward()
-        self.sync.all_reduce()
+        self.averager.all_reduce()
         self.opt.step()
         VERSIONS.add(model_checksum(self.model))
         return {"loss": 0.0, "checksum_mismatches": float(self.mismatches)}

@@ -19,7 +19,7 @@ GLOBAL_BATCH = 32
 
 def small_config(mode: str):
     return preset("pendulum", actor_hidden=32, critic_hidden=32, num_atoms=11, v_min=-5.0, v_max=5.0,
-                  grad_sync=mode, policy_frequency=2, tau=0.05, weight_decay=1e-3)
+                  grad_average=mode, policy_frequency=2, tau=0.05, weight_decay=1e-3)
 
 
 def global_data(step: int):
@@ -100,14 +100,14 @@ def recipe_updates(opts: dict, rank: int = 0, world: int = 1, ctx=None) -> dict:
                               max_grad_norm=opts.get("max_grad_norm", 0.0))
     agent = FastSAC(cfg, OBS, ACT, -torch.ones(ACT), torch.ones(ACT), torch.device("cpu"), plane=plane,
                     critic_obs_dim=opts.get("cdim", CDIM))
-    real_all_reduce = agent.critic_sync.all_reduce
+    real_all_reduce = agent.critic_average.all_reduce
 
     def maybe_inject():
         if opts.get("inf_rank") == rank and agent.counters.critic_steps == opts.get("inf_step"):
             next(agent.critic.parameters()).grad.view(-1)[0] = float("inf")
         real_all_reduce()
 
-    agent.critic_sync.all_reduce = maybe_inject
+    agent.critic_average.all_reduce = maybe_inject
     norms, scales, after_inf = [], [], None  # noqa
     for step in range(UPDATES):
         batch, noise = recipe_data(step)

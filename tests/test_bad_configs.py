@@ -103,7 +103,7 @@ SAC_BAD = [
     (dict(reward_scale=-INF), "--reward-scale -inf: must be a finite number"),
     (dict(device="gpu"), "--device 'gpu': must be one of auto, cpu, cuda or cuda:K"),
     (dict(device="cuda:x"), "--device 'cuda:x': must be one of auto, cpu, cuda or cuda:K"),
-    (dict(grad_sync="allreduce"), "--grad-sync 'allreduce': must be one of flat, view, ddp"),
+    (dict(grad_average="allreduce"), "--grad-average 'allreduce': must be one of flat, view, ddp"),
     (dict(env=""), "--env '': must be a non-empty string"),
     (dict(env="pendulum\nrm -rf /"), "--env 'pendulum\\nrm -rf /': must be free of control characters"),
     (dict(run_dir="runs/a\x00b"), "--run-dir 'runs/a\\x00b': must be free of control characters"),
@@ -115,7 +115,7 @@ SAC_BAD = [
     (dict(log_every=0), "--log-every 0: must be >= 1"),
     (dict(checkpoint_every=-1), "--checkpoint-every -1: must be >= 0"),
     (dict(keep_checkpoints=0), "--keep-checkpoints 0: must be >= 1"),
-    (dict(check_sync_every=-1), "--check-sync-every -1: must be >= 0"),
+    (dict(check_replicas_every=-1), "--check-replicas-every -1: must be >= 0"),
     (dict(eval_episodes=-1), "--eval-episodes -1: must be >= 0"),
     (dict(num_envs=8.5), "--num-envs 8.5: must be an integer >= 1"),
     (dict(resume="yes"), "--resume 'yes': must be True or False; pass --resume or --no-resume"),
@@ -147,7 +147,7 @@ def test_sac_presets_and_edges_pass(name):
     preset(name).check()
     SACConfig().check()
     preset(name, tau=1.0, gamma=1.0, num_atoms=2, num_q=1, actor_hidden=4, n_step=5, buffer_size=5, device="cuda:3",
-           checkpoint_every=0, check_sync_every=0, learning_starts=0, reward_scale=-1.0, target_entropy_ratio=-2.0,
+           checkpoint_every=0, check_replicas_every=0, learning_starts=0, reward_scale=-1.0, target_entropy_ratio=-2.0,
            weight_decay=0.0, seed=2**31 - 1).check()
 
 

@@ -95,3 +95,19 @@ def test_every_cli_answers_a_bad_flag_with_one_line(module, argv, parts, capsys)
     assert err.count("\n") == 1 and "Traceback" not in err and "│" not in err, err
     for part in parts:
         assert part in err, err
+
+
+def test_old_field_names_still_work_for_one_release_with_a_warning(tmp_path, capsys):
+    """--grad-sync / --check-sync-every (and those keys in a --config file) became --grad-average /
+    --check-replicas-every when each concept got one word; the old spellings parse, with a warning."""
+    from hpcrl.config_file import load_config_file
+    from hpcrl.sac.config import SACConfig
+
+    cfg = cli.cli(SACConfig, ["--grad-sync", "view", "--check-sync-every=7"], "python -m hpcrl.sac")
+    assert (cfg.grad_average, cfg.check_replicas_every) == ("view", 7)
+    err = capsys.readouterr().err
+    assert "--grad-sync is now --grad-average" in err and "--check-sync-every is now --check-replicas-every" in err
+    path = tmp_path / "c.json"
+    path.write_text('{"grad_sync": "ddp"}')
+    assert load_config_file(path, SACConfig) == {"grad_average": "ddp"}
+    assert "key grad_sync is now grad_average" in capsys.readouterr().err

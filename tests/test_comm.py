@@ -1,4 +1,4 @@
-"""hpcrl.comm: bootstrap precedence and errors, named barriers, gradient sync modes, reductions, spawn.
+"""hpcrl.comm: bootstrap precedence and errors, named barriers, gradient averaging modes, reductions, spawn.
 
 Multi-rank tests start real processes (gloo on CPU, 2 ranks, one thread each) with small timeouts;
 launcher-environment tests run in-process on a fake environment.
@@ -239,12 +239,12 @@ def test_init_unreachable_master_names_the_address(no_launcher):
     assert time.monotonic() - t0 < 10
 
 
-# --- gradient sync: 2 ranks with half batches == 1 rank with the whole batch ---------------------
+# --- gradient averaging: 2 ranks with half batches == 1 rank with the whole batch ---------------------
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    """One 2-rank run (gradient sync in every mode, then barrier/divergence/reductions), in the production
+    """One 2-rank run (gradient averaging in every mode, then barrier/divergence/reductions), in the production
     layout: the device plane is the default group (the other multi-rank tests run with strict planes)."""
     return hd.spawn(ranks.main, 2, timeout_s=80, env={"HPCRL_STRICT_PLANES": "0"})
 
@@ -261,7 +261,7 @@ def misc_runs(two_ranks):
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("mode", ["flat", "view", "ddp"])
-def test_grad_sync_matches_single_rank(grad_runs, mode):
+def test_grad_average_matches_single_rank(grad_runs, mode):
     ref = grad.train(mode, rank=0, world=1)
     for r, run in enumerate(grad_runs):
         res = run[mode]
@@ -275,14 +275,14 @@ def test_grad_sync_matches_single_rank(grad_runs, mode):
         assert torch.equal(a, b)
 
 
-def test_grad_sync_modes_agree_bitwise(grad_runs):
+def test_grad_average_modes_agree_bitwise(grad_runs):
     # W=2: pre-divided (DDP) and post-scaled (flat, view) sums are exactly the same numbers.
     for run in grad_runs:
         for mode in ("view", "ddp"):
             assert all(torch.equal(a, b) for a, b in zip(run["flat"]["params"], run[mode]["params"])), mode
 
 
-def test_grad_sync_view_mode_is_zero_copy_and_survives_set_to_none(grad_runs):
+def test_grad_average_view_mode_is_zero_copy_and_survives_set_to_none(grad_runs):
     for run in grad_runs:
         # Step 1 followed optimizer.zero_grad(set_to_none=True): grads were re-attached by copy.
         assert run["view"]["zero_copy"] == [True, False, True]
@@ -290,7 +290,7 @@ def test_grad_sync_view_mode_is_zero_copy_and_survives_set_to_none(grad_runs):
 
 
 @pytest.mark.parametrize("mode", ["flat", "view"])
-def test_grad_sync_bf16(grad_runs, mode):
+def test_grad_average_bf16(grad_runs, mode):
     ref = grad.train(mode, rank=0, world=1, dtype=torch.bfloat16)
     a, b = grad_runs[0][f"{mode}-bf16"], grad_runs[1][f"{mode}-bf16"]
     assert a["collectives"] == [1] * grad.STEPS
@@ -299,17 +299,17 @@ def test_grad_sync_bf16(grad_runs, mode):
         torch.testing.assert_close(x.float(), z.float(), rtol=0.05, atol=0.02)
 
 
-def test_grad_sync_single_rank_is_untouched():
+def test_grad_average_single_rank_is_untouched():
     net, log_alpha = grad.make_model()
-    sync = hd.GradSync([*net.parameters(), log_alpha, log_alpha], "view", plane=hd.Plane.local("device"))  # dups dropped
-    assert sync.world_size == 1 and len(sync.params) == 7
-    assert sync.wrap(net) is net
+    averager = hd.GradAverager([*net.parameters(), log_alpha, log_alpha], "view", plane=hd.Plane.local("device"))  # dups dropped
+    assert averager.world_size == 1 and len(averager.params) == 7
+    assert averager.wrap(net) is net
     net(torch.randn(2, 6)).sum().backward()
     before = [p.grad.clone() for p in net.parameters()]
-    sync.all_reduce()
+    averager.all_reduce()
     assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), before))
     with pytest.raises(ValueError, match="mode"):
-        hd.GradSync(net.parameters(), "ring", plane=hd.Plane.local("device"))
+        hd.GradAverager(net.parameters(), "ring", plane=hd.Plane.local("device"))
 
 
 # --- barrier, divergence check, packed reductions (same 2-rank run) --------------------------------

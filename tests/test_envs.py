@@ -229,7 +229,7 @@ def test_partial_reset_leaves_other_envs_alone():
     assert env.elapsed.tolist() == [1, 0, 1, 1]
 
 
-def test_step_has_no_host_sync(monkeypatch):
+def test_step_has_no_host_read(monkeypatch):
     envs = [c(16, seed=0) for c in TORCH_ENVS]
     for e in envs:
         e.reset()
@@ -238,7 +238,7 @@ def test_step_has_no_host_sync(monkeypatch):
     stats = EpisodeStats(16)
 
     def boom(*_a, **_k):
-        raise AssertionError("host sync inside step")
+        raise AssertionError("host read inside step")
 
     for name in ("item", "tolist", "__bool__", "__int__", "__float__", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, boom)
@@ -252,7 +252,7 @@ def test_step_has_no_host_sync(monkeypatch):
 
 
 @pytest.mark.cuda
-def test_cuda_step_without_sync():
+def test_cuda_step_without_host_read():
     for cls in TORCH_ENVS:
         env = cls(1024, "cuda", seed=0)
         env.reset()

@@ -1,5 +1,5 @@
 """Detached PPO plumbing with real processes (gloo): topology, wire formats, N:M runs, sample
-accounting, staleness bound, weight sync, and peers dying."""
+accounting, staleness bound, weight publishing, and peers dying."""
 
 from __future__ import annotations
 
@@ -132,10 +132,10 @@ def test_idle_receives_outlive_the_timeout(tmp_path):
     assert rows[0]["samples_produced"] == rows[0]["samples_consumed"] + rows[0]["dropped_shutdown"]
 
 
-def test_trainable_only_sync_keeps_the_frozen_base(tmp_path):
+def test_trainable_only_publish_keeps_the_frozen_base(tmp_path):
     cfg = toy_config(tmp_path, 2, 1, lag=1, plugin_args=("--trainable-only",))
     rows = spawn(train, 3, args=(cfg,), timeout_s=100)
-    assert rows[0]["checksum_mismatches"] == 0  # full-model checksums equal: base untouched, head synced
+    assert rows[0]["checksum_mismatches"] == 0  # full-model checksums equal: base untouched, head published
 
 
 def test_trainer_checkpoint_and_resume_continue_the_version_count(tmp_path):

@@ -80,13 +80,13 @@ def _ddp_rank(same: bool) -> str:
             Strategy("ddp", model, None, plane, ctx.device, keep=ctx.rank == 0)
         except RankDivergenceError as err:
             return str(err)
-        return "in sync"
+        return "replicas equal"
     finally:
         shutdown()
 
 
 def test_ddp_refuses_replicas_that_start_different():
-    assert spawn(_ddp_rank, 2, args=(True,), timeout_s=60) == ["in sync", "in sync"]
+    assert spawn(_ddp_rank, 2, args=(True,), timeout_s=60) == ["replicas equal", "replicas equal"]
     out = spawn(_ddp_rank, 2, args=(False,), timeout_s=60)
     assert all("weight" in text and "bias" in text for text in out), out  # named, on every rank
 

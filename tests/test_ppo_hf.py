@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 import hf_fixtures as F  # noqa: E402
-from hpcrl.comm import GradSync, Plane  # noqa: E402
+from hpcrl.comm import GradAverager, Plane  # noqa: E402
 from hpcrl.config_check import ConfigError  # noqa: E402
 from hpcrl.ppo.config import parse_args  # noqa: E402
 from hpcrl.ppo.run import build_workload  # noqa: E402
@@ -52,18 +52,18 @@ def _wl(art, arch="llama", **kw) -> HFWorkload:
     return HFWorkload(**{**opts, **kw})
 
 
-def _loop(wl: HFWorkload, lr: float, iters: int, sync: bool = False):
+def _loop(wl: HFWorkload, lr: float, iters: int, publish: bool = False):
     cfg = dataclasses.replace(wl.default_config(), lr=lr)
     model = wl.build_model(0)
     collector = wl.make_collector(11)
-    learner = wl.make_learner(model, cfg, GradSync([p for p in model.parameters() if p.requires_grad],
+    learner = wl.make_learner(model, cfg, GradAverager([p for p in model.parameters() if p.requires_grad],
                                                    plane=Plane.local("device")))
     gen = torch.Generator().manual_seed(2)
     hist = []
     for _ in range(iters):
         batch, _ = collector.collect(model, gen)
         hist.append(learner.update([batch], gen))
-        if sync:  # what a maker does after receiving the new weights (the same model object here)
+        if publish:  # what a maker does after receiving the new weights (the same model object here)
             wl.after_publish(model)
     return model, hist
 
@@ -201,7 +201,7 @@ def test_update_reads_the_host_once(art, algo):
     wl = _wl(art, algo=algo, batch_size=4, **({"group_size": 2} if algo == "grpo" else {}))
     model = wl.build_model(0)
     batch, _ = wl.make_collector(11).collect(model, torch.Generator().manual_seed(2))
-    learner = wl.make_learner(model, wl.default_config(), GradSync([p for p in model.parameters() if p.requires_grad],
+    learner = wl.make_learner(model, wl.default_config(), GradAverager([p for p in model.parameters() if p.requires_grad],
                                                                      plane=Plane.local("device")))
     with HostReads([m for m in (model.actor, model.critic) if m is not None]) as counter:
         stats = learner.update([batch], torch.Generator().manual_seed(0))
@@ -222,9 +222,9 @@ def test_lora_trains_and_publishes_only_adapters(art):
     wl = _wl(art, lora_rank=4, lora_alpha=16)
     model = wl.build_model(0)
     base = {n: p.detach().clone() for n, p in model.actor.named_parameters() if "lora_" not in n}
-    sync = wl.publish_tensors(model)
+    published = wl.publish_tensors(model)
     names = [n for n, p in model.actor.named_parameters() if "lora_" in n]
-    assert len(sync) == len(names) > 0 and sum(t.numel() for t in sync) < 0.2 * sum(b.numel() for b in base.values())
+    assert len(published) == len(names) > 0 and sum(t.numel() for t in published) < 0.2 * sum(b.numel() for b in base.values())
     trained, hist = _loop(wl, lr=2e-2, iters=24)
     scores = [h["score"] for h in hist]
     # rank-4 adapters learn slowly and noisily here (0.03 -> 0.11 over 24 updates with this install):
@@ -491,7 +491,7 @@ def test_reduced_precision_makers_learn_with_a_measured_gap(art, dtype, gap_lo, 
     wl = _wl(art, maker_dtype=dtype)
     model = wl.build_model(0)
     net = wl.maker_actor(model)
-    assert net is not model.actor and wl.maker_actor(model) is net  # cached until the next sync
+    assert net is not model.actor and wl.maker_actor(model) is net  # cached until the next publish
     if dtype == "int8":
         assert any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in net.modules())
     else:
@@ -499,7 +499,7 @@ def test_reduced_precision_makers_learn_with_a_measured_gap(art, dtype, gap_lo, 
     assert next(model.actor.parameters()).dtype == torch.float32  # the trainer's copy stays fp32
     wl.after_publish(model)
     assert wl.maker_actor(model) is not net  # re-made from the new full-precision weights
-    _, hist = _loop(wl, lr=2e-3, iters=16, sync=True)
+    _, hist = _loop(wl, lr=2e-3, iters=16, publish=True)
     gaps = [h["maker_logp_gap"] for h in hist]
     # measured (seed 0, lag 0): int8 0.0044, bf16 0.0016 nats/token; fp32 makers 0. Scores 0.03 -> 0.4-0.8
     assert gap_lo < sum(gaps) / len(gaps) < gap_hi, gaps

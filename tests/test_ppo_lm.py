@@ -1,4 +1,4 @@
-"""Token-level LM PPO workload (hpcrl.ppo.workloads.lm): learning, KL control, LoRA sync, shapes,
+"""Token-level LM PPO workload (hpcrl.ppo.workloads.lm): learning, KL control, LoRA publishing, shapes,
 checkpoints. Single process, CPU, one thread (conftest); the pretrained LM is cached per process, so
 only the first test pays for pretraining (~2-5 s)."""
 
@@ -11,7 +11,7 @@ import io
 import pytest
 import torch
 
-from hpcrl.comm import GradSync, Plane
+from hpcrl.comm import GradAverager, Plane
 from hpcrl.ppo.workloads.lm import LMWorkload, LoRALinear
 from hpcrl.ppo.workloads.lm_corpus import _PRETRAINED
 
@@ -20,15 +20,15 @@ PROMPT_SEED = 11
 SAMPLE_SEED = 2
 
 
-def _grad_sync(model):
-    return GradSync([p for p in model.parameters() if p.requires_grad], plane=Plane.local("device"))
+def _grad_average(model):
+    return GradAverager([p for p in model.parameters() if p.requires_grad], plane=Plane.local("device"))
 
 
 def _loop(wl: LMWorkload, cfg, iters: int):
     """The synchronous single-process loop: collect -> update; returns the per-iteration stats."""
     model = wl.build_model(SEED)
     collector = wl.make_collector(PROMPT_SEED)
-    learner = wl.make_learner(model, cfg, _grad_sync(model))
+    learner = wl.make_learner(model, cfg, _grad_average(model))
     gen = torch.Generator().manual_seed(SAMPLE_SEED)
     history = []
     for _ in range(iters):
@@ -112,7 +112,7 @@ def test_batch_schema_is_fixed():
     wl = LMWorkload(batch_size=8)
     model = wl.build_model(SEED)
     collector = wl.make_collector(PROMPT_SEED)
-    learner = wl.make_learner(model, wl.default_config(), _grad_sync(model))
+    learner = wl.make_learner(model, wl.default_config(), _grad_average(model))
     gen = torch.Generator().manual_seed(SAMPLE_SEED)
     b, g, p = wl.batch_size, wl.gen_len, wl.prompt_len
     want = {"tokens": ((b, p + g), torch.int64), "attention_mask": ((b, p + g), torch.float32),
@@ -140,7 +140,7 @@ def test_checkpoint_round_trip():
     cfg = wl.default_config()
     model = wl.build_model(SEED)
     collector = wl.make_collector(PROMPT_SEED)
-    learner = wl.make_learner(model, cfg, _grad_sync(model))
+    learner = wl.make_learner(model, cfg, _grad_average(model))
     gen = torch.Generator().manual_seed(SAMPLE_SEED)
     for _ in range(2):
         batch, _ = collector.collect(model, gen)
@@ -156,7 +156,7 @@ def test_checkpoint_round_trip():
     ckpt = torch.load(buf, weights_only=False)
     model2 = wl.build_model(SEED)
     model2.load_state_dict(ckpt["model"])
-    learner2 = wl.make_learner(model2, cfg, _grad_sync(model2))
+    learner2 = wl.make_learner(model2, cfg, _grad_average(model2))
     learner2.load_state_dict(ckpt["learner"])
     collector2 = wl.make_collector(999)  # a different seed: the restored cursor must win
     collector2.load_state_dict(ckpt["collector"])
@@ -176,31 +176,31 @@ def _lora_layers(model):
     return [m for m in model.actor.modules() if isinstance(m, LoRALinear)]
 
 
-def test_lora_sync_only_adapters_rebuilt_from_pristine_base():
+def test_lora_publish_only_adapters_rebuilt_from_pristine_base():
     wl = LMWorkload(lora_rank=4, batch_size=8)
     trainer = wl.build_model(SEED)
     maker = wl.build_model(SEED)
     pristine = {k: v.clone() for k, v in maker.state_dict().items() if ".lora_" not in k}
 
-    names = wl.sync_names(trainer)
+    names = wl.publish_names(trainer)
     assert len(names) == wl.n_layers * 4 * 2  # qkv, proj, fc1, fc2 x (A, B) per block
     assert all(n.startswith("actor.blocks.") and n.rsplit(".", 1)[-1] in ("lora_A", "lora_B") for n in names)
     trainable_actor = [f"actor.{n}" for n, p in trainer.actor.named_parameters() if p.requires_grad]
     assert trainable_actor == names  # everything else of the actor (base, embeddings, head) frozen
     assert any(p.requires_grad for p in trainer.critic.head.parameters())
     # canonical names are checked: a model of another configuration is refused loudly
-    with pytest.raises(ValueError, match="sync tensors"):
+    with pytest.raises(ValueError, match="publish tensors"):
         wl.publish_tensors(LMWorkload().build_model(SEED))
-    with pytest.raises(ValueError, match="sync tensors"):
+    with pytest.raises(ValueError, match="publish tensors"):
         LMWorkload().publish_tensors(trainer)
 
     collector = wl.make_collector(PROMPT_SEED)
-    learner = wl.make_learner(trainer, wl.default_config(), _grad_sync(trainer))
+    learner = wl.make_learner(trainer, wl.default_config(), _grad_average(trainer))
     gen = torch.Generator().manual_seed(SAMPLE_SEED)
     probe = wl.make_collector(77).next_prompts()
     probe = torch.cat([probe, torch.randint(wl.vocab, (probe.shape[0], wl.gen_len))], 1)
 
-    for sync in range(3):  # several syncs with different adapter values
+    for publish in range(3):  # several publishes with different adapter values
         batch, _ = collector.collect(trainer, gen)
         learner.update([batch], gen)
         src = wl.publish_tensors(trainer)
@@ -226,13 +226,13 @@ def test_lora_sync_only_adapters_rebuilt_from_pristine_base():
         assert all(torch.equal(b1[k], b2[k]) for k in b1)
 
 
-def test_full_sync_carries_actor_and_reproduces_logits():
+def test_full_publish_carries_actor_and_reproduces_logits():
     wl = LMWorkload(batch_size=8)
     trainer, maker = wl.build_model(SEED), wl.build_model(SEED)
-    names = wl.sync_names(trainer)
+    names = wl.publish_names(trainer)
     assert names == [f"actor.{n}" for n, _ in trainer.actor.named_parameters()]
     collector = wl.make_collector(PROMPT_SEED)
-    learner = wl.make_learner(trainer, wl.default_config(), _grad_sync(trainer))
+    learner = wl.make_learner(trainer, wl.default_config(), _grad_average(trainer))
     gen = torch.Generator().manual_seed(SAMPLE_SEED)
     batch, _ = collector.collect(trainer, gen)
     learner.update([batch], gen)
@@ -252,7 +252,7 @@ def test_decoupled_ppo_equals_plain_ppo_at_lag_zero():
     for tis in (None, 2.0):
         cfg = dataclasses.replace(wl.default_config(), truncated_is=tis)
         model = wl.build_model(SEED)
-        learner = wl.make_learner(model, cfg, _grad_sync(model))
+        learner = wl.make_learner(model, cfg, _grad_average(model))
         gen = torch.Generator().manual_seed(SAMPLE_SEED)
         batch, _ = wl.make_collector(PROMPT_SEED).collect(model, gen)
         stats = learner.update([batch], gen)

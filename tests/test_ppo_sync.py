@@ -93,8 +93,8 @@ def test_collector_batch_contract(name):
         assert float(batch["actions"].abs().max()) > 1.0  # unclipped actions are shipped
 
 
-class ZeroingSync:
-    """Stands in for GradSync: counts calls and zeroes the gradients, so the optimiser must not move
+class ZeroingAverager:
+    """Stands in for GradAverager: counts calls and zeroes the gradients, so the optimiser must not move
     the parameters if (and only if) it is called after backward and before the step."""
 
     def __init__(self, model):
@@ -112,7 +112,7 @@ def test_learner_reduces_grads_between_backward_and_step():
     model = w.build_model(0, "cpu")
     cfg = dataclasses.replace(w.default_config(), epochs=3, minibatches=2)
     batch, _ = w.make_collector(0, "cpu").collect(model, torch.Generator().manual_seed(0))
-    sync = ZeroingSync(model)
+    sync = ZeroingAverager(model)
     before = [p.detach().clone() for p in model.parameters()]
     stats = w.make_learner(model, cfg, sync).update([batch, batch], torch.Generator().manual_seed(0))
     assert sync.calls == 3 * 2

@@ -190,7 +190,7 @@ class DuckWorkload:
     def build_model(self, seed, device):
         return nn.Linear(2, 2)
 
-    def sync_tensors(self, model):
+    def sync_tensors(self, model):  # the old name of publish_tensors: still accepted, with a warning
         return [p.data for p in model.parameters()]
 
     def make_collector(self, rank_seed, device):
@@ -200,12 +200,13 @@ class DuckWorkload:
         return DuckLearner(model)
 
 
-def test_a_duck_typed_plugin_gets_every_hook():
+def test_a_duck_typed_plugin_gets_every_hook(capsys):
     wl = as_workload(DuckWorkload())
+    assert "DuckWorkload.sync_tensors is now called publish_tensors" in capsys.readouterr().err
     assert isinstance(wl, Workload) and wl.name == "duck" and as_workload(wl) is wl
     model = wl.build_maker_model(0, torch.device("cpu"))
     assert len(wl.publish_tensors(model)) == 2
-    assert [t.data_ptr() for t in wl.sync_tensors(model)] == [t.data_ptr() for t in wl.publish_tensors(model)]
+    assert [t.data_ptr() for t in wl.publish_tensors(model)] == [t.data_ptr() for t in wl.publish_tensors(model)]
     assert wl.default_config() == PPOConfig()
     wl.after_publish(model)
     assert wl.save_artifacts(model.state_dict()) is None

@@ -229,7 +229,7 @@ def test_shared_state_reduction_is_the_episode_weighted_mean():
 
 TOY = dict(env="toy_privileged", num_envs=4, batch_size=32, actor_hidden=32, critic_hidden=32, num_atoms=21,
            learning_starts=4, random_steps=4, num_updates=2, log_every=10, eval_episodes=0, checkpoint_every=0,
-           check_sync_every=1, max_grad_norm=1.0)
+           check_replicas_every=1, max_grad_norm=1.0)
 
 
 @pytest.mark.slow

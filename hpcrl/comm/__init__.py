@@ -1,10 +1,10 @@
 """Rank bootstrap (torchrun / Slurm / MPI / single), devices, the host and device planes, gradient
-sync, packed reductions, timeouts.
+averaging, packed reductions, timeouts.
 
 Typical trainer::
 
     ctx = hpcrl.comm.init_distributed(timeout_s=cfg.timeout_s, device=cfg.device)
-    critic_sync = hpcrl.comm.GradSync([*critic.parameters(), log_alpha], cfg.grad_sync, plane=ctx.device_plane)
+    critic_average = hpcrl.comm.GradAverager([*critic.parameters(), log_alpha], cfg.grad_average, plane=ctx.device_plane)
     ...
     if stop.agreed(ctx.host_plane): ...
     hpcrl.comm.shutdown()
@@ -19,11 +19,11 @@ from .context import DistContext, DistSetupError, Source
 from .devices import check_local_gpus, cuda_count, rank_device
 from .env import LaunchInfo, detect_launch
 from .planes import IDLE_TIMEOUT, Plane, abort, new_plane, new_planes, strict_planes
-from .grad_sync import GradSync, Mode
+from .grad_average import GradAverager, Mode
 from .local import SpawnConfigError, SpawnError, spawn
 from .nodelist import expand_nodelist, first_host
 from .stop import EXIT_STOPPED, StopRequest
-from .reduce import RankDivergenceError, all_reduce_sum_, broadcast_, check_parameters_in_sync, reduce_metrics
+from .reduce import RankDivergenceError, all_reduce_sum_, broadcast_, check_replicas_equal, reduce_metrics
 from .secret import UntrustedKeyError, UntrustedPeerError
 
 __all__ = [
@@ -43,7 +43,7 @@ __all__ = [
     "DistSetupError",
     "EXIT_STOPPED",
     "StopRequest",
-    "GradSync",
+    "GradAverager",
     "LaunchInfo",
     "Mode",
     "RankDivergenceError",
@@ -55,7 +55,7 @@ __all__ = [
     "host_of",
     "hosts",
     "broadcast_",
-    "check_parameters_in_sync",
+    "check_replicas_equal",
     "current",
     "detect_launch",
     "expand_nodelist",

@@ -8,7 +8,7 @@
 Rules. No code uses the default process group implicitly: every helper of :mod:`hpcrl.comm` takes
 a :class:`Plane`, and role subgroups (detached PPO's trainers, its weight group) are created as
 planes too (:func:`new_planes`). Control values are CPU tensors from the start, so they never force
-a device->host sync inside an update loop (a log row may sync; it happens once per row).
+a device->host read inside an update loop (a log row may read the device; it happens once per row).
 
 In production the world's device plane is the default group (one communicator fewer). With
 ``HPCRL_STRICT_PLANES=1`` the default group is initialised with a backend registered for CUDA only
@@ -79,7 +79,7 @@ class Plane:
         return self.member and self.group is not None and self.size > 1
 
     def check(self, tensors: Sequence[torch.Tensor], what: str = "tensor") -> None:
-        """Raise if a tensor is on the wrong kind of device for this plane (metadata only: no sync)."""
+        """Raise if a tensor is on the wrong kind of device for this plane (metadata only: no host read)."""
         for t in tensors:
             if t.device.type != self.device.type:
                 raise ValueError(f"{what} on {t.device} sent on the {self.name} plane, whose tensors live on "

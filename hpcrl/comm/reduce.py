@@ -21,7 +21,7 @@ __all__ = [
     "RankDivergenceError",
     "all_reduce_sum_",
     "broadcast_",
-    "check_parameters_in_sync",
+    "check_replicas_equal",
     "reduce_metrics",
 ]
 
@@ -85,7 +85,7 @@ def reduce_metrics(
     mins: Iterable[str] = (),
 ) -> dict[str, float]:
     """Mean of each metric over the ranks of a host plane (one gloo collective; device tensors are
-    copied to the host once, which is the row's one sync); every rank gets the result.
+    copied to the host once, which is the row's one host read); every rank gets the result.
 
     ``weights[name]`` turns that metric into a weighted mean, sum(w*v)/sum(w): e.g. an episode return
     weighted by the number of episodes each rank finished. A rank with weight 0 contributes nothing
@@ -146,7 +146,7 @@ def _checksums(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([x.sum(), x.abs().sum(), (x * pos).sum()])
 
 
-def check_parameters_in_sync(
+def check_replicas_equal(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     plane: Plane,
     *,

@@ -4,7 +4,7 @@ Conventions every env in hpcrl.envs follows:
 
 * Tensors in, tensors out, all on ``env.device``. A step is batched over ``num_envs``; the pure-torch
   envs use only masked tensor ops (no ``.item()``, no Python loop over envs), so a step never forces
-  a host sync and runs unchanged on CPU and GPU.
+  a host read and runs unchanged on CPU and GPU.
 * Auto-reset happens inside ``step``. ``StepResult.obs`` is what the policy sees next (the fresh
   reset observation where an episode ended); ``StepResult.next_obs`` is the observation that truly
   followed the action (the final observation of an ended episode), so a learner can bootstrap on
@@ -230,7 +230,7 @@ class TorchVecEnv(VecEnv):
 
     @abstractmethod
     def _prepare_action(self, action: Tensor) -> Tensor:
-        """Move/reshape/clip the action; validates shapes only (values would need a host sync)."""
+        """Move/reshape/clip the action; validates shapes only (values would need a host read)."""
 
     # -- protocol ---------------------------------------------------------------------------------
     def _rand(self, *shape: int) -> Tensor:
@@ -257,7 +257,7 @@ class TorchVecEnv(VecEnv):
         done = terminated | truncated
         next_obs = self._observation(new_state)
         # Draw fresh states for every env each step and keep them only where done: a data-dependent
-        # "reset only if any done" would need a host sync. As a bonus the RNG stream does not
+        # "reset only if any done" would need a host read. As a bonus the RNG stream does not
         # depend on which envs finished.
         fresh = self._initial_state()
         self.state = torch.where(done.unsqueeze(-1), fresh, new_state)
@@ -310,7 +310,7 @@ class EpisodeSummary:
         return cls(t[0], t[1], t[2])
 
     def mean_return(self) -> float:
-        """Host-side mean (syncs); NaN when no episode finished."""
+        """Host-side mean (reads the device); NaN when no episode finished."""
         c = float(self.count)
         return float(self.return_sum) / c if c > 0 else float("nan")
 
@@ -320,7 +320,7 @@ class EpisodeSummary:
 
 
 class EpisodeStats:
-    """Device-side running episode returns/lengths; no host sync until the caller reads a value.
+    """Device-side running episode returns/lengths; no host read until the caller reads a value.
 
     Call ``update(result)`` after every ``env.step``; ``pop()`` returns the summed returns, lengths
     and the number of episodes completed since the previous pop, and clears them.
@@ -378,7 +378,7 @@ def first_episode_returns(env: VecEnv, obs: Tensor, act: Any, max_steps: int = 1
     """The return of each env's first episode from ``obs`` (the env freshly reset), stepping with
     ``act(obs) -> action``; an episode still running after ``env.max_episode_steps`` (or ``max_steps``)
     steps counts with the return it has so far. What evaluation (training's and ``hpcrl.sac.play``'s)
-    measures; one host sync per step (the all-finished check)."""
+    measures; one host read per step (the all-finished check)."""
     stats = EpisodeStats(env.num_envs, env.device)
     finished = torch.zeros(env.num_envs, dtype=torch.bool, device=env.device)
     returns = torch.zeros(env.num_envs, dtype=stats.running_return.dtype, device=env.device)

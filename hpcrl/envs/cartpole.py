@@ -92,7 +92,7 @@ class CartPole(TorchVecEnv):
     def _prepare_action(self, action: Tensor) -> Tensor:
         _check_shape(action, ((self.num_envs,), (self.num_envs, 1)), "CartPole")
         # As gymnasium: action 1 pushes right, anything else left (values are not validated:
-        # that would need a host sync).
+        # that would need a host read).
         return action.to(self.device).reshape(self.num_envs) == 1
 
     def _transition(self, state: Tensor, push_right: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -6,7 +6,7 @@ that ended its episode and reports the true final observation in ``info["final_o
 mode instead spends one extra, reward-less step on the reset.)
 
 Observations and rewards are converted to ``dtype`` (float32 by default) tensors on ``device``;
-actions go back to NumPy on the host (this is a host sync, unavoidable for CPU simulators).
+actions go back to NumPy on the host (this is a host read, unavoidable for CPU simulators).
 Continuous actions are passed through unclipped, as gymnasium would receive them; discrete ones
 are 0..n-1 (shifted by the space's ``start``). When gymnasium reports both ``terminated`` and
 ``truncated`` for an env, ``truncated`` is cleared (terminated wins).

@@ -12,7 +12,7 @@ rewards, as in brax's ``EpisodeWrapper``), so ``truncated = steps >= episode_len
 matching brax's ``info["truncation"]``. Where an episode ended, the envs are reset with a fresh key
 (Playground's ``full_reset=True``; its default instead re-uses each env's first state) and
 ``next_obs`` is the true final observation, which Playground's wrapper overwrites. The fresh reset is
-computed only on vector steps where some env ended (``lax.cond``: no host sync).
+computed only on vector steps where some env ended (``lax.cond``: no host read).
 
 Options after ``?`` (or as ``make_env`` keyword arguments): ``impl=jax|warp`` (the MJX backend; default
 ``jax`` on CPU, where it measured ~13x faster than Warp's CPU device, and the env's own default on GPU)

@@ -10,7 +10,7 @@ Mapping onto the VecEnv contract:
 
 * ``obs`` is what ``step`` returned (post-reset where done). ``next_obs`` is ``info["final_observation"]``
   (ManiSkill3, gymnasium < 1) or ``info["final_obs"]`` where done: a full-batch tensor (or dict of them),
-  selected per env with ``torch.where`` (no host sync). An env that gives no final observation
+  selected per env with ``torch.where`` (no host read). An env that gives no final observation
   (IsaacLab's ``ManagerBasedRLEnv`` does not) raises on the first step where an episode ends, unless
   ``missing_final_obs="reset_obs"`` accepts the post-reset observation as ``next_obs`` (what IsaacLab
   users of FastTD3 get; a truncated episode then bootstraps from the wrong state).

@@ -5,7 +5,7 @@ Conventions:
 * Time-major ``[T, N]`` for GAE; anything else is elementwise over any shape.
 * Losses are to be *minimised* and are means over the elements (or over ``mask`` where given:
   the LM workload passes its action mask for a token-mean loss).
-* Stats are detached 0-d tensors, not floats: reading them is the caller's (one) host sync.
+* Stats are detached 0-d tensors, not floats: reading them is the caller's (one) host read.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from .channels import (Credit, CreditChannel, ExperienceChannel, Header, Schema,
                        WeightChannel)
 from .config import DetachedConfig
 from .events import Events, RolloutDone
-from .groups import RolePlanes
+from .planes import RolePlanes
 from .liveness import Dropped, PeerLost, Watcher, bounded, describe, liveness_store
 from .topology import Topology
 from .workload import Workload

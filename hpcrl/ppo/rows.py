@@ -58,7 +58,7 @@ class Tally:
                "episode_return_recent": recent_return,
                "lag_mean": reduced["lag_sum"] / reduced["batches"], "lag_max": reduced["lag_max"],
                "lag_min": reduced["lag_min"], "dropped_stale": reduced["dropped_stale"],
-               "weight_sync_ms": publish_ms, "samples_per_s": reduced["samples"] / step_s,
+               "weight_publish_ms": publish_ms, "samples_per_s": reduced["samples"] / step_s,
                "trainer_idle_frac": reduced["idle_frac"],
                # of the makers' time behind this step's batches, the share not spent collecting
                "maker_idle_frac": (reduced["maker_wait_s"]

@@ -14,7 +14,7 @@ from hpcrl.conventions import ppo_role
 
 from .config import HF_WORKLOADS, LM_WORKLOADS, ConfigError, DetachedConfig, is_plugin, tyro_call
 from .events import Events, ignore
-from .groups import make_groups
+from .planes import make_role_planes
 from .liveness import Heartbeat, liveness_store, remember_hosts
 from .maker import Maker
 from .plugins import plugin_class
@@ -96,7 +96,7 @@ def train(cfg: DetachedConfig, events: Events = ignore) -> dict[str, float]:
     try:
         if cfg.resume:
             check_resumable(cfg, top)
-        groups = make_groups(ctx, top)  # every rank, same order: a torch.distributed rule
+        groups = make_role_planes(ctx, top)  # every rank, same order: a torch.distributed rule
         remember_hosts(ctx)
         beat = Heartbeat(liveness_store(ctx.store, cfg.heartbeat_timeout_s), ctx.rank)
         try:

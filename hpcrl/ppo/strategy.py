@@ -1,7 +1,7 @@
 """How the trainers hold the model: ``ddp`` or ``fsdp``.
 
 * ``ddp``: every trainer holds the whole model, its gradients and its Adam moments; gradients are
-  averaged by one flat all-reduce (:class:`hpcrl.comm.GradSync`) before each optimizer step.
+  averaged by one flat all-reduce (:class:`hpcrl.comm.GradAverager`) before each optimizer step.
 * ``fsdp``: FSDP2 ``fully_shard`` over the trainers: each of T trainers holds 1/T of every parameter,
   gradient and Adam moment (dim-0 shards); FSDP all-gathers one unit's parameters (a decoder layer,
   then the rest of the model) for its forward and backward and reduce-scatters (averages) the
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from hpcrl import ops
-from hpcrl.comm import GradSync, Plane, check_parameters_in_sync
+from hpcrl.comm import GradAverager, Plane, check_replicas_equal
 
 from .workload import Learner, Workload
 
@@ -149,8 +149,8 @@ class Strategy:
         if name == "ddp":
             # replicas must start equal (workload.build_model is deterministic for a seed): checked by
             # checksums, not fixed by a broadcast, which would hold a second copy of a large model
-            check_parameters_in_sync(model.named_parameters(), plane)
-            self.grad_average: Any = GradSync(params, "flat", plane=plane)
+            check_replicas_equal(model.named_parameters(), plane)
+            self.grad_average: Any = GradAverager(params, "flat", plane=plane)
             return
         self._shard(model, workload, offload, dtype)
         self.grad_average = ShardedGrads(plane)  # FSDP reduce-scatters (averages) the gradients in backward
@@ -172,10 +172,6 @@ class Strategy:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for unit in units:
             fully_shard(unit, **kwargs)
-
-    @property
-    def grad_sync(self) -> Any:  # old name: removed in the final rename pass
-        return self.grad_average
 
     # -- what the trainer calls ------------------------------------------------------------------
     def snapshot(self, tensors: list[Tensor], bucket_numel: int) -> Tensor | None:

@@ -25,7 +25,7 @@ from .workload import PPOConfig, Workload, as_workload
 
 
 class NoGradAverage:
-    """Gradient averaging over a plane of one. Unlike a world-size-1 ``hpcrl.comm.GradSync`` it
+    """Gradient averaging over a plane of one. Unlike a world-size-1 ``hpcrl.comm.GradAverager`` it
     is safe inside a process that belongs to a larger initialised world."""
 
     def all_reduce(self) -> None:

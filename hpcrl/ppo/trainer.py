@@ -25,7 +25,7 @@ from hpcrl.metrics import RunLogger
 from .channels import CreditChannel, ExperienceChannel, SchemaChannel, StatusChannel, WeightChannel
 from .config import DetachedConfig
 from .events import BatchReceived, Events, RowLogged
-from .groups import RolePlanes, staging_note
+from .planes import RolePlanes, staging_note
 from .liveness import PeerLost, Watcher, describe, liveness_store
 from .makers import MakerLedger, MakerWires
 from .publisher import Publisher
@@ -72,7 +72,7 @@ class Replica:
         strategy = Strategy(cfg.strategy, model, workload, plane, device, keep=index == 0, offload=cfg.offload,
                             dtype=cfg.trainer_dtype)
         tensors = workload.publish_tensors(model)
-        learner = workload.make_learner(model, ppo, strategy.grad_sync)
+        learner = workload.make_learner(model, ppo, strategy.grad_average)
         return cls(model, strategy, learner, tensors, torch.Generator().manual_seed(cfg.seed + 2 + 1000 * index))
 
     def full_state(self) -> tuple[Any, Any]:

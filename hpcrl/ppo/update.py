@@ -101,7 +101,7 @@ class GradStep:
     max_grad_norm: float
 
     def __call__(self, loss: Tensor) -> Tensor:
-        # set_to_none=False keeps GradSync's "view" grads attached to its flat buffer
+        # set_to_none=False keeps GradAverager's "view" grads attached to its flat buffer
         self.optimizer.zero_grad(set_to_none=False)
         loss.backward()
         self.grad_average.all_reduce()

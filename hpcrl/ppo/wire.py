@@ -178,7 +178,7 @@ def checksum(flat: torch.Tensor, chunk: int = 1 << 20) -> float:
     total = torch.zeros((), dtype=torch.int64, device=bits.device)
     for start in range(0, bits.numel(), chunk):
         total += bits[start : start + chunk].sum(dtype=torch.int64)
-    return float(int(total) % (1 << 52))  # one host sync (per chunk would stall a GPU stream per MiB)
+    return float(int(total) % (1 << 52))  # one host read (per chunk would stall a GPU stream per MiB)
 
 
 # ------------------------------------------------------------------------------- store handshakes

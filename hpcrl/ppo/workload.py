@@ -16,6 +16,7 @@ log-probabilities of the taken actions) so the trainer can correct for staleness
 
 from __future__ import annotations
 
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,7 +73,7 @@ class Workload(ABC):
     @abstractmethod
     def make_learner(self, model: nn.Module, cfg: PPOConfig, grad_average: Any) -> Learner:
         """Trainer-side optimiser state; ``grad_average`` averages gradients over the trainer plane
-        (an :class:`hpcrl.comm.GradSync` over ``model``'s trainable parameters, or the fsdp strategy's)."""
+        (an :class:`hpcrl.comm.GradAverager` over ``model``'s trainable parameters, or the fsdp strategy's)."""
 
     def after_publish(self, model: nn.Module) -> None:
         """Maker side, after new publish tensors were written: rebuild derived weights (e.g. merge LoRA
@@ -96,12 +97,6 @@ class Workload(ABC):
     def save_artifacts(self, model_state: dict[str, torch.Tensor]) -> Any:
         """Trainer 0 after every checkpoint, with the full model state (e.g. a save_pretrained export).
         Default: nothing to save."""
-
-    def sync_tensors(self, model: nn.Module) -> list[torch.Tensor]:  # old name: removed in the final rename pass
-        return self.publish_tensors(model)
-
-    def after_sync(self, model: nn.Module) -> None:  # old name: removed in the final rename pass
-        self.after_publish(model)
 
 
 class Collector(ABC):
@@ -166,16 +161,23 @@ class AdamLearner(Learner):
 # -- duck-typed plugins ----------------------------------------------------------------------------
 
 _REQUIRED = ("build_model", "make_collector", "make_learner")
+# Hook names before "publish" became the one word for sending weights to the makers: accepted, with
+# a warning, for one release.
 _OLD_NAMES = {"publish_tensors": "sync_tensors", "after_publish": "after_sync"}
+_WARNED: set[tuple[type, str]] = set()
 
 
 def _method(obj: Any, name: str) -> Any:
-    """``obj``'s own ``name`` (or its old name), or None."""
-    for attr in (name, _OLD_NAMES.get(name, name)):
-        found = getattr(obj, attr, None)
-        if callable(found):
-            return found
-    return None
+    """``obj``'s own ``name`` (or its old name, with a warning), or None."""
+    found = getattr(obj, name, None)
+    if callable(found):
+        return found
+    old = getattr(obj, _OLD_NAMES.get(name, name), None)
+    if callable(old) and (type(obj), name) not in _WARNED:
+        _WARNED.add((type(obj), name))
+        print(f"hpcrl.ppo: warning: {type(obj).__name__}.{_OLD_NAMES[name]} is now called {name}; the old name "
+              "goes in the next release", file=sys.stderr, flush=True)
+    return old if callable(old) else None
 
 
 class _PluginCollector(Collector):
@@ -221,7 +223,7 @@ class _PluginLearner(Learner):
 
 class _PluginWorkload(Workload):
     """A duck-typed workload on the contract: each hook is the plugin's where it has one (old names
-    ``sync_tensors`` / ``after_sync`` too), the default otherwise; its collectors and learners likewise."""
+    ``publish_tensors`` / ``after_publish`` too), the default otherwise; its collectors and learners likewise."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner

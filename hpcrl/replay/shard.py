@@ -128,7 +128,7 @@ class ReplayShard:
 
         ``next_obs`` is the observation that followed the action: the true final observation for envs
         whose episode ended (not the reset observation); ``critic_obs``/``next_critic_obs`` (required
-        exactly when the shard has ``critic_obs_dim > 0``) follow the same rule. Costs one host sync
+        exactly when the shard has ``critic_obs_dim > 0``) follow the same rule. Costs one host read
         (the number of finished episodes, to size the final-observation pool).
         """
         E = self.num_envs

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from hpcrl.comm import GradSync, Plane
+from hpcrl.comm import GradAverager, Plane
 from hpcrl.replay import Batch
 
 from . import losses
@@ -66,7 +66,7 @@ class Counters:
 
 
 class FastSAC(nn.Module):
-    """Networks, optimisers and gradient sync of one rank."""
+    """Networks, optimisers and gradient averaging of one rank."""
 
     def __init__(self, cfg: SACConfig, obs_dim: int, action_dim: int, action_low: torch.Tensor,
                  action_high: torch.Tensor, device: torch.device, *, plane: Plane,
@@ -93,10 +93,10 @@ class FastSAC(nn.Module):
         # Plain Adam: holosoma's AdamW default weight decay 1e-2 silently pulls log(alpha) to 0.
         self.alpha_opt = torch.optim.Adam([self.log_alpha], lr=cfg.alpha_lr, betas=(0.9, 0.95), fused=True)
         # One collective per optimizer update: critic + log-alpha together, the actor alone.
-        self.critic_sync = GradSync([*self.critic.parameters(), self.log_alpha], cfg.grad_sync, plane=plane)
-        self.actor_sync = GradSync(self.actor.parameters(), cfg.grad_sync, plane=plane)
-        self.critic_train = self.critic_sync.wrap(self.critic)
-        self.actor_train = self.actor_sync.wrap(self.actor)
+        self.critic_average = GradAverager([*self.critic.parameters(), self.log_alpha], cfg.grad_average, plane=plane)
+        self.actor_average = GradAverager(self.actor.parameters(), cfg.grad_average, plane=plane)
+        self.critic_train = self.critic_average.wrap(self.critic)
+        self.actor_train = self.actor_average.wrap(self.actor)
         self.counters = Counters()
         self._target_params = list(self.critic_target.parameters())
         self._online_params = list(self.critic.parameters())
@@ -107,8 +107,8 @@ class FastSAC(nn.Module):
         # One scaler for the critic (+alpha) and the actor steps, updated after each, as holosoma does.
         self.scaler = torch.amp.GradScaler(device.type) if self.amp == "fp16" else None
         self.max_grad_norm = float(getattr(cfg, "max_grad_norm", 0.0))
-        for sync in (self.critic_sync, self.actor_sync):
-            sync.zero_grad()
+        for averager in (self.critic_average, self.actor_average):
+            averager.zero_grad()
 
     @property
     def alpha(self) -> torch.Tensor:
@@ -117,7 +117,7 @@ class FastSAC(nn.Module):
     def update(self, batch: Batch, noise: UpdateNoise) -> dict[str, torch.Tensor]:
         """One critic (+alpha) step, the target update, and the actor step when it is due.
 
-        Returns detached scalar tensors (no host sync) for logging.
+        Returns detached scalar tensors (no host read) for logging.
         """
         cfg = self.cfg
         alpha = self.alpha
@@ -133,10 +133,10 @@ class FastSAC(nn.Module):
         critic_loss = losses.critic_loss(logits, target)
         alpha_loss = losses.alpha_loss(self.log_alpha, next_log_prob, self.target_entropy)
         self._scaled(critic_loss + alpha_loss).backward()  # disjoint graphs: one backward fills both grads
-        self.critic_sync.all_reduce()  # of the scaled gradients (fp16), like holosoma
+        self.critic_average.all_reduce()  # of the scaled gradients (fp16), like holosoma
         opts = [self.critic_opt, self.alpha_opt] if cfg.autotune_alpha else [self.critic_opt]
         critic_grad_norm = self._clip_and_step(opts, self._online_params)
-        self.critic_sync.zero_grad()
+        self.critic_average.zero_grad()
         torch._foreach_lerp_(self._target_params, self._online_params, cfg.tau)
         self.counters.critic_steps += 1
         out = {"critic_loss": critic_loss.detach(), "alpha_loss": alpha_loss.detach(),
@@ -146,7 +146,7 @@ class FastSAC(nn.Module):
             out["actor_loss"], out["entropy"], out["actor_grad_norm"] = self._update_actor(
                 batch.obs, noise.actor_eps, alpha, batch.q_obs)
         if self.scaler is not None:
-            out["grad_scale"] = self.scaler._scale.detach().clone()  # a device tensor; get_scale() syncs
+            out["grad_scale"] = self.scaler._scale.detach().clone()  # a device tensor; get_scale() reads the device
         return out
 
     def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
@@ -154,8 +154,8 @@ class FastSAC(nn.Module):
 
     def _clip_and_step(self, opts: list[torch.optim.Optimizer], params: list[torch.Tensor]) -> torch.Tensor:
         """unscale_ (fp16) -> clip -> step -> scaler.update, on gradients already all-reduced. Returns
-        the (unscaled, pre-clip) gradient norm of ``params`` as a tensor (no host sync). With the scaler
-        the step of a fused optimizer takes the found-inf flag on the device (no host sync either)."""
+        the (unscaled, pre-clip) gradient norm of ``params`` as a tensor (no host read). With the scaler
+        the step of a fused optimizer takes the found-inf flag on the device (no host read either)."""
         if self.scaler is not None:
             for opt in opts:
                 self.scaler.unscale_(opt)
@@ -179,16 +179,16 @@ class FastSAC(nn.Module):
         self.critic.requires_grad_(False)
         try:
             with self._autocast:
-                # Through actor_train's forward, so DDP (grad_sync="ddp") sees the pass and reduces.
+                # Through actor_train's forward, so DDP (grad_average="ddp") sees the pass and reduces.
                 action, log_prob = self.actor.squash(*self.actor_train(obs), eps)
                 q = self.critic.q_value(self.critic(obs if q_obs is None else q_obs, action))
             loss = losses.actor_loss(log_prob.float(), q, alpha)
             self._scaled(loss).backward()
         finally:
             self.critic.requires_grad_(True)
-        self.actor_sync.all_reduce()
+        self.actor_average.all_reduce()
         grad_norm = self._clip_and_step([self.actor_opt], list(self.actor.parameters()))
-        self.actor_sync.zero_grad()
+        self.actor_average.zero_grad()
         self.counters.actor_steps += 1
         return loss.detach(), -log_prob.detach().float().mean(), grad_norm
 

@@ -18,7 +18,7 @@ from typing import Literal, get_args
 
 from hpcrl.config_check import DEVICE, MAX_SEED, MAX_TIMEOUT_S, Check, ConfigError
 
-GradSyncMode = Literal["flat", "view", "ddp"]
+GradAverageMode = Literal["flat", "view", "ddp"]
 NonFiniteMode = Literal["error", "skip"]
 WandbMode = Literal["online", "offline", "disabled"]
 AmpMode = Literal["none", "bf16", "fp16"]
@@ -112,7 +112,7 @@ class SACConfig:
     """Learn the entropy temperature alpha towards the target entropy (else alpha stays alpha_init)."""
     target_entropy_ratio: float = 0.0
     """target entropy = -ratio * action_dim (any finite value)."""
-    grad_sync: GradSyncMode = "flat"
+    grad_average: GradAverageMode = "flat"
     """How gradients are all-reduced: "flat" (one fused buffer), "view" (per-parameter views), "ddp"."""
     bf16: bool = False
     """Alias of --amp bf16 (kept for old command lines and config files); ignored when --amp is not none."""
@@ -159,7 +159,7 @@ class SACConfig:
     is always written at the end)."""
     keep_checkpoints: int = 2
     """Complete checkpoints kept in run_dir/checkpoints (>= 1)."""
-    check_sync_every: int = 1000
+    check_replicas_every: int = 1000
     """Critic updates between cross-rank parameter checksums (0 disables)."""
     eval_episodes: int = 0
     """Deterministic evaluation episodes per rank, run at the end (final eval_return) and by --eval-every
@@ -213,7 +213,7 @@ class SACConfig:
         c.real("alpha_init", 0.0, lo_open=True, hint="initial entropy temperature; its log is learned")
         c.boolean("autotune_alpha")
         c.real("target_entropy_ratio", hint="target entropy = -ratio * action_dim")
-        c.choice("grad_sync", get_args(GradSyncMode).__contains__, ", ".join(get_args(GradSyncMode)))
+        c.choice("grad_average", get_args(GradAverageMode).__contains__, ", ".join(get_args(GradAverageMode)))
         c.boolean("bf16")
         c.choice("amp", get_args(AmpMode).__contains__, ", ".join(get_args(AmpMode)))
         c.real("max_grad_norm", 0.0, hint="gradient-norm clip; 0 = off")
@@ -236,7 +236,7 @@ class SACConfig:
         c.integer("log_every", 1, hint="vector steps between metrics rows")
         c.integer("checkpoint_every", 0, hint="vector steps between checkpoints; 0 = only at the end")
         c.integer("keep_checkpoints", 1, hint="checkpoints kept")
-        c.integer("check_sync_every", 0, hint="critic updates between checksums; 0 = never")
+        c.integer("check_replicas_every", 0, hint="critic updates between checksums; 0 = never")
         c.integer("eval_episodes", 0, hint="evaluation episodes per rank; 0 = none")
         c.integer("eval_every", 0, hint="vector steps between evaluations; 0 = off")
         if self.eval_every and self.eval_every % self.log_every:

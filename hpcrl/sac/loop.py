@@ -4,7 +4,7 @@ evaluate, keep the best) -> checkpoint -> stop?, then the end of the run.
 Envs and replay are rank-local; normaliser statistics (actor and, when the env has privileged critic
 observations, critic) and the env's shared state are reduced once per env step on the device plane.
 The stop agreement runs every env step on the host plane (one gloo all-reduce of a CPU flag, no
-device sync), so a signal is acted on within one env step plus the checkpoint.
+device wait), so a signal is acted on within one env step plus the checkpoint.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from hpcrl import checkpoint
-from hpcrl.comm import check_parameters_in_sync, reduce_metrics, shutdown
+from hpcrl.comm import check_replicas_equal, reduce_metrics, shutdown
 
 from . import nonfinite
 from .agent import UpdateNoise, mirror_batch
@@ -111,8 +111,8 @@ def update(run: Run, state: LoopState) -> None:
         batch, noise = _sample(run)
         for key, value in agent.update(batch, noise).items():
             state.window.metrics.setdefault(key, []).append(value)
-        if cfg.check_sync_every and agent.counters.critic_steps % cfg.check_sync_every == 0:
-            check_parameters_in_sync([(f"actor.{n}", p) for n, p in agent.actor.named_parameters()]
+        if cfg.check_replicas_every and agent.counters.critic_steps % cfg.check_replicas_every == 0:
+            check_replicas_equal([(f"actor.{n}", p) for n, p in agent.actor.named_parameters()]
                                      + [(f"critic.{n}", p) for n, p in agent.critic.named_parameters()]
                                      + [("log_alpha", agent.log_alpha)], run.ctx.device_plane)
     run.events(UpdatesDone(time.time(), run.ctx.rank, agent.counters.iteration + 1, cfg.num_updates,
@@ -147,7 +147,7 @@ def log(run: Run, state: LoopState, last: bool) -> None:
 
 
 def stop_agreed(run: Run, fault: bool, last: bool) -> bool:
-    """Every env step: one gloo all-reduce of a CPU flag on the host plane (no device sync); its cost
+    """Every env step: one gloo all-reduce of a CPU flag on the host plane (no device wait); its cost
     per step is in the README (measured at 2 ranks). Raises when a rank found non-finite env data."""
     stopping = run.stop.agreed(run.ctx.host_plane, fault=fault) if run.ctx.is_distributed or not last else False
     if run.stop.faults:  # every rank raises the same message (the lowest faulty rank's)
@@ -215,7 +215,7 @@ def reduce_shared_state(state: dict[str, torch.Tensor], episodes: torch.Tensor,
                         all_reduce_sum: Callable[[torch.Tensor], None] | None = None) -> dict[str, torch.Tensor]:
     """The episode-weighted mean of every rank's env shared state: sum_r w_r v_r / sum_r w_r with w_r the
     episodes rank r finished this step, or the plain mean over ranks when no rank finished one. One
-    collective (``all_reduce_sum``, the device plane; None = one process), no host sync."""
+    collective (``all_reduce_sum``, the device plane; None = one process), no host read."""
     keys = sorted(state)
     flat = torch.cat([state[k].detach().reshape(-1).to(torch.float64) for k in keys])
     w = episodes.detach().to(torch.float64).reshape(1)

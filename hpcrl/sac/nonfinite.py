@@ -24,7 +24,7 @@ class NonFiniteEnvData(DataError):
 def count_bad(result: Any, critic: bool) -> int:
     """Envs whose step holds a NaN/inf. One reduction and one host read: a NaN/inf anywhere in reward,
     next_obs or obs makes its env's sum non-finite (so does a float overflow, which is unusable data
-    too). The read lands just before replay.add's own host sync (the finished-episode count), which
+    too). The read lands just before replay.add's own host read (the finished-episode count), which
     then finds the queue drained."""
     total = result.reward + result.next_obs.sum(-1) + result.obs.sum(-1)
     if critic:
@@ -47,7 +47,7 @@ def posted(ctx: DistContext) -> str:
 
 
 def message(cfg: SACConfig, rank: int, step: int, result: Any, bad: int) -> str:
-    # The error path only: find what was non-finite (host syncs do not matter any more).
+    # The error path only: find what was non-finite (host reads do not matter any more).
     parts = []
     for name, t in (("reward", result.reward), ("next observation", result.next_obs), ("observation", result.obs)):
         finite = torch.isfinite(t) if t.dim() == 1 else torch.isfinite(t).all(-1)

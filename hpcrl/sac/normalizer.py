@@ -52,4 +52,4 @@ class ObsNormalizer(nn.Module):
         if not self.enabled:
             return x
         normalized = (x - self.mean.to(x.dtype)) / (self.std.to(x.dtype) + self.eps)
-        return torch.where(self.count > 0, normalized, x)  # identity before the first update, no host sync
+        return torch.where(self.count > 0, normalized, x)  # identity before the first update, no host read

@@ -28,8 +28,8 @@ from .normalizer import ObsNormalizer
 # checkpoints and checks. Every other field, with the world size, is the run's identity: a
 # checkpoint resumes only into the run that wrote it (the first differing field is named).
 RESUMABLE_FIELDS = frozenset({"total_env_steps", "run_dir", "resume", "overwrite", "resume_missing", "device",
-                              "nproc", "threads", "timeout_s", "grad_sync", "bf16", "amp", "compile", "log_every",
-                              "checkpoint_every", "keep_checkpoints", "check_sync_every", "eval_episodes",
+                              "nproc", "threads", "timeout_s", "grad_average", "bf16", "amp", "compile", "log_every",
+                              "checkpoint_every", "keep_checkpoints", "check_replicas_every", "eval_episodes",
                               "eval_every", "preset", "config", "seeds", "nonfinite", "wandb_project", "wandb_mode"})
 
 

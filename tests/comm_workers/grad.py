@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hpcrl.comm import DistContext, GradSync, Plane
+from hpcrl.comm import DistContext, GradAverager, Plane
 
 STEPS = 3
 BATCH = 8  # global; each of W ranks takes BATCH // W rows
@@ -28,11 +28,11 @@ def batch(step: int, rank: int, world: int, dtype: torch.dtype) -> tuple[torch.T
 
 
 def train(mode: str, rank: int, world: int, dtype: torch.dtype = torch.float32, plane: Plane | None = None) -> dict:
-    """STEPS AdamW updates; returns the synced grads of step 0, the final params and bookkeeping."""
+    """STEPS AdamW updates; returns the averaged grads of step 0, the final params and bookkeeping."""
     net, log_alpha = make_model(dtype)
     params = [*net.parameters(), log_alpha]
-    sync = GradSync(params, mode, plane=plane or Plane.local("device"))
-    model = sync.wrap(net)
+    averager = GradAverager(params, mode, plane=plane or Plane.local("device"))
+    model = averager.wrap(net)
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
     calls = {"n": 0}
     real_all_reduce = dist.all_reduce
@@ -47,7 +47,7 @@ def train(mode: str, rank: int, world: int, dtype: torch.dtype = torch.float32, 
         if step == 1:
             opt.zero_grad(set_to_none=True)
         else:
-            sync.zero_grad()
+            averager.zero_grad()
         ptrs = [p.grad.data_ptr() if p.grad is not None else None for p in params]
         x, y = batch(step, rank, world, dtype)
         loss = (model(x) - y).pow(2).mean() + log_alpha.exp() * x.mean()
@@ -56,7 +56,7 @@ def train(mode: str, rank: int, world: int, dtype: torch.dtype = torch.float32, 
         dist.all_reduce = counting_all_reduce
         try:
             calls["n"] = 0
-            sync.all_reduce()
+            averager.all_reduce()
         finally:
             dist.all_reduce = real_all_reduce
         out["collectives"].append(calls["n"])

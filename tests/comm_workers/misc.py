@@ -12,7 +12,7 @@ from hpcrl.comm import (
     all_reduce_sum_,
     barrier,
     broadcast_,
-    check_parameters_in_sync,
+    check_replicas_equal,
     reduce_metrics,
 )
 
@@ -58,12 +58,12 @@ def run(ctx: DistContext) -> dict:
     # Divergence check: identical replicas pass, a perturbed tensor on rank 1 is named.
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-    check_parameters_in_sync(net.named_parameters(), ctx.device_plane)
+    check_replicas_equal(net.named_parameters(), ctx.device_plane)
     if ctx.rank == 1:
         with torch.no_grad():
             net[2].bias[1] += 1e-6
     try:
-        check_parameters_in_sync(net.named_parameters(), ctx.device_plane)
+        check_replicas_equal(net.named_parameters(), ctx.device_plane)
         out["divergence"] = None
     except RankDivergenceError as err:
         out["divergence"] = (str(err), err.diverged)

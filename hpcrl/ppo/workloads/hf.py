@@ -24,7 +24,7 @@ Roles (the same split as :mod:`hpcrl.ppo.workloads.lm`):
 * **LoRA** (``--lora-rank R``, needs peft): adapters on every linear layer of actor and critic
   backbones; only they (and the value head) are trained; only the actor's adapters are published.
   Makers merge (:meth:`HFWorkload.after_publish`): each adapted weight is rebuilt as ``W0 + s B A`` from a
-  pristine copy of ``W0`` at every sync (as the ``lm`` workload's LoRA path does), never accumulated.
+  pristine copy of ``W0`` at every publish (as the ``lm`` workload's LoRA path does), never accumulated.
 * **maker precision** (``--maker-dtype bf16|int8``): makers generate and score with a bf16 copy or an
   int8 dynamically quantized copy (torch's, CPU) of the actor, re-made from the received fp32 weights
   at every swap; its log-probs are the behaviour ones, and ``maker_logp_gap`` (mean |log pi_trainer -
@@ -76,7 +76,7 @@ class HFActorCritic(nn.Module):
         super().__init__()
         self.actor, self.critic = actor, critic
         self.prompt_len, self.temperature = prompt_len, temperature
-        self.syncs = 0
+        self.publishes = 0
 
     @property
     def compute_device(self) -> torch.device:
@@ -241,7 +241,7 @@ class HFWorkload(HFOptions, Workload):
             self._rms[key] = M.load_reward_model(self.reward_model, self.pad_id).to(device)
         return self._rms[key]
 
-    def _sync_items(self, model: HFActorCritic) -> list[tuple[str, Tensor]]:
+    def _publish_items(self, model: HFActorCritic) -> list[tuple[str, Tensor]]:
         items = list(model.actor.named_parameters())
         if self.lora_rank:
             items = [(n, p) for n, p in items if "lora_" in n]
@@ -252,26 +252,26 @@ class HFWorkload(HFOptions, Workload):
 
     def publish_tensors(self, model: HFActorCritic) -> list[Tensor]:
         """The actor's parameters (all, or only the LoRA adapters) in named_parameters order."""
-        return [p.data for _, p in self._sync_items(model)]
+        return [p.data for _, p in self._publish_items(model)]
 
     @torch.no_grad()
     def after_publish(self, model: HFActorCritic) -> None:
         """Maker side, after new weights were written: merge LoRA (:meth:`_merge`); a reduced-precision
         maker copy (:meth:`maker_actor`) is rebuilt from them at the next collect."""
-        model.syncs += 1  # a reduced-precision maker copy is rebuilt from these weights (maker_actor)
+        model.publishes += 1  # a reduced-precision maker copy is rebuilt from these weights (maker_actor)
         self._merge(model)
 
     def maker_actor(self, model: HFActorCritic) -> nn.Module:
         """The network a maker generates and scores with: the actor itself (fp32), or a bf16 / int8 copy
-        made from its current (merged) weights, cached until the next sync."""
+        made from its current (merged) weights, cached until the next publish."""
         if self.maker_dtype == "fp32":
             return model.actor
         cached = model.__dict__.get("_maker_copy")
-        if cached is not None and cached[0] == model.syncs:
+        if cached is not None and cached[0] == model.publishes:
             return cached[1]
         net = copy.deepcopy(model.actor)
         if self.lora_rank:
-            net = net.unload()  # the base layers already hold W0 + s B A (after_sync), or W0 with B = 0
+            net = net.unload()  # the base layers already hold W0 + s B A (after_publish), or W0 with B = 0
         if self.maker_dtype == "bf16":
             net = net.to(torch.bfloat16)
         else:
@@ -281,13 +281,13 @@ class HFWorkload(HFOptions, Workload):
                 warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice
                 net = torch.ao.quantization.quantize_dynamic(net.cpu(), {nn.Linear}, dtype=torch.qint8)
         net = net.eval().requires_grad_(False)
-        model.__dict__["_maker_copy"] = (model.syncs, net)  # not a submodule: never synced or checkpointed
+        model.__dict__["_maker_copy"] = (model.publishes, net)  # not a submodule: never published or checkpointed
         return net
 
     @torch.no_grad()
     def _merge(self, model: HFActorCritic) -> None:
         """Maker side. Full weights: nothing to do (written in place). LoRA: every adapted layer's base
-        weight becomes ``W0 + s * B @ A`` rebuilt from a pristine copy of ``W0`` taken at the first sync
+        weight becomes ``W0 + s * B @ A`` rebuilt from a pristine copy of ``W0`` taken at the first publish
         (never accumulated), and peft is told the layer is merged, so inference runs on plain matrices.
         Only makers call this; a trainer's forward stays peft's unmerged, differentiable one."""
         if not self.lora_rank:

@@ -40,7 +40,7 @@ and the critic's value head. Published (:meth:`LMWorkload.publish_tensors`): the
 in a fixed order whose canonical names and shapes are checked against the config (fail loudly, no
 ``strict=False``). Maker side, :meth:`LMWorkload.after_publish` *merges*: each layer's effective weight
 is rebuilt as ``W0 + s * B @ A`` from its pristine base ``W0`` (which is never written), so
-inference runs on plain merged matrices and nothing accumulates over syncs. The trainer computes the
+inference runs on plain merged matrices and nothing accumulates over publishes. The trainer computes the
 very same expression inside its forward (differentiably), so a maker's logits equal the trainer's
 bit for bit.
 
@@ -155,29 +155,29 @@ class LMWorkload(Workload):
             self._refs[key] = ref.to(device).eval().requires_grad_(False)
         return self._refs[key]
 
-    # -- weight sync -----------------------------------------------------------------------------
-    def _is_synced(self, name: str) -> bool:
+    # -- weight publishing -----------------------------------------------------------------------------
+    def _replicas_equal(self, name: str) -> bool:
         return ".lora_" in name if self.lora_rank else True
 
-    def expected_sync_names(self) -> list[tuple[str, tuple[int, ...]]]:
+    def expected_publish_names(self) -> list[tuple[str, tuple[int, ...]]]:
         """Canonical (name, shape) list a publish carries, from the config alone (meta tensors)."""
         if self._expected is None:
             with torch.device("meta"):
                 actor = self._new_lm(self.vocab, self.lora_rank)
-            self._expected = [(f"actor.{n}", tuple(p.shape)) for n, p in actor.named_parameters() if self._is_synced(n)]
+            self._expected = [(f"actor.{n}", tuple(p.shape)) for n, p in actor.named_parameters() if self._replicas_equal(n)]
         return self._expected
 
-    def sync_names(self, model: LMActorCritic) -> list[str]:
-        return [name for name, _ in self._sync_items(model)]
+    def publish_names(self, model: LMActorCritic) -> list[str]:
+        return [name for name, _ in self._publish_items(model)]
 
-    def _sync_items(self, model: LMActorCritic) -> list[tuple[str, Tensor]]:
-        items = [(f"actor.{n}", p) for n, p in model.actor.named_parameters() if self._is_synced(n)]
+    def _publish_items(self, model: LMActorCritic) -> list[tuple[str, Tensor]]:
+        items = [(f"actor.{n}", p) for n, p in model.actor.named_parameters() if self._replicas_equal(n)]
         got = [(n, tuple(p.shape)) for n, p in items]
-        want = self.expected_sync_names()
+        want = self.expected_publish_names()
         if got != want:
             missing = sorted(set(want) - set(got))
             unexpected = sorted(set(got) - set(want))
-            raise ValueError(f"LM sync tensors do not match the config (lora_rank={self.lora_rank}): "
+            raise ValueError(f"LM publish tensors do not match the config (lora_rank={self.lora_rank}): "
                              f"missing {missing[:6]}, unexpected {unexpected[:6]}"
                              + ("" if missing or unexpected else ", order differs"))
         if self.lora_rank:
@@ -188,11 +188,11 @@ class LMWorkload(Workload):
 
     def publish_tensors(self, model: LMActorCritic) -> list[Tensor]:
         """Actor parameters a publish carries (all of them, or only the LoRA adapters), fixed order."""
-        return [p.data for _, p in self._sync_items(model)]
+        return [p.data for _, p in self._publish_items(model)]
 
     def after_publish(self, model: LMActorCritic) -> None:
         """Maker side: LoRA -> rebuild every effective weight as ``W0 + s * B @ A`` from the pristine
-        base (no accumulation); full-parameter sync -> nothing to do."""
+        base (no accumulation); full-parameter publish -> nothing to do."""
         if self.lora_rank:
             for layer in model.actor.lora_layers():
                 layer.merge_()

@@ -244,7 +244,7 @@ class VectorEnvCollector(Collector):
             "terminated": terminated.float(),
             "dones": dones.float(),
         }
-        ep = self.episodes.pop().as_tensor().tolist()  # one host sync per rollout
+        ep = self.episodes.pop().as_tensor().tolist()  # one host read per rollout
         stats = {
             "episode_return_sum": ep[0],
             "episode_length_sum": ep[1],

@@ -1,10 +1,10 @@
-"""Average gradients across ranks at every optimizer update, with one collective per GradSync.
+"""Average gradients across ranks at every optimizer update, with one collective per GradAverager.
 
 Call order per update::
 
-    sync.zero_grad()            # or optimizer.zero_grad(); see "view" below
+    averager.zero_grad()            # or optimizer.zero_grad(); see "view" below
     loss.backward()
-    sync.all_reduce()           # every rank, every update, same order
+    averager.all_reduce()           # every rank, every update, same order
     optimizer.step()
 
 Modes (all give the same numbers; exactly for power-of-two world sizes):
@@ -13,14 +13,14 @@ Modes (all give the same numbers; exactly for power-of-two world sizes):
   grads, scale=1/W)``: two fused copies around the collective, grads stay where autograd put them.
 - ``view``: every ``p.grad`` is a view into one persistent flat buffer, so backward accumulates
   straight into it and the all-reduce runs in place (zero copies), followed by one in-place scale
-  (NCCL applies ``ReduceOp.AVG`` itself instead). Use :meth:`GradSync.zero_grad`, or
+  (NCCL applies ``ReduceOp.AVG`` itself instead). Use :meth:`GradAverager.zero_grad`, or
   ``optimizer.zero_grad(set_to_none=False)``, to keep the views: ``set_to_none=True`` (torch's
   default) detaches them, and :meth:`all_reduce` then copies each fresh grad back into the buffer
   and re-attaches the view (correct, but no longer zero-copy; warned once).
-- ``ddp``: the reference. :meth:`GradSync.wrap` returns ``DistributedDataParallel(module)``, which
+- ``ddp``: the reference. :meth:`GradAverager.wrap` returns ``DistributedDataParallel(module)``, which
   reduces that module's grads during backward; :meth:`all_reduce` then only covers parameters that
   no wrapped module owns (e.g. a bare ``log_alpha``), with one flat collective. Only losses computed
-  through the wrapper are synced: evaluate the module unwrapped (``.module``) elsewhere. Without
+  through the wrapper are averaged: evaluate the module unwrapped (``.module``) elsewhere. Without
   ``wrap()``, ddp mode reduces every parameter with the flat collective.
 
 Gradients that are None on a rank count as zeros: after :meth:`all_reduce` every parameter has a
@@ -43,7 +43,7 @@ from torch import nn
 from ._pack import pack, unpack_
 from .planes import Plane
 
-__all__ = ["GradSync", "Mode"]
+__all__ = ["GradAverager", "Mode"]
 
 Mode = Literal["flat", "view", "ddp"]
 _ALIGN_BYTES = 16  # view offsets aligned so foreach/fused optimizer kernels keep vectorized loads
@@ -75,14 +75,14 @@ def _make_buckets(params: list[nn.Parameter], view: bool) -> list[_Bucket]:
             for p, off in zip(group, offsets):
                 v = buffer[off : off + p.numel()].view_as(p)
                 if p.grad is not None:
-                    v.copy_(p.grad)  # keep a gradient computed before the GradSync existed
+                    v.copy_(p.grad)  # keep a gradient computed before the GradAverager existed
                 p.grad = v
                 bucket.views.append(v)
         buckets.append(bucket)
     return buckets
 
 
-class GradSync:
+class GradAverager:
     """Gradient averaging for one set of parameters (e.g. critic + log-alpha, or the actor).
 
     ``params``: the parameters whose grads are averaged (frozen ones, ``requires_grad=False``, are
@@ -100,23 +100,23 @@ class GradSync:
         ddp_kwargs: dict[str, Any] | None = None,
     ):
         if mode not in ("flat", "view", "ddp"):
-            raise ValueError(f"GradSync mode must be 'flat', 'view' or 'ddp', not {mode!r}")
+            raise ValueError(f"GradAverager mode must be 'flat', 'view' or 'ddp', not {mode!r}")
         unique: dict[int, nn.Parameter] = {}
         for p in params:
             if p.requires_grad:
                 unique.setdefault(id(p), p)  # type: ignore[arg-type]
         self.params = list(unique.values())
         if not self.params:
-            raise ValueError("GradSync got no parameters that require grad")
+            raise ValueError("GradAverager got no parameters that require grad")
         if len({p.device for p in self.params}) > 1:
-            raise ValueError(f"GradSync parameters span devices {sorted({str(p.device) for p in self.params})}")
+            raise ValueError(f"GradAverager parameters span devices {sorted({str(p.device) for p in self.params})}")
         for i, p in enumerate(self.params):
             if not p.is_contiguous():
-                raise ValueError(f"GradSync parameter {i} (shape {tuple(p.shape)}) is not contiguous")
+                raise ValueError(f"GradAverager parameter {i} (shape {tuple(p.shape)}) is not contiguous")
         if plane.name != "device":
-            raise ValueError(f"GradSync averages on a device plane, got the {plane}")
+            raise ValueError(f"GradAverager averages on a device plane, got the {plane}")
         if plane.active:
-            plane.check(self.params, "GradSync parameter")
+            plane.check(self.params, "GradAverager parameter")
         self.mode: Mode = mode
         self.plane = plane
         self.group = plane.group
@@ -135,16 +135,16 @@ class GradSync:
         ids = {id(p) for p in self.params}
         owned = {id(p) for p in module.parameters() if id(p) in ids}
         if not owned:
-            raise ValueError("none of this module's parameters belong to this GradSync")
+            raise ValueError("none of this module's parameters belong to this GradAverager")
         self._covered |= owned
         self._buckets = _make_buckets([p for p in self.params if id(p) not in self._covered], view=False)
         device = next(module.parameters()).device
         options: dict[str, Any] = {"device_ids": [device.index] if device.type == "cuda" else None}
         if not {"broadcast_buffers", "forward_sync_buffers"} & set(self._ddp_kwargs):
-            # Buffers (e.g. normalizer statistics) are synced explicitly by the trainer; DDP's default
+            # Buffers (e.g. normalizer statistics) are reduced explicitly by the trainer; DDP's default
             # would overwrite them with rank 0's copy at every forward. torch >= 2.13 calls this
             # forward_sync_buffers (broadcast_buffers warns there); older torch has broadcast_buffers.
-            # Both still sync at construction, when all ranks hold the same (broadcast) buffers anyway.
+            # Both still broadcast them at construction, when all ranks hold the same (broadcast) buffers anyway.
             sig = inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
             options["forward_sync_buffers" if "forward_sync_buffers" in sig else "broadcast_buffers"] = False
         options.update(self._ddp_kwargs)
@@ -197,9 +197,9 @@ class GradSync:
         if detached and not self._warned_detached:
             self._warned_detached = True
             warnings.warn(
-                "GradSync(view): gradients were replaced or set to None (optimizer.zero_grad() "
+                "GradAverager(view): gradients were replaced or set to None (optimizer.zero_grad() "
                 "defaults to set_to_none=True), so they were copied back into the flat buffer. "
-                "Call GradSync.zero_grad() or optimizer.zero_grad(set_to_none=False) to stay zero-copy.",
+                "Call GradAverager.zero_grad() or optimizer.zero_grad(set_to_none=False) to stay zero-copy.",
                 RuntimeWarning,
                 stacklevel=3,
             )

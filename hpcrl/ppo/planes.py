@@ -25,7 +25,7 @@ from hpcrl.comm import IDLE_TIMEOUT, DistContext, DistSetupError, Plane, new_pla
 from .topology import Topology
 from .wire import share_placements
 
-__all__ = ["RolePlanes", "make_groups", "weight_backend"]
+__all__ = ["RolePlanes", "make_role_planes", "weight_backend"]
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def weight_backend(placements: list[Placement]) -> str:
     return "nccl" if cuda and len({_gpu(p) for p in placements}) == len(placements) else "gloo"
 
 
-def make_groups(ctx: DistContext, top: Topology) -> RolePlanes:
+def make_role_planes(ctx: DistContext, top: Topology) -> RolePlanes:
     """Create every subgroup (collective over the whole world: every rank calls it, in this order)."""
     if not ctx.is_distributed:
         raise DistSetupError("detached PPO needs at least two ranks (one trainer, one maker)")
