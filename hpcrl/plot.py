@@ -168,6 +168,68 @@ def mean_band(curves: list[tuple[np.ndarray, np.ndarray]], band: str = "std"):
     return grid, mean, mean - std, mean + std
 
 
+_LOSS_STYLES = ["-", "--", ":", "-."]
+
+
+def _mean_band_of(runs: list[Run], key: str, band: str):
+    return mean_band([r.series[key] for r in runs if key in r.series], band)
+
+
+def _draw_returns(ax_ret, label: str, runs: list[Run], color: str, band: str) -> int:
+    """One group's episode-return curve (with its band over runs) and eval-return error bars: how many drew."""
+    drawn = 0
+    got = _mean_band_of(runs, "episode_return", band)
+    if got is not None:
+        x, mean, low, high = got
+        few = len(x) < 30  # a short run has a handful of finished-episode rows: show the points
+        ax_ret.plot(x, mean, color=color, lw=1.8, marker="." if few else None, label=f"{label}: episode")
+        if len(runs) > 1:
+            ax_ret.fill_between(x, low, high, color=color, alpha=0.2, lw=0)
+        drawn += 1
+    got = _mean_band_of(runs, "eval_return", band)
+    if got is not None:  # sparse points: error bars read better than a band
+        x, mean, low, high = got
+        ax_ret.errorbar(x, mean, yerr=np.stack([mean - low, high - mean]), color=color, ls="--", marker="o",
+                        ms=5, capsize=3, label=f"{label}: eval (deterministic)")
+        drawn += 1
+    return drawn
+
+
+def _draw_losses(ax_loss, ax_alpha, label: str, runs: list[Run], color: str, loss_keys: list[str], band: str):
+    """One group's loss curves, and its alpha on a twin axis made on first use: returns that axis (or None)."""
+    for j, key in enumerate(loss_keys):
+        got = _mean_band_of(runs, key, band)
+        if got is not None:
+            ax_loss.plot(got[0], got[1], color=color, ls=_LOSS_STYLES[j % len(_LOSS_STYLES)], lw=1.2,
+                         label=f"{label}: {key}")
+    got = _mean_band_of(runs, "alpha", band)
+    if got is not None:
+        ax_alpha = ax_alpha or ax_loss.twinx()
+        ax_alpha.plot(got[0], got[1], color=color, lw=2.5, alpha=0.35, label=f"{label}: alpha")
+    return ax_alpha
+
+
+def _label_axes(ax_ret, ax_loss, ax_alpha, groups: dict[str, list[Run]], has_losses: bool, band: str,
+                title: str) -> None:
+    """Axis labels, scales and legends (the legend title names the band when a group has several runs)."""
+    band_text = "mean ± 1 std over runs" if band == "std" else "mean, min..max over runs"
+    ax_ret.set_ylabel("return")
+    ax_ret.set_title(title or ", ".join(r.path.name for runs in groups.values() for r in runs), fontsize=10)
+    ax_ret.legend(fontsize=8, title=band_text if any(len(r) > 1 for r in groups.values()) else None,
+                  title_fontsize=8)
+    ax_ret.grid(alpha=0.3)
+    if has_losses:
+        ax_loss.set_yscale("symlog")
+        ax_loss.legend(fontsize=7, loc="upper left")
+    ax_loss.set_ylabel("loss (symlog)")
+    ax_loss.set_xlabel("env steps (transitions, all envs and ranks)")
+    ax_loss.grid(alpha=0.3)
+    if ax_alpha is not None:
+        ax_alpha.set_yscale("log")
+        ax_alpha.set_ylabel("alpha (log)")
+        ax_alpha.legend(fontsize=7, loc="upper right")
+
+
 def plot_runs(groups: dict[str, list[Run]], out: str | Path, band: str = "std", title: str = "") -> Path:
     try:
         import matplotlib
@@ -179,53 +241,17 @@ def plot_runs(groups: dict[str, list[Run]], out: str | Path, band: str = "std", 
     fig, (ax_ret, ax_loss) = plt.subplots(2, 1, figsize=(9, 8), sharex=True)
     ax_alpha = None
     loss_keys = sorted({k for runs in groups.values() for r in runs for k in r.series if k.endswith("_loss")})
-    styles = ["-", "--", ":", "-."]
     drawn = 0
     for i, (label, runs) in enumerate(groups.items()):
         color = f"C{i % 10}"
-        got = mean_band([r.series["episode_return"] for r in runs if "episode_return" in r.series], band)
-        if got is not None:
-            x, mean, low, high = got
-            few = len(x) < 30  # a short run has a handful of finished-episode rows: show the points
-            ax_ret.plot(x, mean, color=color, lw=1.8, marker="." if few else None, label=f"{label}: episode")
-            if len(runs) > 1:
-                ax_ret.fill_between(x, low, high, color=color, alpha=0.2, lw=0)
-            drawn += 1
-        got = mean_band([r.series["eval_return"] for r in runs if "eval_return" in r.series], band)
-        if got is not None:  # sparse points: error bars read better than a band
-            x, mean, low, high = got
-            ax_ret.errorbar(x, mean, yerr=np.stack([mean - low, high - mean]), color=color, ls="--", marker="o",
-                            ms=5, capsize=3, label=f"{label}: eval (deterministic)")
-            drawn += 1
-        for j, key in enumerate(loss_keys):
-            got = mean_band([r.series[key] for r in runs if key in r.series], band)
-            if got is not None:
-                ax_loss.plot(got[0], got[1], color=color, ls=styles[j % len(styles)], lw=1.2, label=f"{label}: {key}")
-        got = mean_band([r.series["alpha"] for r in runs if "alpha" in r.series], band)
-        if got is not None:
-            ax_alpha = ax_alpha or ax_loss.twinx()
-            ax_alpha.plot(got[0], got[1], color=color, lw=2.5, alpha=0.35, label=f"{label}: alpha")
+        drawn += _draw_returns(ax_ret, label, runs, color, band)
+        ax_alpha = _draw_losses(ax_loss, ax_alpha, label, runs, color, loss_keys, band)
     if not drawn:
         plt.close(fig)
         dirs = ", ".join(str(r.path) for runs in groups.values() for r in runs)
         raise ConfigError(f"nothing to plot: no finite episode_return or eval_return in {dirs} "
                           "(no episode finished yet? train longer or log more often)")
-    band_text = "mean ± 1 std over runs" if band == "std" else "mean, min..max over runs"
-    ax_ret.set_ylabel("return")
-    ax_ret.set_title(title or ", ".join(r.path.name for runs in groups.values() for r in runs), fontsize=10)
-    ax_ret.legend(fontsize=8, title=band_text if any(len(r) > 1 for r in groups.values()) else None,
-                  title_fontsize=8)
-    ax_ret.grid(alpha=0.3)
-    if loss_keys:
-        ax_loss.set_yscale("symlog")
-        ax_loss.legend(fontsize=7, loc="upper left")
-    ax_loss.set_ylabel("loss (symlog)")
-    ax_loss.set_xlabel("env steps (transitions, all envs and ranks)")
-    ax_loss.grid(alpha=0.3)
-    if ax_alpha is not None:
-        ax_alpha.set_yscale("log")
-        ax_alpha.set_ylabel("alpha (log)")
-        ax_alpha.legend(fontsize=7, loc="upper right")
+    _label_axes(ax_ret, ax_loss, ax_alpha, groups, bool(loss_keys), band, title)
     fig.tight_layout()
     out = Path(out)
     if not out.parent.is_dir():

@@ -64,6 +64,38 @@ def _quiet_mujoco_warnings() -> None:
     mujoco.set_mju_user_warning(once)
 
 
+def _same_step_vec(
+    gym: Any, env: str | Any, num_envs: int | None, vectorization_mode: str, make_kwargs: dict[str, Any]
+) -> Any:
+    """``env`` as a SAME_STEP ``VectorEnv`` of ``num_envs`` envs: made from an id, or a built one checked."""
+    same_step = gym.vector.AutoresetMode.SAME_STEP
+    if isinstance(env, str):
+        _quiet_mujoco_warnings()
+        n = check_num_envs(num_envs if num_envs is not None else 1)
+        try:
+            env = gym.make_vec(
+                env,
+                num_envs=n,
+                vectorization_mode=vectorization_mode,
+                vector_kwargs={"autoreset_mode": same_step},
+                **make_kwargs,
+            )
+        except gym.error.Error as e:
+            raise ValueError(f"gymnasium could not make {env!r}: {e}") from e
+    elif not isinstance(env, gym.vector.VectorEnv):
+        raise TypeError(f"expected a gymnasium env id or VectorEnv, got {type(env).__name__}")
+    elif make_kwargs or vectorization_mode != "sync":
+        raise TypeError("make arguments apply only when env is an id, not a built VectorEnv")
+    mode = getattr(env, "autoreset_mode", env.metadata.get("autoreset_mode"))
+    if mode != same_step:
+        raise ValueError(
+            f"GymVecEnv needs autoreset_mode=SAME_STEP (to get the final observation), got {mode}"
+        )
+    if num_envs is not None and num_envs != env.num_envs:
+        raise ValueError(f"num_envs={num_envs} but the vector env has {env.num_envs}")
+    return env
+
+
 class GymVecEnv(VecEnv):
     """Wrap ``env`` (a gymnasium env id or a SAME_STEP ``gymnasium.vector.VectorEnv``)."""
 
@@ -79,36 +111,10 @@ class GymVecEnv(VecEnv):
         **make_kwargs: Any,
     ) -> None:
         gym = _import_gym()
-        same_step = gym.vector.AutoresetMode.SAME_STEP
-        if isinstance(env, str):
-            _quiet_mujoco_warnings()
-            n = check_num_envs(num_envs if num_envs is not None else 1)
-            try:
-                env = gym.make_vec(
-                    env,
-                    num_envs=n,
-                    vectorization_mode=vectorization_mode,
-                    vector_kwargs={"autoreset_mode": same_step},
-                    **make_kwargs,
-                )
-            except gym.error.Error as e:
-                raise ValueError(f"gymnasium could not make {env!r}: {e}") from e
-        elif not isinstance(env, gym.vector.VectorEnv):
-            raise TypeError(f"expected a gymnasium env id or VectorEnv, got {type(env).__name__}")
-        elif make_kwargs or vectorization_mode != "sync":
-            raise TypeError("make arguments apply only when env is an id, not a built VectorEnv")
-        mode = getattr(env, "autoreset_mode", env.metadata.get("autoreset_mode"))
-        if mode != same_step:
-            raise ValueError(
-                f"GymVecEnv needs autoreset_mode=SAME_STEP (to get the final observation), got {mode}"
-            )
-        if num_envs is not None and num_envs != env.num_envs:
-            raise ValueError(f"num_envs={num_envs} but the vector env has {env.num_envs}")
-
+        env = _same_step_vec(gym, env, num_envs, vectorization_mode, make_kwargs)
         obs_space = env.single_observation_space
         if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
             raise ValueError(f"only flat Box observations are supported, got {obs_space}")
-        act_space = env.single_action_space
 
         self.env = env
         self.num_envs = env.num_envs
@@ -116,22 +122,26 @@ class GymVecEnv(VecEnv):
         self.device = resolve_device(device)
         self.dtype = dtype
         self.seed = int(seed)
-        if isinstance(act_space, gym.spaces.Discrete):
-            self.num_actions = int(act_space.n)
-            self._action_start = int(act_space.start)
-        elif isinstance(act_space, gym.spaces.Box) and len(act_space.shape) == 1:
-            self.action_dim = int(act_space.shape[0])
-            self.action_low = torch.as_tensor(act_space.low, dtype=dtype, device=self.device)
-            self.action_high = torch.as_tensor(act_space.high, dtype=dtype, device=self.device)
-            self._np_action_dtype = act_space.dtype
-        else:
-            raise ValueError(f"only Discrete or flat Box actions are supported, got {act_space}")
+        self._set_action_space(gym, env.single_action_space)
         spec = getattr(env, "spec", None)
         if spec is None and getattr(env, "envs", None):  # SyncVectorEnv built from env_fns
             spec = getattr(env.envs[0], "spec", None)
         self.max_episode_steps = getattr(spec, "max_episode_steps", None)
         self._obs: Tensor | None = None
         self._seeded = False
+
+    def _set_action_space(self, gym: Any, act_space: Any) -> None:
+        """Discrete: ``num_actions``; flat Box: ``action_dim`` and its bounds as tensors on ``device``."""
+        if isinstance(act_space, gym.spaces.Discrete):
+            self.num_actions = int(act_space.n)
+            self._action_start = int(act_space.start)
+        elif isinstance(act_space, gym.spaces.Box) and len(act_space.shape) == 1:
+            self.action_dim = int(act_space.shape[0])
+            self.action_low = torch.as_tensor(act_space.low, dtype=self.dtype, device=self.device)
+            self.action_high = torch.as_tensor(act_space.high, dtype=self.dtype, device=self.device)
+            self._np_action_dtype = act_space.dtype
+        else:
+            raise ValueError(f"only Discrete or flat Box actions are supported, got {act_space}")
 
     def _to_torch(self, x: np.ndarray) -> Tensor:
         # Always a copy: a vector env made with copy=False reuses its observation buffer.

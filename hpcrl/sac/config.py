@@ -180,6 +180,16 @@ class SACConfig:
         known = isinstance(self.preset, str) and self.preset in PRESETS
         c = Check(self, preset(self.preset) if known else None,
                   f"the {self.preset} preset's" if known and self.preset != "holosoma" else "the default")
+        # Order matters: the first bad value is the one reported, and the tests pin which one that is.
+        self._check_run(c)
+        self._check_schedule(c)
+        self._check_learner(c)
+        self._check_networks(c)
+        self._check_logging(c)
+        self._check_sources(c)
+
+    def _check_run(self, c: Check) -> None:
+        """The env, sizes, run dir and the processes that run it."""
         c.text("env", spaces=False)
         c.integer("num_envs", 1, hint="parallel envs over all ranks")
         c.integer("total_env_steps", 1, hint="env transitions to collect")
@@ -195,6 +205,9 @@ class SACConfig:
         c.integer("nproc", 1, hint="local ranks to spawn; 1 = this process")
         c.integer("threads", 1, hint="torch threads per rank")
         c.real("timeout_s", 0.0, MAX_TIMEOUT_S, lo_open=True, hint="seconds")
+
+    def _check_schedule(self, c: Check) -> None:
+        """Batch, replay and the steps before and between updates."""
         c.integer("batch_size", 1, hint="global batch per update")
         c.integer("n_step", 1, hint="n-step returns")
         c.integer("buffer_size", max(1, self.n_step),
@@ -206,6 +219,9 @@ class SACConfig:
         c.boolean("obs_normalization")
         c.integer("num_updates", 1, hint="critic updates per env step")
         c.integer("policy_frequency", 1, hint="critic updates per actor update")
+
+    def _check_learner(self, c: Check) -> None:
+        """Optimizers, entropy temperature, gradient averaging and precision."""
         c.real("tau", 0.0, 1.0, lo_open=True, hint="soft target update rate")
         for name in ("critic_lr", "actor_lr", "alpha_lr"):
             c.real(name, 0.0, lo_open=True, hint="learning rate")
@@ -219,6 +235,9 @@ class SACConfig:
         c.real("max_grad_norm", 0.0, hint="gradient-norm clip; 0 = off")
         c.boolean("symmetry")
         c.boolean("compile")
+
+    def _check_networks(self, c: Check) -> None:
+        """Actor and critic shapes, the return support and the reward scale."""
         for name in ("actor_hidden", "critic_hidden"):
             c.integer(name, 4, hint="hidden widths are it, /2 and /4")
         c.integer("num_q", 1, hint="critic heads")
@@ -233,6 +252,9 @@ class SACConfig:
         c.real("reward_scale", hint="rewards are multiplied by it")
         if self.reward_scale == 0:
             c.fail("reward_scale", "finite and not 0 (0 erases every reward)", "e.g. --reward-scale 1")
+
+    def _check_logging(self, c: Check) -> None:
+        """Metrics, checkpoints, replica checks, evaluation, and the preset / non-finite / W&B modes."""
         c.integer("log_every", 1, hint="vector steps between metrics rows")
         c.integer("checkpoint_every", 0, hint="vector steps between checkpoints; 0 = only at the end")
         c.integer("keep_checkpoints", 1, hint="checkpoints kept")
@@ -245,6 +267,9 @@ class SACConfig:
         c.choice("preset", PRESETS.__contains__, ", ".join(sorted(PRESETS)))
         c.choice("nonfinite", get_args(NonFiniteMode).__contains__, ", ".join(get_args(NonFiniteMode)))
         c.choice("wandb_mode", get_args(WandbMode).__contains__, ", ".join(get_args(WandbMode)))
+
+    def _check_sources(self, c: Check) -> None:
+        """Optional strings: --config, --wandb-project and --seeds, checked only when given."""
         if self.config != "":
             c.text("config")
         if self.wandb_project != "":
