@@ -1,4 +1,4 @@
-"""A run directory belongs to one run: a lock for the life of the run, the run's identity, private modes.
+"""A run directory belongs to one run: a lock held for the life of the run.
 
 **Lock.** Global rank 0 holds ``run_dir/.lock`` from start-up to the end of the run
 (:func:`claim`, collective: the other ranks learn the outcome through the rendezvous store, so a
@@ -17,15 +17,9 @@ since T; use another --run-dir or stop that run". A lock left by a dead run is s
   is best effort (two starts racing for the same dead lock within a fraction of a second could both
   win); if in doubt delete the ``.lock`` file named in the message.
 
-**Identity.** What must not change on resume (FastSAC: env, sizes, seed, world size, network shapes,
-...): the caller passes a flat dict; checkpoints store it with :func:`identity_hash`, and
-:func:`identity_difference` names the first field that differs, with both values.
-
-**Modes.** Run directories this code creates are ``0700``, checkpoint directories ``0700`` and the
-files written through :func:`write_text` / :func:`atomic_path` (checkpoints, manifest,
-config.json, metrics.jsonl, the lock) ``0600``. On a cluster where a group shares run directories
-set ``HPCRL_SHARED_RUN_DIR=1``: ``0750`` / ``0640`` (group may read, never write). An existing run
-directory keeps its mode (this code never loosens or tightens a directory it did not create).
+The run dir's other jobs live beside this module and are re-exported here: modes and atomic writes
+(:mod:`hpcrl.rundir_files`), the run's identity (:mod:`hpcrl.rundir_identity`), how the run ended
+(:mod:`hpcrl.rundir_outcome`).
 
 Errors are :class:`RunDirError` (a ``ValueError``): the entry points map them to exit 2 (bad
 configuration) with the one-line message.
@@ -33,10 +27,8 @@ configuration) with the one-line message.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import socket
@@ -44,14 +36,19 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
-__all__ = ["HEARTBEAT_S", "LOCK_NAME", "STALE_S", "RunDirError", "RunDirLock", "acquire", "atomic_path", "claim", "dir_mode",
-           "file_mode", "identity_difference", "identity_hash", "make_dir", "normalize_identity", "probe", "write_text"]
+from hpcrl.rundir_files import SHARED_ENV, atomic_path, dir_mode, file_mode, make_dir, shared, write_text
+from hpcrl.rundir_identity import identity_difference, identity_hash, normalize_identity
+from hpcrl.rundir_outcome import OUTCOME, _main, clear_outcome, finished_by_this_job, record_outcome
+
+__all__ = ["HEARTBEAT_S", "LOCK_NAME", "OUTCOME", "SHARED_ENV", "STALE_S", "RunDirError", "RunDirLock", "acquire",
+           "atomic_path", "claim", "clear_outcome", "dir_mode", "file_mode", "finished_by_this_job",
+           "identity_difference", "identity_hash", "make_dir", "normalize_identity", "probe", "record_outcome",
+           "shared", "write_text"]
 
 LOCK_NAME = ".lock"
 LAUNCHED_PID_ENV = "HPCRL_LAUNCHED_PID"  # set by hpcrl.comm.spawn: the pid of the command that spawned the ranks
-SHARED_ENV = "HPCRL_SHARED_RUN_DIR"
 HEARTBEAT_S = 5.0  # the holder rewrites its record this often
 STALE_S = 30.0  # a record from another host whose heartbeat did not move for this long is stale (generous:
 # a holder busy in a long C call that keeps the GIL, e.g. writing a big HDF5 shard, beats late)
@@ -64,97 +61,6 @@ class RunDirError(ValueError):
     no usable checkpoint); the message says what to do. Entry points exit 2 on it."""
 
 
-# -- modes ------------------------------------------------------------------------------------------
-def shared() -> bool:
-    return os.environ.get(SHARED_ENV, "").strip().lower() not in ("", "0", "false", "no")
-
-
-def dir_mode() -> int:
-    return 0o750 if shared() else 0o700
-
-
-def file_mode() -> int:
-    return 0o640 if shared() else 0o600
-
-
-def make_dir(path: str | os.PathLike) -> Path:
-    """``mkdir -p`` whose last component, when this call creates it, gets :func:`dir_mode` exactly
-    (umask notwithstanding). Parents get the default mode; an existing directory is left as it is."""
-    path = Path(path)
-    if path.is_dir():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        path.mkdir(mode=dir_mode())
-    except FileExistsError:
-        if not path.is_dir():
-            raise
-        return path
-    os.chmod(path, dir_mode())
-    return path
-
-
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike, mode: int | None = None) -> Iterator[Path]:
-    """Yield a temporary sibling path; on success give it ``mode`` (default
-    :func:`file_mode`: 0600, or 0640 with ``HPCRL_SHARED_RUN_DIR=1``), fsync it and
-    rename it over ``path``.
-
-    A crash or exception before the rename leaves any previous file at ``path`` untouched.
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    try:
-        yield tmp
-        os.chmod(tmp, file_mode() if mode is None else mode)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def write_text(path: str | os.PathLike, text: str) -> None:
-    """Atomically replace ``path`` with ``text`` (temp file, fsync, rename), mode :func:`file_mode`."""
-    with atomic_path(path) as tmp:
-        tmp.write_text(text)
-
-
-# -- identity ---------------------------------------------------------------------------------------
-def normalize_identity(identity: Mapping[str, Any]) -> dict[str, Any]:
-    """The identity as JSON will give it back (tuples -> lists, keys -> str), so both sides compare alike."""
-    return json.loads(json.dumps(dict(identity), default=str))
-
-
-def identity_hash(identity: Mapping[str, Any]) -> str:
-    canonical = json.dumps(normalize_identity(identity), sort_keys=True, separators=(",", ":"))
-    return hashlib.blake2b(canonical.encode(), digest_size=8).hexdigest()
-
-
-_ABSENT = object()
-
-
-def identity_difference(saved: Mapping[str, Any], current: Mapping[str, Any]) -> str | None:
-    """None when equal; else "FIELD is A in the checkpoint but B in this run" for the first field
-    (in ``current``'s order) that differs, plus the names of the other differing fields."""
-    saved, current = normalize_identity(saved), normalize_identity(current)
-    keys = list(current) + [k for k in saved if k not in current]
-    differ = [k for k in keys if saved.get(k, _ABSENT) != current.get(k, _ABSENT)]
-    if not differ:
-        return None
-
-    def show(value: Any) -> str:
-        return "absent" if value is _ABSENT else json.dumps(value)
-
-    first = differ[0]
-    text = (f"{first} is {show(saved.get(first, _ABSENT))} in the checkpoint but "
-            f"{show(current.get(first, _ABSENT))} in this run")
-    if len(differ) > 1:
-        text += f" (also different: {', '.join(differ[1:])})"
-    return text
-
-
-# -- the lock ---------------------------------------------------------------------------------------
 def proc_start(pid: int) -> str:
     """The process's start time in clock ticks since boot ("" where /proc is not available)."""
     try:
@@ -482,56 +388,6 @@ def claim(run_dir: str | os.PathLike, ctx: Any = None) -> RunDirLock:
         return lock
     barrier(ctx, "rundir-claim")
     return lock
-
-
-# -- outcome ----------------------------------------------------------------------------------------
-# What the run's own process says about how it ended, for the batch scripts: srun reports the worst
-# task's exit code, so a detached-PPO job whose expendable maker was SIGKILLed looks failed (137)
-# although the trainers finished. Trainer 0 records "finished" as its last act; the script asks
-# `python -m hpcrl.rundir finished RUN_DIR` before believing srun's code.
-OUTCOME = "outcome.json"
-
-
-def _job() -> dict[str, str | None]:
-    return {"slurm_job_id": os.environ.get("SLURM_JOB_ID"), "restart": os.environ.get("SLURM_RESTART_COUNT", "0")}
-
-
-def clear_outcome(run_dir: str | os.PathLike) -> None:
-    """At the start of a run (or of a resumed one): no outcome until this run says how it ended."""
-    Path(run_dir, OUTCOME).unlink(missing_ok=True)
-
-
-def record_outcome(run_dir: str | os.PathLike, status: str, **fields: Any) -> None:
-    """Atomically write ``run_dir/outcome.json``: ``status`` (e.g. "finished"), this job's id and
-    restart count, and ``fields`` (JSON-serialisable numbers of the final row)."""
-    write_text(Path(run_dir, OUTCOME), json.dumps({"status": status, **_job(), "time": time.time(), **fields}))
-
-
-def finished_by_this_job(run_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """The outcome record when it says "finished" and was written by this Slurm job and restart (any
-    job when not under Slurm), else None."""
-    try:
-        record = json.loads(Path(run_dir, OUTCOME).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(record, dict) or record.get("status") != "finished":
-        return None
-    job = _job()
-    if job["slurm_job_id"] is not None and (record.get("slurm_job_id"), record.get("restart")) != (
-            job["slurm_job_id"], job["restart"]):
-        return None
-    return record
-
-
-def _main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] != "finished":
-        print("usage: python -m hpcrl.rundir finished RUN_DIR  (exit 0 iff this job's run finished)", file=sys.stderr)
-        return 2
-    record = finished_by_this_job(argv[1])
-    if record is None:
-        return 1
-    print(", ".join(f"{k}={v}" for k, v in record.items() if k not in ("status", "time", "slurm_job_id", "restart")))
-    return 0
 
 
 if __name__ == "__main__":
