@@ -134,6 +134,14 @@ def init_distributed(
                               Plane.local("host"), Plane.local("device", dev))
         return _active
 
+    base, store = _rendezvous(info, timeout)
+    probe = _join(info, dev, store, timeout)
+    _active = _init_planes(info, dev, backend, world_device_plane, base, store, probe)
+    return _active
+
+
+def _rendezvous(info: LaunchInfo, timeout: timedelta) -> tuple[dist.PrefixStore, SignedStore]:
+    """The job's store: (this attempt's namespace of the raw store, hpcrl's signed view of it)."""
     secret = load_secret()
     if info.source == "mpi":
         raw, secret = _mpi_store(info, timeout, secret)
@@ -147,6 +155,12 @@ def init_distributed(
     base = dist.PrefixStore(f"attempt{info.restart}", raw)
     # The attempt and world size enter every signature: a value cannot be replayed into another attempt.
     store = SignedStore(dist.PrefixStore("hpcrl", base), secret, f"attempt{info.restart}/world{info.world_size}")
+    return base, store
+
+
+def _join(info: LaunchInfo, dev: torch.device, store: SignedStore, timeout: timedelta) -> DistContext:
+    """Publish this rank (join proof, host, device) and pass the init barrier; returns the store-only
+    context the barrier ran on."""
     probe = DistContext(info.rank, info.world_size, info.local_rank, dev, None, True, info.source, timeout,
                         info.hostname, store=store)  # type: ignore[arg-type]
     store.set(JOIN_KEY.format(rank=info.rank), "hmac-sha256" if store.signed else "none")
@@ -155,6 +169,13 @@ def init_distributed(
     store.set(f"device/{info.rank}", f"{int(dev.type == 'cuda')}|{info.hostname}|{uuid}")
     barrier(probe, "init")  # a missing peer is named here, not reported as a gloo connect timeout
     check_join(store, info.rank, info.world_size, lambda r: f"rank {r}" + (f" ({h})" if (h := unverified_host_of(probe, r)) else ""))
+    return probe
+
+
+def _init_planes(info: LaunchInfo, dev: torch.device, backend: str | None, world_device_plane: bool,
+                 base: dist.PrefixStore, store: SignedStore, probe: DistContext) -> DistContext:
+    """The default group and the two planes, the device plane's backend agreed from every rank's device."""
+    timeout = probe.timeout
     devices = _devices(store, info.world_size)
     all_cuda = world_device_plane and all(cuda for cuda, _ in devices)
     if all_cuda:
@@ -178,10 +199,9 @@ def init_distributed(
     host_plane = Plane("host", torch.device("cpu"), ranks, dist.new_group(timeout=timeout, backend="gloo"), "gloo")
     device_group = dist.new_group(timeout=timeout, backend=backend) if strict else dist.group.WORLD
     device_plane = Plane("device", plane_device, ranks, device_group, backend)
-    _active = DistContext(info.rank, info.world_size, info.local_rank, dev, backend, True, info.source, timeout,
-                          info.hostname, host_plane, device_plane, store=store,  # type: ignore[arg-type]
-                          barrier_generations=probe.barrier_generations)
-    return _active
+    return DistContext(info.rank, info.world_size, info.local_rank, dev, backend, True, info.source, timeout,
+                       info.hostname, host_plane, device_plane, store=store,  # type: ignore[arg-type]
+                       barrier_generations=probe.barrier_generations)
 
 
 def current() -> DistContext | None:

@@ -37,7 +37,6 @@ The parent supervises like an agent:
 
 from __future__ import annotations
 
-import json
 import multiprocessing.connection
 import multiprocessing.resource_tracker
 import os
@@ -48,6 +47,7 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Collection, Sequence
@@ -62,6 +62,7 @@ from .secret import SECRET_ENV, new_secret
 from .spawn_child import STOP_SIGNALS, run_child
 from .spawn_errors import (CONFIG_ERRORS, DATA_ERRORS, SpawnConfigError, SpawnDataError, SpawnError, is_config_error,
                            is_data_error)
+from .spawn_exits import _Exits, _read_error, _signame
 from .stop import INTERRUPT_ENV
 
 __all__ = ["CONFIG_ERRORS", "DATA_ERRORS", "FORWARD_SIGNALS", "SpawnConfigError", "SpawnDataError", "SpawnError",
@@ -74,14 +75,8 @@ _INTERRUPTED = "interrupted"  # a file in the scratch dir: the SIGTERMs the rank
 FORWARD_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)
 """What :func:`spawn` forwards to its ranks by default (SIGINT as SIGTERM)."""
 
+
 # -- the parent -------------------------------------------------------------------------------------
-def _signame(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
 class _Forwarder:
     """The parent's handlers for the forwarded signals (installed only from the main thread)."""
 
@@ -136,90 +131,6 @@ class _Forwarder:
             except OSError:  # the ranks then say SIGTERM: a worse reason, the same stop
                 pass
         self._send(signal.SIGTERM if signum == signal.SIGINT else signum)
-
-
-def _read_error(tmp: str, rank: int) -> dict | None:
-    try:
-        return json.loads(Path(tmp, f"error-{rank}").read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _how(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    return f"killed by {_signame(-code)}" if code < 0 else f"exit code {code}"
-
-
-class _Exits:
-    """What the parent saw: exits in the order it observed them, the ranks it stopped itself."""
-
-    def __init__(self, procs: list, tmp: str, fwd: _Forwarder) -> None:
-        self.procs, self.tmp, self.fwd = procs, tmp, fwd
-        self.order: list[int] = []
-        self.stopped: set[int] = set()  # terminated / killed by spawn (after a failure, timeout, grace)
-
-    def succeeded(self, rank: int) -> bool:
-        # The result file is written last (atomically): its rank finished, whatever killed it afterwards.
-        return Path(self.tmp, f"result-{rank}").exists()
-
-    def observe(self, batch: list[int]) -> list[int]:
-        """Record ranks whose sentinels fired together, in the order their failures most likely happened:
-        killed by a signal (no record: a peer's exception is usually its consequence), then by exception time."""
-        def key(r: int) -> tuple:
-            rec = _read_error(self.tmp, r)
-            code = self.procs[r].exitcode
-            if self.succeeded(r):
-                return (2, 0.0, r)
-            if rec is None and code is not None and code < 0:
-                return (0, 0.0, r)
-            return (1, float(rec["time"]) if rec else float("inf"), r)
-
-        batch = sorted(batch, key=key)
-        self.order += batch
-        return batch
-
-    def describe(self, rank: int) -> str:
-        """"killed by SIGKILL" / "exit code 1: ValueError: boom" / "stopped by spawn"."""
-        code = self.procs[rank].exitcode
-        rec = _read_error(self.tmp, rank)
-        if rec is not None:
-            return f"{_how(code)}: {rec['last']}"
-        if rank in self.stopped:
-            return "stopped by spawn"
-        if code == 0:
-            return "exit code 0 without returning a result"
-        if code is not None and code < 0 and self.fwd.requested and -code in (signal.SIGTERM, signal.SIGUSR2):
-            return f"{_how(code)}, forwarded on {self.fwd.requested}: it does not handle stop signals"
-        return _how(code)
-
-    def first(self, rank: int, lost: Collection[int] = ()) -> int:
-        """``rank`` (the first failure observed), unless it raised and another rank raised earlier: that one
-        (it may still have been exiting). Exception times compare; a signal death has none, so it stands."""
-        mine = _read_error(self.tmp, rank)
-        if mine is None:
-            return rank
-        records = {r: rec for r in range(len(self.procs)) if r not in lost and (rec := _read_error(self.tmp, r))}
-        return min(records, key=lambda r: (float(records[r]["time"]), r))
-
-    def failure(self, rank: int, lost: Sequence[int] = ()) -> SpawnError:
-        rec = _read_error(self.tmp, rank)
-        code = self.procs[rank].exitcode
-        if rec is not None and rec.get("config"):
-            return SpawnConfigError(rec["message"] or rec["last"], rank, code, rec.get("type", ""))
-        if rec is not None and rec.get("data"):
-            return SpawnDataError(rec["message"] or rec["last"], rank, code)
-        text = f"rank {rank} failed first ({self.describe(rank)})"
-        earlier = [r for r in lost if r != rank]
-        if earlier:
-            text += "; earlier, expendable " + ", ".join(f"rank {r} ({self.describe(r)})" for r in earlier)
-        later = [r for r in self.order if r != rank and r not in earlier and not self.succeeded(r)]
-        later += [r for r in range(len(self.procs))
-                  if r not in self.order and r != rank and r not in earlier and not self.succeeded(r)]
-        if later:
-            text += "; then " + ", ".join(f"rank {r} ({self.describe(r)})" for r in later)
-        detail = rec["traceback"] if rec is not None else "no traceback recorded; see the rank's stderr"
-        return SpawnError(f"{text}:\n{detail}".rstrip(), rank, code)
 
 
 def _stop(procs: list, ranks: Collection[int], exits: _Exits | None = None) -> None:
@@ -306,109 +217,147 @@ def spawn(
     ranks still running ``_EXPENDABLE_GRACE_S`` after every other rank returned are stopped (result None).
     A configuration error stops the run whichever rank raised it.
     """
+    expendable = _check_ranks(nproc, expendable)
+    procs: list = []
+    running: set[int] = set()
+    job = _Job(procs, running, _Forwarder(forward_signals, procs, running))
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        job.fwd.install()
+        _launch(job, fn, tuple(args), nproc, num_threads, env)
+        _supervise(job, expendable, deadline, timeout_s)
+        return _results(job, nproc, expendable)
+    finally:
+        job.running.clear()
+        _stop(job.procs, range(len(job.procs)), job.exits)
+        if job.tmp is not None:
+            shutil.rmtree(job.tmp, ignore_errors=True)
+        job.fwd.restore()
+
+
+@dataclass
+class _Job:
+    """What :func:`spawn` started, filled in as it goes (so its cleanup finds whatever exists)."""
+
+    procs: list
+    running: set[int]  # ranks whose exit is not yet observed (shared with the signal forwarder)
+    fwd: _Forwarder
+    store: dist.TCPStore | None = None  # held for the run: the ranks' rendezvous lives as long as this object
+    tmp: str | None = None
+    exits: _Exits | None = None
+
+
+def _check_ranks(nproc: int, expendable: Collection[int]) -> frozenset[int]:
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     expendable = frozenset(int(r) for r in expendable)
     if not expendable <= set(range(nproc)):
         raise ValueError(f"expendable ranks {sorted(expendable - set(range(nproc)))} outside 0..{nproc - 1}")
-    essential = set(range(nproc)) - expendable
-    ctx = mp.get_context("spawn")
-    procs: list = []
-    running: set[int] = set()
-    fwd = _Forwarder(forward_signals, procs, running)
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    tmp: str | None = None
-    exits: _Exits | None = None
+    return expendable
+
+
+def _child_env(rank: int, nproc: int, port: int, tmp: str, secret: str, env: dict[str, str] | None) -> dict[str, str]:
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",  # the parent hosts it (see module doc)
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "HPCRL_LAUNCHER": "local",  # torchrun-style variables, but the run reports "local"
+        rundir.LAUNCHED_PID_ENV: str(os.getpid()),  # the run-dir lock names the pid the user started
+        INTERRUPT_ENV: str(Path(tmp, _INTERRUPTED)),
+        "GLOO_SOCKET_IFNAME": _loopback_interface(),  # gloo listens where the hostname resolves
+        SECRET_ENV: secret,
+        **(env or {}),
+    }
+
+
+def _launch(job: _Job, fn: Callable[..., Any], args: tuple, nproc: int, num_threads: int | None,
+            env: dict[str, str] | None) -> None:
+    """Host the store, make the scratch dir and start the ranks, the forwarded signals held meanwhile."""
+    fwd = job.fwd
+    blocked = fwd.signals if fwd.active and hasattr(signal, "pthread_sigmask") else ()
+    # what the ranks hold for their StopRequest: the forwarded stop signals (SIGINT arrives as SIGTERM)
+    ignore_sigint = fwd.active and signal.SIGINT in fwd.signals
+    hold = tuple(s for s in STOP_SIGNALS if fwd.active and (s in fwd.signals or (s == signal.SIGTERM and ignore_sigint)))
+    # Forwarded signals wait (pending) until every rank exists; the children inherit the mask and
+    # unblock them once their handlers are in place, so a signal during start-up stops them too.
+    if blocked:  # its first launch unblocks SIGINT and SIGTERM in this thread (bpo-33613): launch it now
+        multiprocessing.resource_tracker.ensure_running()
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, blocked) if blocked else None
     try:
-        fwd.install()
-        blocked = fwd.signals if fwd.active and hasattr(signal, "pthread_sigmask") else ()
-        # what the ranks hold for their StopRequest: the forwarded stop signals (SIGINT arrives as SIGTERM)
-        ignore_sigint = fwd.active and signal.SIGINT in fwd.signals
-        hold = tuple(s for s in STOP_SIGNALS if fwd.active and (s in fwd.signals or (s == signal.SIGTERM and ignore_sigint)))
-        # Forwarded signals wait (pending) until every rank exists; the children inherit the mask and
-        # unblock them once their handlers are in place, so a signal during start-up stops them too.
-        if blocked:  # its first launch unblocks SIGINT and SIGTERM in this thread (bpo-33613): launch it now
-            multiprocessing.resource_tracker.ensure_running()
-        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, blocked) if blocked else None
-        try:
-            store = _loopback_store(nproc)
-            secret = new_secret()
-            tmp = make_scratch_dir()
-            exits = _Exits(procs, tmp, fwd)
-            fwd.marker = Path(tmp, _INTERRUPTED)
-            unblock = tuple(s for s in blocked if old_mask is None or s not in old_mask)
-            for rank in range(nproc):
-                child_env = {
-                    "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(store.port),
-                    "TORCHELASTIC_USE_AGENT_STORE": "True",  # the parent hosts it (see module doc)
-                    "RANK": str(rank),
-                    "LOCAL_RANK": str(rank),
-                    "WORLD_SIZE": str(nproc),
-                    "LOCAL_WORLD_SIZE": str(nproc),
-                    "HPCRL_LAUNCHER": "local",  # torchrun-style variables, but the run reports "local"
-                    rundir.LAUNCHED_PID_ENV: str(os.getpid()),  # the run-dir lock names the pid the user started
-                    INTERRUPT_ENV: str(Path(tmp, _INTERRUPTED)),
-                    "GLOO_SOCKET_IFNAME": _loopback_interface(),  # gloo listens where the hostname resolves
-                    SECRET_ENV: secret,
-                    **(env or {}),
-                }
-                p = ctx.Process(target=run_child, name=f"rank{rank}",
-                                args=(fn, tuple(args), child_env, num_threads, tmp, os.getpid(), hold, ignore_sigint,
-                                      unblock))
-                procs.append(p)
-                p.start()
-                running.add(rank)
-        finally:
-            if old_mask is not None:
-                signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)  # pending signals are forwarded now
-        lost: list[int] = []  # expendable ranks that failed
-        grace_end: float | None = None
-        while running:
-            if grace_end is None and essential and not (essential & running):
-                grace_end = time.monotonic() + _EXPENDABLE_GRACE_S
-            ends = [t for t in (deadline, grace_end) if t is not None]
-            remaining = None if not ends else max(0.0, min(ends) - time.monotonic())
-            ready = multiprocessing.connection.wait([procs[r].sentinel for r in running], remaining)
-            if not ready:
-                if deadline is not None and time.monotonic() >= deadline:
-                    names = ", ".join(f"rank {r}" for r in sorted(running))
-                    _stop(procs, _take(running), exits)
-                    raise SpawnError(f"timed out after {timeout_s:g} s; still running: {names}", None, None)
-                if grace_end is not None and time.monotonic() >= grace_end:
-                    late = sorted(running)
-                    _stop(procs, _take(running), exits)
-                    _warn(f"expendable rank(s) {', '.join(map(str, late))} still running {_EXPENDABLE_GRACE_S:g} s "
-                          "after the others finished: stopped")
-                continue
-            batch = [r for r in running if procs[r].sentinel in ready]
-            for r in batch:
-                running.discard(r)  # first: the signal forwarder must not signal a pid once it is reaped
-                procs[r].join()
-            for r in exits.observe(batch):
-                if exits.succeeded(r):
-                    continue
-                rec = _read_error(tmp, r)
-                if r in expendable and not (rec is not None and rec.get("config")):
-                    lost.append(r)
-                    _warn(f"rank {r} failed ({exits.describe(r)}); it is expendable, the others go on without it")
-                    continue
-                _stop(procs, _take(running), exits)
-                raise exits.failure(exits.first(r, lost), lost)
-        results = []
+        job.store = _loopback_store(nproc)
+        secret = new_secret()
+        job.tmp = tmp = make_scratch_dir()
+        job.exits = _Exits(job.procs, tmp, fwd)
+        fwd.marker = Path(tmp, _INTERRUPTED)
+        unblock = tuple(s for s in blocked if old_mask is None or s not in old_mask)
+        ctx = mp.get_context("spawn")
         for rank in range(nproc):
-            try:
-                with open(Path(tmp, f"result-{rank}"), "rb") as f:
-                    results.append(pickle.load(f))
-            except FileNotFoundError:
-                if rank not in expendable:
-                    raise SpawnError(f"rank {rank} failed first ({exits.describe(rank)})", rank,
-                                     procs[rank].exitcode) from None
-                results.append(None)
-        return results
+            child_env = _child_env(rank, nproc, job.store.port, tmp, secret, env)
+            p = ctx.Process(target=run_child, name=f"rank{rank}",
+                            args=(fn, args, child_env, num_threads, tmp, os.getpid(), hold, ignore_sigint, unblock))
+            job.procs.append(p)
+            p.start()
+            job.running.add(rank)
     finally:
-        running.clear()
-        _stop(procs, range(len(procs)), exits)
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        fwd.restore()
+        if old_mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)  # pending signals are forwarded now
+
+
+def _supervise(job: _Job, expendable: frozenset[int], deadline: float | None, timeout_s: float | None) -> None:
+    """Wait for every rank; stop the others and raise on the first essential failure, the timeout or
+    (expendable ranks only) the grace period after the essential ones finished."""
+    procs, running, exits = job.procs, job.running, job.exits
+    assert exits is not None and job.tmp is not None
+    essential = set(range(len(procs))) - expendable
+    lost: list[int] = []  # expendable ranks that failed
+    grace_end: float | None = None
+    while running:
+        if grace_end is None and essential and not (essential & running):
+            grace_end = time.monotonic() + _EXPENDABLE_GRACE_S
+        ends = [t for t in (deadline, grace_end) if t is not None]
+        remaining = None if not ends else max(0.0, min(ends) - time.monotonic())
+        ready = multiprocessing.connection.wait([procs[r].sentinel for r in running], remaining)
+        if not ready:
+            if deadline is not None and time.monotonic() >= deadline:
+                names = ", ".join(f"rank {r}" for r in sorted(running))
+                _stop(procs, _take(running), exits)
+                raise SpawnError(f"timed out after {timeout_s:g} s; still running: {names}", None, None)
+            if grace_end is not None and time.monotonic() >= grace_end:
+                late = sorted(running)
+                _stop(procs, _take(running), exits)
+                _warn(f"expendable rank(s) {', '.join(map(str, late))} still running {_EXPENDABLE_GRACE_S:g} s "
+                      "after the others finished: stopped")
+            continue
+        batch = [r for r in running if procs[r].sentinel in ready]
+        for r in batch:
+            running.discard(r)  # first: the signal forwarder must not signal a pid once it is reaped
+            procs[r].join()
+        for r in exits.observe(batch):
+            if exits.succeeded(r):
+                continue
+            rec = _read_error(job.tmp, r)
+            if r in expendable and not (rec is not None and rec.get("config")):
+                lost.append(r)
+                _warn(f"rank {r} failed ({exits.describe(r)}); it is expendable, the others go on without it")
+                continue
+            _stop(procs, _take(running), exits)
+            raise exits.failure(exits.first(r, lost), lost)
+
+
+def _results(job: _Job, nproc: int, expendable: frozenset[int]) -> list[Any]:
+    assert job.exits is not None and job.tmp is not None
+    results = []
+    for rank in range(nproc):
+        try:
+            with open(Path(job.tmp, f"result-{rank}"), "rb") as f:
+                results.append(pickle.load(f))
+        except FileNotFoundError:
+            if rank not in expendable:
+                raise SpawnError(f"rank {rank} failed first ({job.exits.describe(rank)})", rank,
+                                 job.procs[rank].exitcode) from None
+            results.append(None)
+    return results

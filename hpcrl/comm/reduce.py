@@ -100,23 +100,12 @@ def reduce_metrics(
         return {}
     weights = weights or {}
     sums, maxes, mins = set(sums), set(maxes), set(mins)
-    special = [sums, maxes, mins, set(weights)]
-    unknown = set().union(*special) - set(metrics)
-    if unknown:
-        raise KeyError(f"reductions named for unknown metrics {sorted(unknown)}")
-    if sum(len(x) for x in special) != len(set().union(*special)):
-        raise ValueError("a metric may be summed, maxed, minned or weighted, not several of them")
+    _check_reductions(metrics, [sums, maxes, mins, set(weights)])
     extremes = sorted(maxes) + sorted(mins)
     names = sorted(set(metrics) - set(extremes))
-    cpu = torch.device("cpu")
-
-    def scalar(x: Scalar) -> torch.Tensor:
-        t = x.detach() if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=torch.float64)
-        return t.to(device=cpu, dtype=torch.float64).reshape(())
-
     empty = torch.zeros(0, dtype=torch.float64)
-    w = torch.stack([scalar(weights.get(k, 1.0)) for k in names]) if names else empty
-    v = torch.stack([scalar(metrics[k]) for k in names]) if names else empty
+    w = torch.stack([_scalar(weights.get(k, 1.0)) for k in names]) if names else empty
+    v = torch.stack([_scalar(metrics[k]) for k in names]) if names else empty
     name_sum = float(zlib.crc32("\0".join(names).encode()))  # exact in float64
     names_col = torch.tensor([name_sum], dtype=torch.float64)
     packed = torch.cat([torch.where(w > 0, w * v, 0.0), w, names_col])
@@ -131,12 +120,33 @@ def reduce_metrics(
     out = dict(zip(names, [num if k in sums else (num / den if den > 0 else float("nan"))
                            for k, num, den in zip(names, host[:n], host[n : 2 * n])]))
     if extremes:
-        sign = [1.0] * len(maxes) + [-1.0] * len(mins)
-        ext = torch.stack([scalar(metrics[k]) * s for k, s in zip(extremes, sign)])
-        if plane.active:
-            dist.all_reduce(ext, op=dist.ReduceOp.MAX, group=plane.group)
-        out.update({k: v * s for k, v, s in zip(extremes, ext.tolist(), sign)})
+        out.update(_reduce_extremes(metrics, sorted(maxes), sorted(mins), plane))
     return out
+
+
+def _scalar(x: Scalar) -> torch.Tensor:
+    t = x.detach() if isinstance(x, torch.Tensor) else torch.tensor(float(x), dtype=torch.float64)
+    return t.to(device=torch.device("cpu"), dtype=torch.float64).reshape(())
+
+
+def _check_reductions(metrics: Mapping[str, Scalar], special: list[set[str]]) -> None:
+    """``special`` (summed, maxed, minned, weighted names) name known metrics, each at most once."""
+    unknown = set().union(*special) - set(metrics)
+    if unknown:
+        raise KeyError(f"reductions named for unknown metrics {sorted(unknown)}")
+    if sum(len(x) for x in special) != len(set().union(*special)):
+        raise ValueError("a metric may be summed, maxed, minned or weighted, not several of them")
+
+
+def _reduce_extremes(metrics: Mapping[str, Scalar], maxes: list[str], mins: list[str], plane: Plane
+                     ) -> dict[str, float]:
+    """Max of ``maxes`` and min of ``mins`` over the plane in one MAX collective (mins negated)."""
+    extremes = maxes + mins
+    sign = [1.0] * len(maxes) + [-1.0] * len(mins)
+    ext = torch.stack([_scalar(metrics[k]) * s for k, s in zip(extremes, sign)])
+    if plane.active:
+        dist.all_reduce(ext, op=dist.ReduceOp.MAX, group=plane.group)
+    return {k: v * s for k, v, s in zip(extremes, ext.tolist(), sign)}
 
 
 def _checksums(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,106 @@
+"""What :func:`hpcrl.comm.spawn` saw of its ranks' exits, and whom it blames: the rank whose exit it
+observed first (ties: a rank killed by a signal before one that raised, then the earlier
+exception), with its signal name, exit code or the exception's last line."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from typing import TYPE_CHECKING, Collection, Sequence
+
+from .spawn_errors import SpawnConfigError, SpawnDataError, SpawnError
+
+if TYPE_CHECKING:
+    from .local import _Forwarder
+
+
+def _signame(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _read_error(tmp: str, rank: int) -> dict | None:
+    try:
+        return json.loads(Path(tmp, f"error-{rank}").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _how(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    return f"killed by {_signame(-code)}" if code < 0 else f"exit code {code}"
+
+
+class _Exits:
+    """What the parent saw: exits in the order it observed them, the ranks it stopped itself."""
+
+    def __init__(self, procs: list, tmp: str, fwd: _Forwarder) -> None:
+        self.procs, self.tmp, self.fwd = procs, tmp, fwd
+        self.order: list[int] = []
+        self.stopped: set[int] = set()  # terminated / killed by spawn (after a failure, timeout, grace)
+
+    def succeeded(self, rank: int) -> bool:
+        # The result file is written last (atomically): its rank finished, whatever killed it afterwards.
+        return Path(self.tmp, f"result-{rank}").exists()
+
+    def observe(self, batch: list[int]) -> list[int]:
+        """Record ranks whose sentinels fired together, in the order their failures most likely happened:
+        killed by a signal (no record: a peer's exception is usually its consequence), then by exception time."""
+        def key(r: int) -> tuple:
+            rec = _read_error(self.tmp, r)
+            code = self.procs[r].exitcode
+            if self.succeeded(r):
+                return (2, 0.0, r)
+            if rec is None and code is not None and code < 0:
+                return (0, 0.0, r)
+            return (1, float(rec["time"]) if rec else float("inf"), r)
+
+        batch = sorted(batch, key=key)
+        self.order += batch
+        return batch
+
+    def describe(self, rank: int) -> str:
+        """"killed by SIGKILL" / "exit code 1: ValueError: boom" / "stopped by spawn"."""
+        code = self.procs[rank].exitcode
+        rec = _read_error(self.tmp, rank)
+        if rec is not None:
+            return f"{_how(code)}: {rec['last']}"
+        if rank in self.stopped:
+            return "stopped by spawn"
+        if code == 0:
+            return "exit code 0 without returning a result"
+        if code is not None and code < 0 and self.fwd.requested and -code in (signal.SIGTERM, signal.SIGUSR2):
+            return f"{_how(code)}, forwarded on {self.fwd.requested}: it does not handle stop signals"
+        return _how(code)
+
+    def first(self, rank: int, lost: Collection[int] = ()) -> int:
+        """``rank`` (the first failure observed), unless it raised and another rank raised earlier: that one
+        (it may still have been exiting). Exception times compare; a signal death has none, so it stands."""
+        mine = _read_error(self.tmp, rank)
+        if mine is None:
+            return rank
+        records = {r: rec for r in range(len(self.procs)) if r not in lost and (rec := _read_error(self.tmp, r))}
+        return min(records, key=lambda r: (float(records[r]["time"]), r))
+
+    def failure(self, rank: int, lost: Sequence[int] = ()) -> SpawnError:
+        rec = _read_error(self.tmp, rank)
+        code = self.procs[rank].exitcode
+        if rec is not None and rec.get("config"):
+            return SpawnConfigError(rec["message"] or rec["last"], rank, code, rec.get("type", ""))
+        if rec is not None and rec.get("data"):
+            return SpawnDataError(rec["message"] or rec["last"], rank, code)
+        text = f"rank {rank} failed first ({self.describe(rank)})"
+        earlier = [r for r in lost if r != rank]
+        if earlier:
+            text += "; earlier, expendable " + ", ".join(f"rank {r} ({self.describe(r)})" for r in earlier)
+        later = [r for r in self.order if r != rank and r not in earlier and not self.succeeded(r)]
+        later += [r for r in range(len(self.procs))
+                  if r not in self.order and r != rank and r not in earlier and not self.succeeded(r)]
+        if later:
+            text += "; then " + ", ".join(f"rank {r} ({self.describe(r)})" for r in later)
+        detail = rec["traceback"] if rec is not None else "no traceback recorded; see the rank's stderr"
+        return SpawnError(f"{text}:\n{detail}".rstrip(), rank, code)
