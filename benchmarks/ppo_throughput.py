@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Detached PPO throughput (issue 4): detached makers/trainers vs the same processes with --lag 0 vs
+"""Detached PPO throughput: detached makers/trainers vs the same processes with --lag 0 vs
 single-process synchronous PPO, timed from detached PPO's events hook.
 
     python benchmarks/ppo_throughput.py [--quick] [--json PATH] [--png PATH] [--no-lm]

@@ -1,4 +1,4 @@
-"""SIGKILL at random points of FastSAC checkpoint writes (issue 11): every trial leaves a run that
+"""SIGKILL at random points of FastSAC checkpoint writes: every trial leaves a run that
 resumes, and the run resumed after all the kills logs exactly the metrics of an uninterrupted run.
 
 One run is killed over and over: start (or ``--resume``), wait until a checkpoint write is under way

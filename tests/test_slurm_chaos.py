@@ -1,4 +1,4 @@
-"""Chaos under Slurm (issue 11): the detached-PPO heterogeneous job (slurm/detached_ppo.sbatch, 1
+"""Chaos under Slurm: the detached-PPO heterogeneous job (slurm/detached_ppo.sbatch, 1
 trainer on node2 : 3 makers on node1 of the local cluster) with one maker frozen (SIGSTOP past the
 heartbeat timeout, then woken) and another SIGKILLed at random moments. The job must finish with
 exit 0, drop exactly the faulty makers, and account for every sample.

@@ -37,7 +37,7 @@ ROLLOUT = 16  # x 4 envs = 64 env steps per experience batch (one batch per PPO 
 # tiny CartPole: 4 updates; heartbeats and waits short enough that a broken placement fails fast
 PPO = ["--workload", "cartpole", "--total-steps", str(STEPS), "--timeout-s", "60",
        "--env.num-envs", "4", "--env.rollout-len", str(ROLLOUT)]
-# metrics every run must carry (issue 4, item 8)
+# metrics every run must carry
 KEYS = {"env_steps", "policy_version", "episode_return", "lag_mean", "lag_max", "dropped_stale", "weight_publish_ms",
         "samples_per_s"}
 
