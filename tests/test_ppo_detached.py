@@ -297,6 +297,8 @@ def test_sigusr2_stops_with_a_checkpoint_and_resume_finishes(tmp_path):
         proc.kill()
     assert proc.returncode == 75, err[-2000:]
     assert "stop requested" in out
+    # the closing line of an interrupted run says so, never "done"
+    assert "hpcrl: stopped (SIGUSR2) after" in err and "resume with --resume" in err and "hpcrl: done" not in err
     stopped = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]
     assert stopped["policy_version"] < 60
     resumed = subprocess.run(args + ["--resume"], env=env, capture_output=True, text=True, timeout=90)

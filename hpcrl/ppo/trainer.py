@@ -343,4 +343,5 @@ class Trainer:
             shown = "-" if best != best else f"{best:.1f}"
             results["target_return"] = (f"{cfg.target_return:g} not reached in {cfg.total_steps} updates (best "
                                         f"episode_return_recent {shown}; raise --total-steps)")
-        logger.finish(results, {"checkpoint": saved})
+        # an interrupted run says so (and how to continue), not "done"
+        logger.finish(results, {"checkpoint": saved}, stopped=(self.stop.reason or "stop request") if row.get("preempted") else None)
