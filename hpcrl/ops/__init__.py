@@ -28,7 +28,7 @@ __all__ = ["backend", "with_cuda", "flatten", "unflatten_", "replay_gather", "re
 
 # Rows ahead whose cache lines the CPU gather requests early (0: none). The A/B of
 # benchmarks/replay_sampler.py (same storage, the same fresh random rows every call, interleaved) put 16
-# rows at 0.89-1.00x the time of none in all 8 cases on this project's 2-vCPU EPYC VM; on a fixed, cached
+# rows at 0.88-1.00x the time of none in all 12 cases of three runs on this project's 2-vCPU EPYC VM; on a fixed, cached
 # index set (what an earlier A/B timed) the hints are pure overhead.
 PREFETCH_ROWS = 16
 
