@@ -132,6 +132,16 @@ ReplayBatch batch_outputs(const ReplayStorage& s, int64_t batch, const std::opti
   return ReplayBatch{o[0], o[1], o[2], o[3], o[4], o[5]};
 }
 
+// The rows' index tensors ([B] int64 on the storage's device, same B) and the prefetch distance.
+void check_rows(const at::Tensor& env_idx, const at::Tensor& slot_idx, int64_t prefetch_rows, const at::Device& dev,
+                const char* op) {
+  check_storage(env_idx, "env_idx", at::kLong, 1, dev);
+  check_storage(slot_idx, "slot_idx", at::kLong, 1, dev);
+  TORCH_CHECK(env_idx.numel() == slot_idx.numel(), op, ": env_idx has ", env_idx.numel(), " rows but slot_idx has ",
+              slot_idx.numel());
+  TORCH_CHECK(prefetch_rows >= 0, op, ": prefetch_rows must be >= 0, got ", prefetch_rows);
+}
+
 std::vector<at::Tensor> replay_gather(const at::Tensor& obs, const at::Tensor& action, const at::Tensor& reward,
                                       const at::Tensor& flags, const at::Tensor& final_ref,
                                       const at::Tensor& final_pool, const at::Tensor& head_next_obs,
@@ -141,11 +151,7 @@ std::vector<at::Tensor> replay_gather(const at::Tensor& obs, const at::Tensor& a
   const ReplayStorage storage =
       checked_storage(obs, action, reward, flags, final_ref, final_pool, head_next_obs, ptr, n_step);
   const at::Device dev = reward.device();
-  check_storage(env_idx, "env_idx", at::kLong, 1, dev);
-  check_storage(slot_idx, "slot_idx", at::kLong, 1, dev);
-  TORCH_CHECK(env_idx.numel() == slot_idx.numel(), "replay_gather: env_idx has ", env_idx.numel(),
-              " rows but slot_idx has ", slot_idx.numel());
-  TORCH_CHECK(prefetch_rows >= 0, "replay_gather: prefetch_rows must be >= 0, got ", prefetch_rows);
+  check_rows(env_idx, slot_idx, prefetch_rows, dev, "replay_gather");
   const ReplayBatch o = batch_outputs(storage, env_idx.numel(), out);
   if (env_idx.numel() > 0) {
     if (dev.is_cuda()) {
@@ -173,12 +179,8 @@ std::vector<at::Tensor> replay_sample(const at::Tensor& obs, const at::Tensor& a
   const ReplayStorage storage =
       checked_storage(obs, action, reward, flags, final_ref, final_pool, head_next_obs, ptr, n_step);
   const at::Device dev = reward.device();
-  check_storage(env_idx, "env_idx", at::kLong, 1, dev);
-  check_storage(slot_idx, "slot_idx", at::kLong, 1, dev);
-  TORCH_CHECK(env_idx.numel() == slot_idx.numel() && env_idx.numel() >= 1,
-              "replay_sample: env_idx and slot_idx must have the same batch >= 1 rows, got ", env_idx.numel(),
-              " and ", slot_idx.numel());
-  TORCH_CHECK(prefetch_rows >= 0, "replay_sample: prefetch_rows must be >= 0, got ", prefetch_rows);
+  check_rows(env_idx, slot_idx, prefetch_rows, dev, "replay_sample");
+  TORCH_CHECK(env_idx.numel() >= 1, "replay_sample: the batch must have >= 1 rows");
   const ReplayBatch o = batch_outputs(storage, env_idx.numel(), out);
   if (dev.is_cuda()) {
 #ifdef HPCRL_WITH_CUDA
