@@ -5,8 +5,10 @@ One run is killed over and over: start (or ``--resume``), wait until a checkpoin
 (its ``.tmp-step_*`` directory exists; in half of the trials the second write after the start, so
 that the run makes progress), sleep a random fraction of a write, SIGKILL the whole process
 group (spawn parent and both ranks at once, what a node failure or ``scancel -s KILL`` does). The
-replay shards are sized so that a write takes tens of milliseconds, so the kills land in the rank
-files, the checksums, the manifest, the rename or the pruning after it.
+kills land in the rank files, the checksums, the manifest, the rename or the pruning after it. A
+write's length depends on the machine and on how full the replay is (checkpoints hold only filled
+slots), so the sleep's bound follows the writes: it shrinks after a kill that came too late and grows
+back after one that landed.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import pytest
 from hpcrl import checkpoint
 
 TRIALS = 20
+MAX_SLEEP = 0.04  # seconds; the most a kill waits after a write began
 # 2 ranks x 2 envs, a 4096-slot buffer per env (~0.5 MB of replay per rank file), a checkpoint every
 # 5 vector steps: 60 checkpoints in 300 vector steps, more than 20 trials can use up (each advances the
 # run by at most two checkpoints).
@@ -80,6 +83,7 @@ def test_sigkill_during_checkpoints_always_resumes_to_identical_metrics(tmp_path
     rng = random.Random(seed)
     seed_note = f"(kill times drawn with random.Random({seed}))"
     killed_while_writing = 0
+    bound = MAX_SLEEP
     for trial in range(TRIALS):
         resume = ["--resume", "--resume-missing", "fresh"] if trial else []
         proc = subprocess.Popen(_cli(run, *resume), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -89,8 +93,10 @@ def test_sigkill_during_checkpoints_always_resumes_to_identical_metrics(tmp_path
             _wait_write(run, proc, other_than=first)
         assert proc.poll() is None, (f"trial {trial}: the run ended before a checkpoint write began (rc "
                                      f"{proc.returncode}) {seed_note}: {proc.stderr.read()[-2000:]}")
-        time.sleep(rng.uniform(0.0, 0.04))
-        killed_while_writing += _writing(run) is not None
+        time.sleep(rng.uniform(0.0, bound))
+        landed = _writing(run) is not None
+        killed_while_writing += landed
+        bound = min(MAX_SLEEP, bound * 1.25) if landed else bound * 0.5
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         proc.stderr.close()
