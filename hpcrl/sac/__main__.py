@@ -3,6 +3,9 @@
 Values: the preset (default holosoma) < ``--config FILE`` (YAML or JSON; a run's own config.json is
 accepted as written) < the other flags.
 
+A config whose ranks cannot fit in this node's memory (replay, envs, batch, model; :mod:`hpcrl.sizes`)
+is refused (exit 2) naming the flag and a value that fits, before any rank starts.
+
 A run dir that holds a previous run (checkpoints, metrics rows, policies) is refused (exit 2) unless
 ``--resume`` continues it or ``--overwrite`` replaces it (:mod:`hpcrl.rundir_reuse`).
 
@@ -33,6 +36,7 @@ from hpcrl.config_file import load_config_file
 from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_NONFINITE
 from hpcrl.rundir import RunDirError
 from hpcrl.rundir_reuse import check_start, overwrite
+from hpcrl.sizes import check_sac, local_ranks
 
 from .config import PRESETS, RESOLVED_KEYS, SACConfig, preset, seed_runs
 
@@ -65,19 +69,26 @@ def parse(argv: list[str]) -> SACConfig:
 
 
 def _run(cfg: SACConfig) -> list[dict]:
-    from hpcrl.comm import check_local_gpus, cuda_count, spawn  # heavy: after every refusal that needs no torch
+    # heavy: after every refusal that needs no torch
+    from hpcrl.comm import check_local_gpus, cuda_count, detect_launch, spawn
 
     from .train import plan, train
 
     if cfg.nproc > 1:
         plan(cfg, cfg.nproc)  # fail before spawning anything
         check_local_gpus(cfg.nproc, cfg.device, cuda_count())
+        check_sac(cfg, cfg.nproc, cfg.nproc, preset(cfg.preset), spawner=True)  # every rank's memory
         # spawn forwards stop signals to the ranks while they run (they checkpoint and stop) and puts
         # these back afterwards: once the ranks are done, a late signal changes nothing (also between
         # the seeds of --seeds; the process exits when the last one is done).
         for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
         return spawn(train, cfg.nproc, args=(cfg,), timeout_s=None)
+    # one process, or one rank of srun / torchrun: before its rendezvous, so no rank of this node has
+    # allocated anything while another one reads the memory left
+    world = detect_launch().world_size
+    plan(cfg, world)
+    check_sac(cfg, world, local_ranks(), preset(cfg.preset))
     return [train(cfg)]
 
 

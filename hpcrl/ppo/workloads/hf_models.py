@@ -15,6 +15,7 @@ process before any rank starts; errors are :class:`ConfigError` lines naming the
 from __future__ import annotations
 
 import importlib
+import json
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -51,6 +52,34 @@ def check_model_path(flag: str, path: str) -> None:
         if not (p / "config.json").is_file():
             raise ConfigError(f"{flag} {path}: the directory has no config.json; pass the directory save_pretrained "
                               "wrote (the one holding config.json and the weights)")
+        missing = missing_weights(p)
+        if missing:
+            raise ConfigError(f"{flag} {path}: {missing}; pass the directory save_pretrained wrote (config.json "
+                              "with its weights) or save the model there again")
+
+
+WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+"""The weights files ``from_pretrained`` loads, each also sharded as ``NAME.index.json`` + its shards."""
+
+
+def missing_weights(directory: Path) -> str | None:
+    """What a model directory lacks to load its weights (one phrase), None if a weights file or a
+    sharded index with every shard is there: read before any rank starts, so none fails on it later."""
+    for name in WEIGHTS:
+        if (directory / name).is_file():
+            return None
+    for name in WEIGHTS:
+        index = directory / f"{name}.index.json"
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+                return f"its shard index {index.name} is unreadable ({type(err).__name__}: {err})"
+            lost = [shard for shard in shards if not (directory / shard).is_file()]
+            if not lost:
+                return None
+            return f"{len(lost)} of the {len(shards)} shards {index.name} names are missing (first: {lost[0]})"
+    return f"no weights file: neither {' nor '.join(WEIGHTS)} (nor a sharded *.index.json) is there"
 
 
 def load_config(flag: str, path: str):
