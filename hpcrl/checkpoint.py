@@ -23,6 +23,7 @@ takes; it detects damage (truncation, torn or foreign bytes), not tampering.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -38,11 +39,14 @@ import torch
 
 from hpcrl.checkpoint_manifest import (LEARNER, MANIFEST, MANIFEST_FORMAT, PREFIX, CheckpointError, CorruptCheckpoint,
                                        _check_file, _file_entry, _step_of, rank_file, read_manifest, verify)
+from hpcrl.checkpoint_rows import METRICS, ROWS, tail_rows
+from hpcrl.diskfault import DiskFault, fault_line, owned_file, warn_low_space
 from hpcrl.h5io import atomic_path, load_h5, save_h5
-from hpcrl.rundir import RunDirError, identity_difference, identity_hash, make_dir, normalize_identity
+from hpcrl.rundir import (RunDirError, file_mode, identity_difference, identity_hash, make_dir, normalize_identity,
+                          write_text)
 from hpcrl.rundir_reuse import nothing_to_resume, remove_run
 
-__all__ = ["CheckpointError", "CorruptCheckpoint", "Restored", "checkpoint_root", "clear", "committed", "fresh_or_refuse",
+__all__ = ["CheckpointError", "CorruptCheckpoint", "DiskFault", "Restored", "checkpoint_root", "clear", "committed", "fresh_or_refuse",
            "latest", "load", "nothing_to_resume", "preflight", "read_manifest", "restore", "save", "store_agree",
            "verify"]
 
@@ -65,6 +69,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 # -- writing ----------------------------------------------------------------------------------------
+FAULT = ".fault-"  # prefix of a rank's one-line report that its part of a checkpoint could not be written
+
+
 def save(run_dir: str | os.PathLike, step: int, rank: int, world_size: int, learner: dict[str, Any] | None,
          rank_state: dict[str, Any], barrier: Callable[[str], None], keep: int = 2, *,
          identity: Mapping[str, Any] | None = None) -> Path:
@@ -73,44 +80,123 @@ def save(run_dir: str | os.PathLike, step: int, rank: int, world_size: int, lear
     ``identity``: what must not change when this run resumes (recorded in the manifest; pass the
     same on every rank). After the commit rank 0 keeps the ``keep`` newest checkpoints up to
     ``step`` and deletes any of a later step (an abandoned future: this run resumed from before it).
+
+    A rank whose write fails (a full disk, an I/O error) posts one line next to the checkpoints; after
+    the commit barrier every rank sees it and raises the same :class:`DiskFault` (path, free space),
+    the partial checkpoint removed and the committed ones untouched. Barriers bound every wait.
     """
     root = checkpoint_root(run_dir)
     name = f"{PREFIX}{step:012d}"
     tmp, final = root / f".tmp-{name}", root / name
-    if rank == 0:
-        make_dir(root)
-        if tmp.exists():
-            shutil.rmtree(tmp)  # leftover of a job killed while writing this very step
-        make_dir(tmp)
+    fault = _attempt(root, lambda: _prepare(root, tmp)) if rank == 0 else ""
     barrier("ckpt-begin")
+    fault = fault or _attempt(tmp, lambda: _write_mine(run_dir, tmp, rank, learner, rank_state))
+    if fault:
+        _post_fault(root, name, rank, fault)
+    barrier("ckpt-written")
+    if rank == 0 and not _faults(root, name):
+        fault = _attempt(tmp, lambda: _commit(root, tmp, final, step, world_size, identity, keep))
+        if fault:
+            _post_fault(root, name, rank, fault)
+    barrier("ckpt-committed")
+    faults = _faults(root, name)
+    if faults or fault:
+        barrier("ckpt-aborted")  # every rank has read the reports: they and the partial checkpoint can go
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            for r in faults:
+                (root / f"{FAULT}{name}-{r}").unlink(missing_ok=True)
+        what = "; ".join(f"rank {r}: {line}" for r, line in sorted((faults or {rank: fault}).items()))
+        raise DiskFault(f"checkpoint of step {step} not written, the committed ones are untouched: {what}")
+    return final
+
+
+def _attempt(where: Path, write: Callable[[], None]) -> str:
+    """"" when ``write`` succeeds, else the one line of the failure (any OSError: the disk, not a bug)."""
+    try:
+        write()
+    except DiskFault as err:
+        return str(err)
+    except OSError as err:
+        return fault_line(Path(err.filename) if err.filename else where, err)
+    return ""
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, file_mode())
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def _post_fault(root: Path, name: str, rank: int, line: str) -> None:
+    with contextlib.suppress(OSError):  # the disk may refuse even this: rank 0 then misses this rank's sum
+        _write_private(root / f"{FAULT}{name}-{rank}", line)
+
+
+def _faults(root: Path, name: str) -> dict[int, str]:
+    """{rank: line} of the faults posted for checkpoint ``name``."""
+    prefix = f"{FAULT}{name}-"
+    found = {}
+    with contextlib.suppress(OSError):
+        for p in root.iterdir():
+            if p.name.startswith(prefix) and p.name[len(prefix):].isdigit():
+                with contextlib.suppress(OSError):
+                    found[int(p.name[len(prefix):])] = p.read_text(errors="replace").strip()
+    return found
+
+
+def _prepare(root: Path, tmp: Path) -> None:
+    make_dir(root)
+    for p in root.iterdir():  # reports of a failed write, left by a run killed before it removed them
+        if p.name.startswith(FAULT):
+            p.unlink(missing_ok=True)
+    if tmp.exists():
+        shutil.rmtree(tmp)  # leftover of a job killed while writing this very step
+    make_dir(tmp)
+
+
+def _write_mine(run_dir: str | os.PathLike, tmp: Path, rank: int, learner: dict[str, Any] | None,
+                rank_state: dict[str, Any]) -> None:
+    """This rank's file and its size and checksum; rank 0 also the learner and the latest metrics rows."""
     mine = rank_file(rank)
     save_h5(tmp / mine, rank_state, FORMAT_VERSION)
-    (tmp / f".{mine}.sum").write_text(json.dumps({mine: _file_entry(tmp / mine)}))
+    _write_private(tmp / f".{mine}.sum", json.dumps({mine: _file_entry(tmp / mine)}))
     if rank == 0:
         assert learner is not None
-        with atomic_path(tmp / LEARNER) as path:
-            torch.save(learner, path)
-    barrier("ckpt-written")
-    if rank == 0:
-        files = {LEARNER: _file_entry(tmp / LEARNER)}
-        for r in range(world_size):
-            side = tmp / f".{rank_file(r)}.sum"
+        with owned_file(tmp / LEARNER) as f:
+            torch.save(learner, f)
+        rows = tail_rows(Path(run_dir) / METRICS)
+        if rows:
+            write_text(tmp / ROWS, rows)
+
+
+def _commit(root: Path, tmp: Path, final: Path, step: int, world_size: int, identity: Mapping[str, Any] | None,
+            keep: int) -> None:
+    """Rank 0: the manifest (last: its presence means every file above is complete), the rename, the pruning."""
+    files = {LEARNER: _file_entry(tmp / LEARNER)}
+    if (tmp / ROWS).exists():
+        files[ROWS] = _file_entry(tmp / ROWS)
+    for r in range(world_size):
+        side = tmp / f".{rank_file(r)}.sum"
+        try:
             files.update(json.loads(side.read_text()))
-            side.unlink()
-        manifest = {"format": MANIFEST_FORMAT, "step": step, "world_size": world_size,
-                    "identity": None if identity is None else normalize_identity(identity),
-                    "identity_hash": None if identity is None else identity_hash(identity),
-                    "created": time.time(), "host": socket.gethostname(), "checksum": "crc32", "files": files}
-        with atomic_path(tmp / MANIFEST) as path:  # last: its presence means every file above is complete
-            path.write_text(json.dumps(manifest, indent=1))
-        _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        _prune(root, step, keep)
-    barrier("ckpt-committed")
-    return final
+        except FileNotFoundError:
+            raise DiskFault(f"{side}: rank {r} wrote no checksum (its write failed)") from None
+        side.unlink()
+    manifest = {"format": MANIFEST_FORMAT, "step": step, "world_size": world_size,
+                "identity": None if identity is None else normalize_identity(identity),
+                "identity_hash": None if identity is None else identity_hash(identity),
+                "created": time.time(), "host": socket.gethostname(), "checksum": "crc32", "files": files}
+    with atomic_path(tmp / MANIFEST) as path:
+        path.write_text(json.dumps(manifest, indent=1))
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    _prune(root, step, keep)
+    size = sum(entry["size"] for entry in files.values())
+    warn_low_space(root, size, "the next checkpoint (as large as this one)")
 
 
 def _discard(path: Path) -> None:

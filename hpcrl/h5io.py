@@ -1,4 +1,5 @@
-"""Nested dicts of tensors and scalars <-> HDF5 groups (h5py), written atomically (:func:`hpcrl.rundir.atomic_path`)."""
+"""Nested dicts of tensors and scalars <-> HDF5 groups (h5py), written atomically through a file this
+process owns (:func:`hpcrl.diskfault.owned_file`: a full disk is a :class:`~hpcrl.diskfault.DiskFault`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import h5py
 import numpy as np
 import torch
 
+from hpcrl.diskfault import owned_file
 from hpcrl.rundir import atomic_path  # re-exported: where checkpoint writers look for it
 
 _NONE = "__none__"
@@ -55,7 +57,8 @@ def read_tree(group: h5py.Group) -> dict[str, Any]:
 
 
 def save_h5(path: str | os.PathLike, tree: dict[str, Any], format_version: int = 1) -> None:
-    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
+    # HDF5 writes through our file object, never its own descriptor: every write error is ours to see
+    with owned_file(path) as raw, h5py.File(raw, "w") as f:
         f.attrs["format_version"] = format_version
         write_tree(f, tree)
 

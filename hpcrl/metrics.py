@@ -2,7 +2,9 @@
 
 One schema for every algorithm: each row has ``time``, ``env_steps``, ``updates`` and the algorithm's
 fields; TensorBoard gets the same values under the same names. On a resume the rows after the
-checkpoint are dropped atomically (:func:`truncate_rows`; a torn last line is repaired, not fatal).
+checkpoint are dropped atomically (:func:`truncate_rows`; a torn last line is repaired, not fatal, and
+the rows of the checkpoint's step come back from the checkpoint: :mod:`hpcrl.checkpoint_rows`). A
+write that fails on the disk is a :class:`~hpcrl.diskfault.DiskFault` (path, free space), not a traceback.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from collections import deque
 from pathlib import Path
 from typing import Any, TextIO
 
+from hpcrl.checkpoint_rows import saved_rows
 from hpcrl.config_check import ConfigError
+from hpcrl.diskfault import DiskFault, fault_line
 from hpcrl.progress import LOG_WIDTH, early_stop_line, fit, progress_fields, recent_rate, summary_lines
 from hpcrl.rundir import file_mode, make_dir, write_text
 
@@ -52,8 +56,23 @@ def truncate_rows(path: Path, resume_env_steps: int, key: str = "env_steps") -> 
         what = "a torn last line" if torn else f"{len(bad)} unreadable line(s) (line {', '.join(map(str, bad[:5]))})"
         print(f"hpcrl: {path}: dropped {what}" + (" (the previous run was killed while writing it)" if torn else ""),
               file=sys.stderr, flush=True)
-    write_text(path, "".join(r + "\n" for r in kept))
-    return len(kept)
+    back = _missing_rows(kept, saved_rows(path.parent, resume_env_steps, key), key)
+    if back:
+        print(f"hpcrl: {path}: restored {len(back)} row(s) of the checkpoint's step from the checkpoint",
+              file=sys.stderr, flush=True)
+    try:
+        write_text(path, "".join(r + "\n" for r in kept + back))
+    except OSError as err:
+        raise DiskFault(fault_line(path, err)) from None
+    return len(kept) + len(back)
+
+
+def _missing_rows(kept: list[str], saved: list[str], key: str) -> list[str]:
+    """The rows a checkpoint carries that the kept rows lack; only after the last kept row (a lost or torn
+    write is always at the end), so a row at an earlier step is never moved."""
+    last = json.loads(kept[-1])[key] if kept else -math.inf
+    have = set(kept)
+    return [line for line in saved if line not in have and json.loads(line)[key] >= last]
 
 
 def finite_row(row: dict[str, Any]) -> dict[str, Any]:
@@ -125,7 +144,10 @@ class RunLogger:
         if not self.enabled:
             return
         row = finite_row({"time": round(time.time() - self.start, 3), **row})
-        self._file.write(json.dumps(row, allow_nan=False) + "\n")
+        try:
+            self._file.write(json.dumps(row, allow_nan=False) + "\n")
+        except OSError as err:
+            raise DiskFault(fault_line(self.path, err)) from None
         numbers = {k: v for k, v in row.items()
                    if k not in ("time", "env_steps") and isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._writer is not None:

@@ -58,9 +58,16 @@ def atomic_path(path: str | os.PathLike, mode: int | None = None) -> Iterator[Pa
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    mode = file_mode() if mode is None else mode
     try:
+        # created private, so no byte is ever readable under the umask's mode; writers reopen it in place
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode & 0o600)
+        try:
+            os.fchmod(fd, mode & 0o600)  # a leftover of the same name keeps its mode through O_TRUNC
+        finally:
+            os.close(fd)
         yield tmp
-        os.chmod(tmp, file_mode() if mode is None else mode)
+        os.chmod(tmp, mode)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
