@@ -22,14 +22,17 @@ from .barrier import barrier, register_host, unverified_host_of
 from .context import DistContext, DistSetupError, Source
 from .devices import cuda_count, rank_device
 from .env import LaunchInfo, detect_launch
+from .heartbeat import PeerWatch
 from .planes import STRICT_BACKEND, Plane, register_strict_backend, strict_planes
 from .secret import JOIN_KEY, SignedStore, UntrustedKeyError, check_join, load_secret, new_secret, no_secret_policy
+from .spawn_child import record_peer_lost
 
-__all__ = ["init_distributed", "shutdown", "current"]
+__all__ = ["init_distributed", "shutdown", "current", "watch_peers", "unwatch_peers"]
 
 DEFAULT_TIMEOUT_S = 600.0
 
 _active: DistContext | None = None
+_watch: PeerWatch | None = None
 
 
 def _tcp_store(addr: str, port: int, info: LaunchInfo, is_master: bool, timeout: timedelta) -> dist.TCPStore:
@@ -209,6 +212,28 @@ def current() -> DistContext | None:
     return _active
 
 
+def _say(line: str) -> None:
+    os.write(2, (line + "\n").encode(errors="replace"))  # unbuffered: the process ends right after
+
+
+def watch_peers(timeout_s: float) -> None:
+    """Beat, and watch every other rank of the active job (:class:`hpcrl.comm.heartbeat.PeerWatch`): a rank
+    silent for ``timeout_s`` is named in one line and this process exits 1, even from inside a collective.
+    :func:`shutdown` ends the watch (rank 0 only after its peers left: it waits for them meanwhile)."""
+    global _watch
+    if _active is None or not _active.is_distributed or _watch is not None:
+        return
+    _watch = PeerWatch(_active, timeout_s, say=_say, record=record_peer_lost)
+
+
+def unwatch_peers(done: bool = False) -> None:
+    """End the watch; ``done``: this rank finished (peers take its silence for an exit, not a freeze)."""
+    global _watch
+    watch, _watch = _watch, None
+    if watch is not None:
+        watch.close(done)
+
+
 def shutdown(timeout_s: float | None = None, gone: Sequence[int] = ()) -> None:
     """Leave the job: destroy the process group. Safe to call when nothing was initialized.
 
@@ -223,6 +248,8 @@ def shutdown(timeout_s: float | None = None, gone: Sequence[int] = ()) -> None:
         return
     store = ctx.store
     assert store is not None
+    if ctx.rank != 0:  # rank 0 keeps watching while it waits for the others below
+        unwatch_peers(done=True)
     try:
         store.set(f"exit/{ctx.rank}", "1")
         if ctx.rank == 0:
@@ -237,6 +264,7 @@ def shutdown(timeout_s: float | None = None, gone: Sequence[int] = ()) -> None:
         except RuntimeError:
             who = "the store is gone; not every rank may have"
         warnings.warn(f"hpcrl.comm.shutdown on rank {ctx.rank}: {who} reach shutdown ({err})")
+    unwatch_peers(done=True)
     if dist.is_initialized() and not gone:
         # With ranks gone, operations towards them may still be pending inside the groups: tearing the
         # groups down under them can abort the process; the process exit releases them instead.

@@ -150,6 +150,15 @@ def _stop(procs: list, ranks: Collection[int], exits: _Exits | None = None) -> N
             p.join()
 
 
+def _kill_frozen(proc) -> None:
+    """SIGKILL a rank its peers found frozen: a SIGSTOPped process never acts on SIGTERM."""
+    if proc.pid and proc.exitcode is None:
+        try:
+            os.kill(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def _take(running: set[int]) -> set[int]:
     """Empty ``running`` (the signal forwarder's list: no signal to a pid once it may be reaped), return its ranks."""
     ranks = set(running)
@@ -344,8 +353,11 @@ def _supervise(job: _Job, expendable: frozenset[int], deadline: float | None, ti
                 lost.append(r)
                 _warn(f"rank {r} failed ({exits.describe(r)}); it is expendable, the others go on without it")
                 continue
+            first = exits.first(r, lost)
+            if (peer := exits.lost_peer(first)) is not None:
+                _kill_frozen(procs[peer])
             _stop(procs, _take(running), exits)
-            raise exits.failure(exits.first(r, lost), lost)
+            raise exits.failure(first, lost)
 
 
 def _results(job: _Job, nproc: int, expendable: frozenset[int]) -> list[Any]:

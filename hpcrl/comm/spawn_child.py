@@ -98,11 +98,29 @@ def write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+_SCRATCH: list[str] = []  # [scratch dir, rank] inside a spawned rank: where record_peer_lost writes
+
+
+def record_peer_lost(message: str, peer: int | None) -> None:
+    """This rank's heartbeat watch is about to end it (``os._exit``, past any ``except``): leave the
+    parent the record run_child would have, naming ``peer`` (None: the store) as the one to blame."""
+    if not _SCRATCH:
+        return
+    tmp, rank = _SCRATCH
+    record = {"time": time.time(), "type": "hpcrl.comm.heartbeat.PeerLost", "config": False, "data": False,
+              "message": message, "last": f"PeerLost: {message}", "traceback": "", "lost": peer}
+    try:
+        write_atomic(Path(tmp, f"error-{rank}"), json.dumps(record).encode())
+    except OSError:  # the parent then reports this rank's exit code; the rank's own line said who froze
+        pass
+
+
 def run_child(fn: Callable[..., Any], args: Sequence[Any], env: dict[str, str], num_threads: int | None, tmp: str,
            parent_pid: int, hold: Sequence[int], ignore_sigint: bool, unblock: Sequence[int]) -> None:
     _die_with_parent(parent_pid)
     os.environ.update(env)
     rank = env["RANK"]
+    _SCRATCH[:] = [tmp, rank]
     held = _Hold(hold)
     if ignore_sigint:  # the parent turns Ctrl-C into SIGTERM for us; the terminal's own SIGINT is noise
         signal.signal(signal.SIGINT, signal.SIG_IGN)

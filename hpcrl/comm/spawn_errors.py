@@ -8,8 +8,8 @@ from hpcrl.rundir import RunDirError
 
 from .context import DistSetupError
 
-__all__ = ["CONFIG_ERRORS", "DATA_ERRORS", "SpawnConfigError", "SpawnDataError", "SpawnError", "is_config_error",
-           "is_data_error"]
+__all__ = ["CONFIG_ERRORS", "DATA_ERRORS", "SpawnConfigError", "SpawnDataError", "SpawnError", "SpawnPeerLost",
+           "is_config_error", "is_data_error"]
 
 CONFIG_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DistSetupError, RunDirError)
 """Exceptions that mean "this configuration cannot run" (and their subclasses): exit 2, one line."""
@@ -37,6 +37,11 @@ class SpawnError(RuntimeError):
 
 class SpawnDataError(SpawnError):
     """A rank stopped on unusable data (see :data:`DATA_ERRORS`); ``str(err)`` is its one-line message."""
+
+
+class SpawnPeerLost(SpawnError):
+    """A rank's heartbeat watch found a peer frozen (or the store gone) and ended it; ``rank`` is the peer
+    that stopped responding (None: the store), ``str(err)`` the watch's one line."""
 
 
 class SpawnConfigError(SpawnError):

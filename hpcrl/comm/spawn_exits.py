@@ -9,7 +9,7 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Collection, Sequence
 
-from .spawn_errors import SpawnConfigError, SpawnDataError, SpawnError
+from .spawn_errors import SpawnConfigError, SpawnDataError, SpawnError, SpawnPeerLost
 
 if TYPE_CHECKING:
     from .local import _Forwarder
@@ -63,6 +63,11 @@ class _Exits:
         self.order += batch
         return batch
 
+    def lost_peer(self, rank: int) -> int | None:
+        """The frozen peer that ``rank``'s heartbeat watch named before ending it, if any."""
+        peer = (_read_error(self.tmp, rank) or {}).get("lost")
+        return peer if isinstance(peer, int) and 0 <= peer < len(self.procs) else None
+
     def describe(self, rank: int) -> str:
         """"killed by SIGKILL" / "exit code 1: ValueError: boom" / "stopped by spawn"."""
         code = self.procs[rank].exitcode
@@ -93,6 +98,8 @@ class _Exits:
             return SpawnConfigError(rec["message"] or rec["last"], rank, code, rec.get("type", ""))
         if rec is not None and rec.get("data"):
             return SpawnDataError(rec["message"] or rec["last"], rank, code)
+        if rec is not None and "lost" in rec:  # blame the peer it named, not the rank that noticed
+            return SpawnPeerLost(rec["message"], rec["lost"], code)
         text = f"rank {rank} failed first ({self.describe(rank)})"
         earlier = [r for r in lost if r != rank]
         if earlier:

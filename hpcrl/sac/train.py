@@ -18,6 +18,7 @@ import torch
 
 from hpcrl import checkpoint, rundir
 from hpcrl.comm import DistContext, StopRequest, broadcast_, hosts, init_distributed, shutdown
+from hpcrl.comm.bootstrap import unwatch_peers, watch_peers
 from hpcrl.envs import EpisodeStats, make_env
 from hpcrl.metrics import RunLogger
 from hpcrl.replay import ReplayShard
@@ -63,9 +64,12 @@ def train(cfg: SACConfig, events: Events = ignore) -> dict[str, float]:
     layout = plan(cfg, ctx.world_size)
     with _run_dir_errors():  # before any rank touches the run dir; refused: exit 2 on every rank
         lock = rundir.claim(cfg.run_dir, ctx)  # rank 0 holds it for the life of the run
+    # From here on a frozen peer is named and this rank exits within --heartbeat-timeout-s (shutdown ends the watch).
+    watch_peers(cfg.heartbeat_timeout_s)
     try:
         return _train(cfg, stop, ctx, layout, events)
     finally:
+        unwatch_peers()
         lock.release()
 
 

@@ -1,0 +1,132 @@
+"""A frozen FastSAC rank (real SIGSTOP on real processes) is named, and every other rank exits within
+the heartbeat timeout plus a step: under ``--nproc`` (the parent blames and kills the frozen rank) and
+under a torchrun-style launch (no parent: the healthy rank exits on its own)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcrl.conventions import EXIT_FAILED
+
+pytestmark = pytest.mark.timeout(120)
+
+HEARTBEAT_S = 5.0
+MARGIN_S = 8.0  # one env step, the watch's poll, the parent's reaping; a loaded 2-core machine
+TINY = ["--preset", "pendulum", "--num-envs", "4", "--batch-size", "32", "--actor-hidden", "32",
+        "--critic-hidden", "32", "--num-atoms", "21", "--learning-starts", "4", "--random-steps", "4",
+        "--num-updates", "1", "--log-every", "100000", "--checkpoint-every", "0", "--eval-episodes", "0",
+        "--total-env-steps", "100000000", "--heartbeat-timeout-s", str(HEARTBEAT_S)]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "OMP_NUM_THREADS": "1", **extra}
+
+
+def _started(run: Path, procs: list[subprocess.Popen], timeout: float = 90.0) -> None:
+    """Until rank 0 wrote config.json (the learner is broadcast: training has started), then a second more."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and not (run / "config.json").exists():
+        if any(p.poll() is not None for p in procs):
+            raise AssertionError("a rank exited before training: " + "".join(p.communicate()[1][-2000:] for p in procs))
+        time.sleep(0.05)
+    assert (run / "config.json").exists(), "training did not start"
+    time.sleep(1.0)
+
+
+def _start_time(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+
+
+def _ranks_of(parent: int) -> list[int]:
+    """The parent's spawned ranks in rank order (they are started one after another)."""
+    children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    ranks = [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return sorted(ranks, key=lambda pid: (_start_time(pid), pid))
+
+
+def _gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True  # dead; its new parent has not reaped it yet
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _freeze_and_wait(frozen: int, healthy: subprocess.Popen) -> tuple[float, str]:
+    """SIGSTOP ``frozen``; the seconds until ``healthy`` exited, and its stderr."""
+    os.kill(frozen, signal.SIGSTOP)
+    t0 = time.time()
+    try:
+        _, err = healthy.communicate(timeout=HEARTBEAT_S + 60)
+    except subprocess.TimeoutExpired:
+        healthy.kill()
+        raise AssertionError(f"still running {HEARTBEAT_S + 60:g} s after rank froze: " + healthy.communicate()[1][-2000:])
+    return time.time() - t0, err
+
+
+@pytest.mark.parametrize("timeout_args", [["--timeout-s", "30"], []], ids=["timeout-30", "default-timeout"])
+def test_frozen_rank_under_nproc_is_named_and_the_run_exits(tmp_path, timeout_args):
+    """With the default --timeout-s (300) too: the heartbeat, not the collective timeout, ends the run."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.sac", *TINY, *timeout_args, "--nproc", "2",
+                             "--run-dir", str(run)], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    ranks: list[int] = []
+    try:
+        _started(run, [proc])
+        ranks = _ranks_of(proc.pid)
+        assert len(ranks) == 2, ranks
+        took, err = _freeze_and_wait(ranks[1], proc)
+    finally:
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.kill()
+    assert proc.returncode == EXIT_FAILED, err[-3000:]
+    assert took < HEARTBEAT_S + MARGIN_S, f"exit took {took:.1f} s after the freeze"
+    lines = [line for line in err.splitlines() if "stopped responding" in line]
+    # the healthy rank's line first, the parent's last; both name the frozen rank, never the healthy one
+    assert lines and all("rank 1 " in line and "no heartbeat for 5 s" in line for line in lines), err[-3000:]
+    assert err.rstrip().splitlines()[-1].startswith("hpcrl.sac: error: rank 1 "), err[-3000:]
+    assert "gloo" not in err.lower() and "Traceback" not in err, err[-3000:]
+    assert all(_gone(pid) for pid in ranks), "a rank outlived the run"
+    assert not list((run / "checkpoints").glob("step_*")) if (run / "checkpoints").exists() else True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_frozen_rank_under_torchrun_style_launch_is_named_by_the_other(tmp_path):
+    """No supervising parent: the healthy rank (rank 0, which hosts the store) exits on its own."""
+    run, port = tmp_path / "run", _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "hpcrl.sac", *TINY, "--run-dir", str(run)],
+                              env=_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                                       MASTER_PORT=str(port)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        _started(run, procs)
+        took, err = _freeze_and_wait(procs[1].pid, procs[0])
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode == EXIT_FAILED, err[-3000:]
+    assert took < HEARTBEAT_S + MARGIN_S, f"exit took {took:.1f} s after the freeze"
+    assert "hpcrl: rank 1 " in err and "stopped responding: no heartbeat for 5 s" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
