@@ -72,6 +72,9 @@ class SACConfig:
     """(>= 1) torch intra-op threads per rank (oversubscribing cores made updates 10-30x slower here)."""
     timeout_s: float = 300.0
     """Timeout of every collective and rendezvous, in (0, 604800] seconds (at most a week)."""
+    heartbeat_timeout_s: float = 15.0
+    """A rank whose heartbeat stalls this long (frozen, swapped out, its host gone) is named and every other
+    rank exits; in [1, timeout_s]: at least two heartbeats (every 0.5 s), and no longer than a collective's wait."""
 
     batch_size: int = 8192
     """GLOBAL batch per update (>= 1); every rank samples batch_size / world_size."""
@@ -205,6 +208,10 @@ class SACConfig:
         c.integer("nproc", 1, hint="local ranks to spawn; 1 = this process")
         c.integer("threads", 1, hint="torch threads per rank")
         c.real("timeout_s", 0.0, MAX_TIMEOUT_S, lo_open=True, hint="seconds")
+        c.real("heartbeat_timeout_s", 1.0, hint="seconds; two heartbeats are 1 s")
+        if not self.heartbeat_timeout_s <= self.timeout_s:
+            c.fail("heartbeat_timeout_s", f"<= --timeout-s {self.timeout_s:g} (a frozen rank is named by its "
+                   "heartbeat before a collective gives up)", "lower it or raise --timeout-s")
 
     def _check_schedule(self, c: Check) -> None:
         """Batch, replay and the steps before and between updates."""
