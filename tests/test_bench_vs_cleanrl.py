@@ -1,0 +1,91 @@
+"""benchmarks/vs_cleanrl.py: the real CleanRL SAC (vendored, unmodified, in its own venv) against hpcrl.
+
+The quick mode runs both systems on Pendulum-v1 for a few hundred env steps and merges them; the peer
+venv (.venv-peers) is built once by tools/peer_venv.sh when it is missing (a minute or two)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks import schema, vs_cleanrl  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def peer_venv() -> Path:
+    if not (REPO / ".venv-peers" / ".complete").exists():
+        subprocess.run(["bash", "tools/peer_venv.sh"], cwd=REPO, check=True, timeout=1200)
+    return vs_cleanrl.PEER_PYTHON
+
+
+def test_vendored_files_are_upstreams() -> None:
+    """The vendored CleanRL files hash as recorded (in the benchmark and in the peer README)."""
+    assert vs_cleanrl.peer_mismatches() == []
+    readme = (vs_cleanrl.PEER_DIR / "README.md").read_text()
+    assert vs_cleanrl.PEER_COMMIT in readme
+    for name, digest in vs_cleanrl.PEER_FILES.items():
+        assert vs_cleanrl.sha256(vs_cleanrl.PEER_DIR / name) == digest, name
+        assert f"`{digest}`" in readme, name
+
+
+def test_a_modified_peer_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    copy = tmp_path / "cleanrl"
+    shutil.copytree(vs_cleanrl.PEER_DIR, copy)
+    script = copy / "cleanrl" / "sac_continuous_action.py"
+    script.write_text(script.read_text().replace("tau: float = 0.005", "tau: float = 0.05"))
+    monkeypatch.setattr(vs_cleanrl, "PEER_DIR", copy)
+    assert vs_cleanrl.peer_mismatches() == ["cleanrl/sac_continuous_action.py"]
+    a = vs_cleanrl.parse_args(["--quick", "--system", "cleanrl", "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match="modified"):
+        vs_cleanrl.run_part(a)
+
+
+def test_evals_are_filed_under_the_nearest_point() -> None:
+    points = [{"env_steps_actual": s, "eval_return": float(s)} for s in (4992, 9984, 49920, 50000, 30)]
+    got = vs_cleanrl.snap(points, 5000)
+    assert [p["env_steps"] for p in got] == [5000, 10000, 50000]
+    assert got[-1]["env_steps_actual"] == 50000  # of two at one point, the nearer
+
+
+def test_hpcrl_wall_time_leaves_the_evals_out() -> None:
+    rows = [{"time": 1.0, "env_steps": 100}, {"time": 1.5, "env_steps": 100, "eval_return": -5.0},
+            {"time": 3.0, "env_steps": 200}, {"time": 3.25, "env_steps": 200, "eval_return": -4.0}]
+    got = vs_cleanrl.hpcrl_points(rows)
+    assert [(p["env_steps_actual"], p["wall_s"], p["eval_s"]) for p in got] == [(100, 1.0, 0.5), (200, 2.5, 0.25)]
+
+
+def test_quick_runs_both_systems_and_merges(tmp_path: Path, peer_venv: Path) -> None:
+    out = tmp_path / "out"
+    for system in ("cleanrl", "hpcrl"):
+        proc = subprocess.run([sys.executable, "benchmarks/vs_cleanrl.py", "--quick", "--system", system,
+                               "--seed", "1", "--out", str(out), "--peer-python", str(peer_venv)],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert (out / "vs_cleanrl" / f"pendulum-{system}-seed1.json").exists()
+    proc = subprocess.run([sys.executable, "benchmarks/vs_cleanrl.py", "--merge", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads((out / "vs_cleanrl.json").read_text())
+    assert schema.validate(doc) == []
+    assert doc["benchmark"] == "vs_cleanrl"
+    task = doc["results"]["tasks"]["pendulum"]
+    for system, env_id in (("cleanrl", "Pendulum-v1"), ("hpcrl", "Pendulum-v1")):
+        agg = task[system]
+        assert agg["env_id"] == env_id and agg["seeds"] == [1]
+        assert agg["env_steps"] == [200, 400]
+        assert all(math.isfinite(r) for r in agg["return_mean"])
+        assert all(w > 0 for w in agg["wall_s_mean"])
+    assert task["cleanrl"]["versions"]["gymnasium"] == "0.29.1"
+    assert task["cleanrl"]["command"].startswith("python cleanrl/sac_continuous_action.py --env-id Pendulum-v1")
+    assert set(task["targets"]) == {"at_200", "at_400", "time_to_cleanrl_final"}
+    assert doc["results"]["peer"]["files"] == vs_cleanrl.PEER_FILES
+    assert (out / "vs_cleanrl.png").stat().st_size > 10_000
