@@ -140,7 +140,7 @@ def hpcrl_argv(a: argparse.Namespace) -> tuple[list[str], Any]:
     cfg = parse(user)
     every = max(1, round(a.eval_every / cfg.num_envs))  # vector steps between evals
     log_every = max(d for d in range(1, min(every, cfg.log_every) + 1) if every % d == 0)
-    per_rank = max(1, a.eval_episodes // cfg.nproc)
+    per_rank = -(-a.eval_episodes // cfg.nproc)  # hpcrl evaluates that many per rank: at least E in all
     protocol = ["--total-env-steps", str(a.env_steps), "--seed", str(a.seed), "--threads", str(a.threads),
                 "--device", "cpu", "--eval-every", str(every), "--eval-episodes", str(per_rank),
                 "--log-every", str(log_every), "--checkpoint-every", "0"]
