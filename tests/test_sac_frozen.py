@@ -130,3 +130,32 @@ def test_frozen_rank_under_torchrun_style_launch_is_named_by_the_other(tmp_path)
     assert took < HEARTBEAT_S + MARGIN_S, f"exit took {took:.1f} s after the freeze"
     assert "hpcrl: rank 1 " in err and "stopped responding: no heartbeat for 5 s" in err, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["frozen", "killed"])
+def test_lost_store_host_is_named_in_one_line_and_its_frames_go_to_the_log(tmp_path, sig):
+    """Rank 0 hosts the store (torchrun-style): frozen or killed, rank 1 names it in one line; the C++
+    frames of the broken store connection land in RUN_DIR/logs/rank1.log, not on the terminal."""
+    run, port = tmp_path / "run", _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "hpcrl.sac", *TINY, "--run-dir", str(run)],
+                              env=_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                                       MASTER_PORT=str(port)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        _started(run, procs)
+        if sig == signal.SIGSTOP:
+            took, err = _freeze_and_wait(procs[0].pid, procs[1])
+        else:
+            procs[0].send_signal(sig)
+            t0 = time.time()
+            _, err = procs[1].communicate(timeout=HEARTBEAT_S + 60)
+            took = time.time() - t0
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[1].returncode == EXIT_FAILED, err[-3000:]
+    assert took < HEARTBEAT_S + MARGIN_S, f"exit took {took:.1f} s"
+    assert len(err.strip().splitlines()) == 1, err[-3000:]
+    assert "hpcrl: rank 0 " in err and "which hosts the rendezvous store, stopped responding" in err, err
+    assert "frame #" not in err and "Traceback" not in err
+    assert (run / "logs" / "rank1.log").exists()

@@ -23,11 +23,12 @@ from .context import DistContext, DistSetupError, Source
 from .devices import cuda_count, rank_device
 from .env import LaunchInfo, detect_launch
 from .heartbeat import PeerWatch
+from .native_log import terminal_fd
 from .planes import STRICT_BACKEND, Plane, register_strict_backend, strict_planes
 from .secret import JOIN_KEY, SignedStore, UntrustedKeyError, check_join, load_secret, new_secret, no_secret_policy
 from .spawn_child import record_peer_lost
 
-__all__ = ["init_distributed", "shutdown", "current", "watch_peers", "unwatch_peers"]
+__all__ = ["init_distributed", "shutdown", "current", "explain_failure", "watch_peers", "unwatch_peers"]
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -213,7 +214,7 @@ def current() -> DistContext | None:
 
 
 def _say(line: str) -> None:
-    os.write(2, (line + "\n").encode(errors="replace"))  # unbuffered: the process ends right after
+    os.write(terminal_fd(), (line + "\n").encode(errors="replace"))  # unbuffered: the process ends right after
 
 
 def watch_peers(timeout_s: float) -> None:
@@ -224,6 +225,18 @@ def watch_peers(timeout_s: float) -> None:
     if _active is None or not _active.is_distributed or _watch is not None:
         return
     _watch = PeerWatch(_active, timeout_s, say=_say, record=record_peer_lost)
+
+
+def explain_failure(err: BaseException) -> None:
+    """``err`` ended the run: when torch.distributed raised it (a collective or store call failed, as when a
+    peer or the store host vanished mid-call) and peers are watched, let the watch name the lost peer (it
+    ends the process with that line, exit 1); return when it finds none within the heartbeat timeout."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = tb.tb_frame.f_code.co_filename if tb is not None else ""
+    if _watch is not None and f"{os.sep}torch{os.sep}distributed{os.sep}" in where:
+        _watch.await_verdict()
 
 
 def unwatch_peers(done: bool = False) -> None:

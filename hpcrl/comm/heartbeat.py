@@ -232,7 +232,7 @@ class PeerWatch:
     def _store_lost(self, err: BaseException) -> str:
         host = "the launcher" if detect_launch().store_hosted_elsewhere else describe(self._ctx, 0)
         why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return f"the rendezvous store hosted by {host} stopped responding ({why}); rank {self._ctx.rank} exits"
+        return f"{host}, which hosts the rendezvous store, stopped responding ({why}); rank {self._ctx.rank} exits"
 
     def _lost(self, line: str, peer: int | None) -> None:
         with self._lock:
@@ -241,6 +241,11 @@ class PeerWatch:
             self._say(f"hpcrl: {line}")
             self._record(line, peer)
             os._exit(EXIT_FAILED)  # the main thread may sit in a collective no Python code can interrupt
+
+    def await_verdict(self) -> None:
+        """Block until the watch ends this process (a peer or the store is lost) or, within the heartbeat
+        timeout, finds nothing wrong: after a collective failed, the watch's line is the better reason."""
+        self._thread.join(self._timeout + 2 * self._poll + 1.0)
 
     def close(self, done: bool = True) -> None:
         """Stop watching (and beating); ``done``: this rank finished, peers may see it fall silent."""

@@ -18,7 +18,8 @@ import torch
 
 from hpcrl import checkpoint, rundir
 from hpcrl.comm import DistContext, StopRequest, broadcast_, hosts, init_distributed, shutdown
-from hpcrl.comm.bootstrap import unwatch_peers, watch_peers
+from hpcrl.comm.bootstrap import explain_failure, unwatch_peers, watch_peers
+from hpcrl.comm.native_log import divert_native_stderr, restore_native_stderr
 from hpcrl.envs import EpisodeStats, make_env
 from hpcrl.metrics import RunLogger
 from hpcrl.replay import ReplayShard
@@ -64,12 +65,18 @@ def train(cfg: SACConfig, events: Events = ignore) -> dict[str, float]:
     layout = plan(cfg, ctx.world_size)
     with _run_dir_errors():  # before any rank touches the run dir; refused: exit 2 on every rank
         lock = rundir.claim(cfg.run_dir, ctx)  # rank 0 holds it for the life of the run
+    if ctx.is_distributed:  # C++ frames (c10d, gloo, NCCL) to RUN_DIR/logs/rank<N>.log; Python's lines stay here
+        divert_native_stderr(Path(cfg.run_dir) / "logs", ctx.rank)
     # From here on a frozen peer is named and this rank exits within --heartbeat-timeout-s (shutdown ends the watch).
     watch_peers(cfg.heartbeat_timeout_s)
     try:
         return _train(cfg, stop, ctx, layout, events)
+    except RuntimeError as err:  # a collective that failed because a peer vanished: the watch names the peer
+        explain_failure(err)
+        raise
     finally:
         unwatch_peers()
+        restore_native_stderr()
         lock.release()
 
 
