@@ -5,6 +5,7 @@ venv (.venv-peers) is built once by tools/peer_venv.sh when it is missing (a min
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import shutil
@@ -54,6 +55,19 @@ def test_evals_are_filed_under_the_nearest_point() -> None:
     got = vs_cleanrl.snap(points, 5000)
     assert [p["env_steps"] for p in got] == [5000, 10000, 50000]
     assert got[-1]["env_steps_actual"] == 50000  # of two at one point, the nearer
+
+
+def test_cleanrl_hook_moves_past_a_skipped_point(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A log past two eval points evaluates once, filed under the later, and the next point follows it."""
+    spec = importlib.util.spec_from_file_location("run_cleanrl", REPO / "benchmarks" / "peers" / "run_cleanrl.py")
+    rc = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "run_cleanrl", rc)  # its dataclasses look their module up
+    spec.loader.exec_module(rc)
+    monkeypatch.setattr(rc, "evaluate", lambda *args: [1.0, 3.0])
+    curve = rc.Curve(eval_every=100, episodes=2, env_id="Pendulum-v1", seed=0)
+    curve.clock.start = 0.0
+    rc.eval_at(curve, None, 250, 200)
+    assert curve.next_point() == 300 and curve.points[-1]["eval_return"] == 2.0
 
 
 def test_hpcrl_wall_time_leaves_the_evals_out() -> None:

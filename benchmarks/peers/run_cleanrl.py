@@ -52,7 +52,7 @@ class Curve:
     points: list[dict] = field(default_factory=list)
 
     def next_point(self) -> int:
-        return (len(self.points) + 1) * self.eval_every
+        return (self.points[-1]["env_steps"] if self.points else 0) + self.eval_every
 
 
 def evaluate(actor, env_id: str, episodes: int, seed: int) -> list[float]:
