@@ -17,6 +17,8 @@ Modes (all give the same numbers; exactly for power-of-two world sizes):
   ``optimizer.zero_grad(set_to_none=False)``, to keep the views: ``set_to_none=True`` (torch's
   default) detaches them, and :meth:`all_reduce` then copies each fresh grad back into the buffer
   and re-attaches the view (correct, but no longer zero-copy; warned once).
+- given ``grad_buffers`` (flat or view mode): every ``p.grad`` already views one of these caller-owned
+  flat buffers (e.g. :class:`hpcrl.sac.flat.FlatParams`), which are averaged in place like view mode's.
 - ``ddp``: the reference. :meth:`GradAverager.wrap` returns ``DistributedDataParallel(module)``, which
   reduces that module's grads during backward; :meth:`all_reduce` then only covers parameters that
   no wrapped module owns (e.g. a bare ``log_alpha``), with one flat collective. Only losses computed
@@ -82,13 +84,30 @@ def _make_buckets(params: list[nn.Parameter], view: bool) -> list[_Bucket]:
     return buckets
 
 
+def _given_buckets(params: list[nn.Parameter], buffers: list[torch.Tensor]) -> list[_Bucket]:
+    """One bucket per caller-owned flat gradient buffer, with the grads that view it."""
+    buckets = []
+    for buffer in buffers:
+        lo, hi = buffer.data_ptr(), buffer.data_ptr() + buffer.numel() * buffer.element_size()
+        group = [p for p in params if p.grad is not None and p.grad.dtype == buffer.dtype
+                 and p.grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+                 and lo <= p.grad.data_ptr() < hi]
+        buckets.append(_Bucket(group, buffer, [p.grad for p in group]))
+    covered = {id(p) for b in buckets for p in b.params}
+    if len(covered) != len(params):
+        missing = [tuple(p.shape) for p in params if id(p) not in covered]
+        raise ValueError(f"GradAverager: parameters of shapes {missing} have no grad viewing a grad_buffers buffer")
+    return buckets
+
+
 class GradAverager:
     """Gradient averaging for one set of parameters (e.g. critic + log-alpha, or the actor).
 
     ``params``: the parameters whose grads are averaged (frozen ones, ``requires_grad=False``, are
     skipped; duplicates are dropped). ``plane``: the device plane whose ranks average (the world's
     for FastSAC, the trainers' for detached PPO; a plane of one communicates nothing).
-    ``ddp_kwargs``: extra DistributedDataParallel options.
+    ``ddp_kwargs``: extra DistributedDataParallel options. ``grad_buffers``: flat gradient buffers (one
+    per dtype) that every parameter's ``.grad`` views already: averaged in place, no pack or unpack.
     """
 
     def __init__(
@@ -98,6 +117,7 @@ class GradAverager:
         *,
         plane: Plane,
         ddp_kwargs: dict[str, Any] | None = None,
+        grad_buffers: Iterable[torch.Tensor] | None = None,
     ):
         if mode not in ("flat", "view", "ddp"):
             raise ValueError(f"GradAverager mode must be 'flat', 'view' or 'ddp', not {mode!r}")
@@ -126,7 +146,11 @@ class GradAverager:
         self._ddp_kwargs = ddp_kwargs or {}
         self._covered: set[int] = set()  # ids of parameters reduced by a DDP wrapper
         self._warned_detached = False
-        self._buckets = _make_buckets(self.params, view=mode == "view")
+        if grad_buffers is not None and mode == "ddp":
+            raise ValueError("GradAverager: grad_buffers are averaged in place; ddp reduces its own buckets")
+        self._view = mode == "view" or grad_buffers is not None
+        self._buckets = (_make_buckets(self.params, view=self._view) if grad_buffers is None
+                         else _given_buckets(self.params, list(grad_buffers)))
 
     def wrap(self, module: nn.Module) -> nn.Module:
         """``DistributedDataParallel(module)`` in ddp mode with world size > 1, else ``module``."""
@@ -155,7 +179,7 @@ class GradAverager:
         if self.world_size == 1:
             return
         for bucket in self._buckets:
-            if self.mode == "view":
+            if self._view:
                 self._reduce_view(bucket)
             else:
                 self._reduce_flat(bucket)
@@ -163,12 +187,12 @@ class GradAverager:
     def zero_grad(self) -> None:
         """Zero the gradients: one memset of the buffer in view mode (views re-attached), else None."""
         for bucket in self._buckets:
-            if self.mode == "view":
+            if self._view:
                 bucket.buffer.zero_()
                 for p, v in zip(bucket.params, bucket.views):
                     if p.grad is None or p.grad.data_ptr() != v.data_ptr():
                         p.grad = v
-        if self.mode != "view":
+        if not self._view:
             for p in self.params:
                 p.grad = None
 

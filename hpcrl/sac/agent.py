@@ -27,7 +27,8 @@ from hpcrl.replay import Batch
 
 from . import losses
 from .config import SACConfig
-from .networks import Actor, DistributionalCritic
+from .flat import FlatParams, Reshape, optimizer_state_in, optimizer_state_out
+from .networks import Actor, BatchedCritic, DistributionalCritic
 
 
 def amp_mode(cfg: SACConfig) -> str:
@@ -81,25 +82,24 @@ class FastSAC(nn.Module):
         self.critic_obs_dim = critic_obs_dim
         self.actor = Actor(obs_dim, action_dim, cfg.actor_hidden, action_low, action_high, cfg.layer_norm,
                            cfg.log_std_min, cfg.log_std_max).to(device)
-        self.critic = DistributionalCritic(critic_obs_dim or obs_dim, action_dim, cfg.critic_hidden, cfg.num_q, cfg.num_atoms,
-                                           cfg.v_min, cfg.v_max, cfg.layer_norm).to(device)
+        critic_cls = BatchedCritic if getattr(cfg, "batched_critic", True) else DistributionalCritic
+        self.critic = critic_cls(critic_obs_dim or obs_dim, action_dim, cfg.critic_hidden, cfg.num_q, cfg.num_atoms,
+                                 cfg.v_min, cfg.v_max, cfg.layer_norm).to(device)
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
         self.log_alpha = nn.Parameter(torch.tensor(float(cfg.alpha_init), device=device).log())
         self.target_entropy = -cfg.target_entropy_ratio * action_dim
+        # DDP reduces its own gradient buckets: it keeps per-parameter tensors.
+        self.flat = bool(getattr(cfg, "flat_params", True)) and cfg.grad_average != "ddp"
+        self._layout_params(plane)
         # fused: one kernel for all parameters (CPU and CUDA) instead of a dozen ops per tensor.
         adamw = dict(betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=True)
-        self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic_lr, **adamw)
-        self.actor_opt = torch.optim.AdamW(self.actor.parameters(), lr=cfg.actor_lr, **adamw)
+        self.critic_opt = torch.optim.AdamW(self._online_params, lr=cfg.critic_lr, **adamw)
+        self.actor_opt = torch.optim.AdamW(self._actor_params, lr=cfg.actor_lr, **adamw)
         # Plain Adam: holosoma's AdamW default weight decay 1e-2 silently pulls log(alpha) to 0.
         self.alpha_opt = torch.optim.Adam([self.log_alpha], lr=cfg.alpha_lr, betas=(0.9, 0.95), fused=True)
-        # One collective per optimizer update: critic + log-alpha together, the actor alone.
-        self.critic_average = GradAverager([*self.critic.parameters(), self.log_alpha], cfg.grad_average, plane=plane)
-        self.actor_average = GradAverager(self.actor.parameters(), cfg.grad_average, plane=plane)
         self.critic_train = self.critic_average.wrap(self.critic)
         self.actor_train = self.actor_average.wrap(self.actor)
         self.counters = Counters()
-        self._target_params = list(self.critic_target.parameters())
-        self._online_params = list(self.critic.parameters())
         self.amp = amp_mode(cfg)
         self._autocast = (torch.autocast(device.type, dtype=torch.bfloat16 if self.amp == "bf16" else torch.float16)
                           if self.amp != "none" else contextlib.nullcontext())
@@ -109,6 +109,37 @@ class FastSAC(nn.Module):
         self.max_grad_norm = float(getattr(cfg, "max_grad_norm", 0.0))
         for averager in (self.critic_average, self.actor_average):
             averager.zero_grad()
+
+    def _layout_params(self, plane: Plane) -> None:
+        """What the optimizers, the Polyak update and the averagers step: per-parameter tensors, or
+        with ``flat`` one alias per model over its flat buffer (critic and log-alpha share one buffer,
+        hence one collective; the target has its own, so Polyak is one lerp)."""
+        critic_params, actor_params = list(self.critic.parameters()), list(self.actor.parameters())
+        mode = self.cfg.grad_average
+        self._reshapes: dict[str, list[Reshape]] = {"actor": [], "critic": []}
+        if isinstance(self.critic, BatchedCritic):
+            heads = self.critic.to_heads(critic_params)
+            self._reshapes["critic"].append(Reshape([p.shape for p in critic_params], [h.shape for h in heads],
+                                                    self.critic.to_heads, self.critic.from_heads))
+        if not self.flat:
+            self._online_params, self._actor_params = critic_params, actor_params
+            self._target_params = list(self.critic_target.parameters())
+            critic_buffers = actor_buffers = None
+        else:
+            self._flat_critic = FlatParams([*critic_params, self.log_alpha])
+            self._flat_actor = FlatParams(actor_params)
+            self._flat_target = FlatParams(list(self.critic_target.parameters()), grads=False)
+            self._online_params = [self._flat_critic.alias(critic_params)]
+            self._actor_params = [self._flat_actor.alias()]
+            self._target_params = [self._flat_target.alias()]
+            self._reshapes["critic"].insert(0, self._flat_critic.reshape(critic_params))
+            self._reshapes["actor"].append(self._flat_actor.reshape())
+            critic_buffers = self._flat_critic.grad_buffers.values()
+            actor_buffers = self._flat_actor.grad_buffers.values()
+        # One collective per optimizer update: critic + log-alpha together, the actor alone.
+        self.critic_average = GradAverager([*critic_params, self.log_alpha], mode, plane=plane,
+                                           grad_buffers=critic_buffers)
+        self.actor_average = GradAverager(actor_params, mode, plane=plane, grad_buffers=actor_buffers)
 
     @property
     def alpha(self) -> torch.Tensor:
@@ -137,7 +168,8 @@ class FastSAC(nn.Module):
         opts = [self.critic_opt, self.alpha_opt] if cfg.autotune_alpha else [self.critic_opt]
         critic_grad_norm = self._clip_and_step(opts, self._online_params)
         self.critic_average.zero_grad()
-        torch._foreach_lerp_(self._target_params, self._online_params, cfg.tau)
+        with torch.no_grad():  # flat: one lerp over the target buffer
+            torch._foreach_lerp_(self._target_params, self._online_params, cfg.tau)
         self.counters.critic_steps += 1
         out = {"critic_loss": critic_loss.detach(), "alpha_loss": alpha_loss.detach(),
                "critic_grad_norm": critic_grad_norm}
@@ -187,7 +219,7 @@ class FastSAC(nn.Module):
         finally:
             self.critic.requires_grad_(True)
         self.actor_average.all_reduce()
-        grad_norm = self._clip_and_step([self.actor_opt], list(self.actor.parameters()))
+        grad_norm = self._clip_and_step([self.actor_opt], self._actor_params)
         self.actor_average.zero_grad()
         self.counters.actor_steps += 1
         return loss.detach(), -log_prob.detach().float().mean(), grad_norm
@@ -198,7 +230,9 @@ class FastSAC(nn.Module):
         return {
             "actor": self.actor.state_dict(), "critic": self.critic.state_dict(),
             "critic_target": self.critic_target.state_dict(), "log_alpha": self.log_alpha.detach().clone(),
-            "critic_opt": self.critic_opt.state_dict(), "actor_opt": self.actor_opt.state_dict(),
+            # per-parameter optimizer state in the per-head critic's order, whatever the layout here
+            "critic_opt": optimizer_state_out(self.critic_opt.state_dict(), self._reshapes["critic"]),
+            "actor_opt": optimizer_state_out(self.actor_opt.state_dict(), self._reshapes["actor"]),
             "alpha_opt": self.alpha_opt.state_dict(),
             "counters": [self.counters.iteration, self.counters.critic_steps, self.counters.actor_steps],
             **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {}),
@@ -210,14 +244,17 @@ class FastSAC(nn.Module):
         self.critic_target.load_state_dict(state["critic_target"])
         with torch.no_grad():
             self.log_alpha.copy_(state["log_alpha"])
-        self.critic_opt.load_state_dict(state["critic_opt"])
-        self.actor_opt.load_state_dict(state["actor_opt"])
+        self.critic_opt.load_state_dict(optimizer_state_in(state["critic_opt"], self._reshapes["critic"]))
+        self.actor_opt.load_state_dict(optimizer_state_in(state["actor_opt"], self._reshapes["actor"]))
         self.alpha_opt.load_state_dict(state["alpha_opt"])
         self.counters = Counters(*[int(x) for x in state["counters"]])
         if self.scaler is not None and "scaler" in state:  # --amp fp16 resumed from an fp16 checkpoint
             self.scaler.load_state_dict(state["scaler"])
 
     def broadcast_tensors(self) -> list[torch.Tensor]:
-        """Everything rank 0 broadcasts at start-up and after a resume."""
+        """Everything rank 0 broadcasts at start-up and after a resume (flat: three buffers)."""
+        if self.flat:
+            return [*self._flat_actor.buffers.values(), *self._flat_critic.buffers.values(),
+                    *self._flat_target.buffers.values()]
         return [*self.actor.parameters(), *self.critic.parameters(), *self.critic_target.parameters(),
                 self.log_alpha]

@@ -117,6 +117,11 @@ class SACConfig:
     """target entropy = -ratio * action_dim (any finite value)."""
     grad_average: GradAverageMode = "flat"
     """How gradients are all-reduced: "flat" (one fused buffer), "view" (per-parameter views), "ddp"."""
+    flat_params: bool = True
+    """Keep each model's parameters and gradients in one flat buffer (one optimizer step, Polyak update and
+    all-reduce per buffer); False = per-parameter tensors. --grad-average ddp always uses per-parameter."""
+    batched_critic: bool = True
+    """Evaluate the critic's Q-heads as one batched matmul per layer (same network, same checkpoint keys)."""
     bf16: bool = False
     """Alias of --amp bf16 (kept for old command lines and config files); ignored when --amp is not none."""
     amp: AmpMode = "none"
@@ -237,6 +242,8 @@ class SACConfig:
         c.boolean("autotune_alpha")
         c.real("target_entropy_ratio", hint="target entropy = -ratio * action_dim")
         c.choice("grad_average", get_args(GradAverageMode).__contains__, ", ".join(get_args(GradAverageMode)))
+        c.boolean("flat_params")
+        c.boolean("batched_critic")
         c.boolean("bf16")
         c.choice("amp", get_args(AmpMode).__contains__, ", ".join(get_args(AmpMode)))
         c.real("max_grad_norm", 0.0, hint="gradient-norm clip; 0 = off")

@@ -4,6 +4,8 @@ Actor: LayerNorm+SiLU trunk (H, H/2, H/4), zero-initialised mean and log-std hea
 into [log_std_min, log_std_max], tanh-squashed Gaussian scaled to the action box.
 Critic: ``num_q`` independent C51 heads (LayerNorm+SiLU trunk, ``num_atoms`` logits) over a fixed
 support [v_min, v_max]; each head is trained against its own target head (no clipped double-Q).
+:class:`BatchedCritic` is the same network evaluated as one batched matmul per layer over stacked
+weights; its state dict is the per-head one, so checkpoints do not depend on which of the two ran.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -91,3 +94,83 @@ class DistributionalCritic(nn.Module):
     def q_value(self, logits: torch.Tensor) -> torch.Tensor:
         """Expected value of each head: ``[num_q, B]``."""
         return (torch.softmax(logits.float(), dim=-1) * self.support).sum(-1)
+
+
+class BatchedCritic(nn.Module):
+    """:class:`DistributionalCritic` with every layer's heads stacked: weights ``[num_q, out, in]``
+    (each head's slice laid out as its ``nn.Linear`` weight), one ``baddbmm`` per layer for all heads.
+
+    Initialised from a freshly built per-head critic, so the same seed gives the same weights.
+    ``state_dict()`` writes and ``load_state_dict()`` reads the per-head keys (``heads.{i}.{j}.*``).
+    """
+
+    def __init__(self, obs_dim: int, action_dim: int, hidden: int, num_q: int = 2, num_atoms: int = 101,
+                 v_min: float = -20.0, v_max: float = 20.0, layer_norm: bool = True) -> None:
+        super().__init__()
+        heads = DistributionalCritic(obs_dim, action_dim, hidden, num_q, num_atoms, v_min, v_max, layer_norm)
+        self.num_q, self.layer_norm = num_q, layer_norm
+        self.v_min, self.v_max = heads.v_min, heads.v_max
+        self.register_buffer("support", heads.support.clone())
+        self._head_names = [n for n, _ in heads.heads[0].named_parameters()]  # e.g. 0.weight, 1.weight, ...
+        kinds = {nn.Linear: "linear", nn.LayerNorm: "norm", nn.SiLU: "silu"}
+        self._plan = [(kinds[type(m)], j) for j, m in enumerate(heads.heads[0]) if type(m) in kinds]
+        self._eps = next((m.eps for m in heads.heads[0] if isinstance(m, nn.LayerNorm)), 1e-5)
+        for name, value in zip(self.batched_names(), stack_heads(heads.heads, self._head_names)):
+            self.register_parameter(name, nn.Parameter(value))
+
+    def batched_names(self) -> list[str]:
+        """``layer{j}_{weight|bias}`` for every per-head parameter name ``{j}.{weight|bias}``."""
+        return ["layer" + n.replace(".", "_") for n in self._head_names]
+
+    def per_head_names(self) -> list[str]:
+        """The per-head parameter names, in the per-head network's parameter order."""
+        return [f"heads.{i}.{n}" for i in range(self.num_q) for n in self._head_names]
+
+    def to_heads(self, stacked: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Tensors shaped like this module's parameters -> views shaped like the per-head parameters."""
+        return [stacked[k][i] for i in range(self.num_q) for k in range(len(self._head_names))]
+
+    def from_heads(self, per_head: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Inverse of :meth:`to_heads` (stacked copies)."""
+        n = len(self._head_names)
+        return [torch.stack([per_head[i * n + k] for i in range(self.num_q)]) for k in range(n)]
+
+    def forward(self, obs: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
+        """Logits ``[num_q, B, num_atoms]``."""
+        x = torch.cat([obs, action], dim=-1)
+        h = x.expand(self.num_q, *x.shape)
+        for kind, j in self._plan:
+            if kind == "silu":
+                h = F.silu(h)
+                continue
+            weight, bias = getattr(self, f"layer{j}_weight"), getattr(self, f"layer{j}_bias").unsqueeze(1)
+            if kind == "linear":
+                h = torch.baddbmm(bias, h, weight.mT)
+            else:  # LayerNorm without affine, then each head's own affine
+                h = torch.addcmul(bias, F.layer_norm(h, h.shape[-1:], eps=self._eps), weight.unsqueeze(1))
+        return h
+
+    def q_value(self, logits: torch.Tensor) -> torch.Tensor:
+        """Expected value of each head: ``[num_q, B]``."""
+        return (torch.softmax(logits.float(), dim=-1) * self.support).sum(-1)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        destination[prefix + "support"] = self.support if keep_vars else self.support.detach()
+        params = [p if keep_vars else p.detach() for p in self.parameters(recurse=False)]
+        for name, value in zip(self.per_head_names(), self.to_heads(params)):
+            destination[prefix + name] = value
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        keys = [prefix + n for n in self.per_head_names()]
+        if all(k in state_dict for k in keys):  # else the base class reports the missing keys
+            stacked = self.from_heads([state_dict.pop(k) for k in keys])
+            state_dict.update({prefix + n: v for n, v in zip(self.batched_names(), stacked)})
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+
+def stack_heads(heads: nn.ModuleList, names: list[str]) -> list[torch.Tensor]:
+    """Every per-head parameter ``name`` stacked over the heads: ``[num_q, *shape]``."""
+    params = [dict(h.named_parameters()) for h in heads]
+    return [torch.stack([p[n].detach() for p in params]) for n in names]
