@@ -81,9 +81,10 @@ def save(run_dir: str | os.PathLike, step: int, rank: int, world_size: int, lear
     same on every rank). After the commit rank 0 keeps the ``keep`` newest checkpoints up to
     ``step`` and deletes any of a later step (an abandoned future: this run resumed from before it).
 
-    A rank whose write fails (a full disk, an I/O error) posts one line next to the checkpoints; after
-    the commit barrier every rank sees it and raises the same :class:`DiskFault` (path, free space),
-    the partial checkpoint removed and the committed ones untouched. Barriers bound every wait.
+    A write that fails (a full disk, an I/O error) stops every rank with the same :class:`DiskFault`
+    (each failed path and the free space), the partial checkpoint removed and the committed ones
+    untouched: a failed rank posts its line instead of its checksum, rank 0 posts the verdict instead
+    of committing, and every rank reads it after the commit barrier. Barriers bound every wait.
     """
     root = checkpoint_root(run_dir)
     name = f"{PREFIX}{step:012d}"
@@ -91,23 +92,22 @@ def save(run_dir: str | os.PathLike, step: int, rank: int, world_size: int, lear
     fault = _attempt(root, lambda: _prepare(root, tmp)) if rank == 0 else ""
     barrier("ckpt-begin")
     fault = fault or _attempt(tmp, lambda: _write_mine(run_dir, tmp, rank, learner, rank_state))
-    if fault:
-        _post_fault(root, name, rank, fault)
+    if fault and rank != 0:
+        _post(root / f"{FAULT}{name}-{rank}", fault)
     barrier("ckpt-written")
-    if rank == 0 and not _faults(root, name):
-        fault = _attempt(tmp, lambda: _commit(root, tmp, final, step, world_size, identity, keep))
-        if fault:
-            _post_fault(root, name, rank, fault)
+    if rank == 0:
+        verdict = _commit_or_verdict(root, tmp, final, step, world_size, identity, keep, fault)
     barrier("ckpt-committed")
-    faults = _faults(root, name)
-    if faults or fault:
-        barrier("ckpt-aborted")  # every rank has read the reports: they and the partial checkpoint can go
+    if rank != 0:
+        verdict = _read_post(root / f"{FAULT}{name}") or (f"checkpoint of step {step} not written: {fault}"
+                                                          if fault else "")
+    if verdict:
+        barrier("ckpt-aborted")  # every rank has read the verdict: it and the partial checkpoint can go
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            for r in faults:
-                (root / f"{FAULT}{name}-{r}").unlink(missing_ok=True)
-        what = "; ".join(f"rank {r}: {line}" for r, line in sorted((faults or {rank: fault}).items()))
-        raise DiskFault(f"checkpoint of step {step} not written, the committed ones are untouched: {what}")
+            for p in [root / f"{FAULT}{name}", *(root / f"{FAULT}{name}-{r}" for r in range(1, world_size))]:
+                p.unlink(missing_ok=True)
+        raise DiskFault(verdict)
     return final
 
 
@@ -128,21 +128,44 @@ def _write_private(path: Path, text: str) -> None:
         f.write(text)
 
 
-def _post_fault(root: Path, name: str, rank: int, line: str) -> None:
+def _post(path: Path, line: str) -> None:
     with contextlib.suppress(OSError):  # the disk may refuse even this: rank 0 then misses this rank's sum
-        _write_private(root / f"{FAULT}{name}-{rank}", line)
+        _write_private(path, line)
 
 
-def _faults(root: Path, name: str) -> dict[int, str]:
-    """{rank: line} of the faults posted for checkpoint ``name``."""
-    prefix = f"{FAULT}{name}-"
-    found = {}
-    with contextlib.suppress(OSError):
-        for p in root.iterdir():
-            if p.name.startswith(prefix) and p.name[len(prefix):].isdigit():
-                with contextlib.suppress(OSError):
-                    found[int(p.name[len(prefix):])] = p.read_text(errors="replace").strip()
-    return found
+def _read_post(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _commit_or_verdict(root: Path, tmp: Path, final: Path, step: int, world_size: int,
+                       identity: Mapping[str, Any] | None, keep: int, fault: str) -> str:
+    """Rank 0: commit when every rank wrote its part, else post (and return) the line saying who failed."""
+    name = final.name
+    faults = {0: fault} if fault else {}
+    files: dict[str, Any] = {}
+    for r in range(world_size):
+        side = tmp / f".{rank_file(r)}.sum"
+        try:
+            files.update(json.loads(side.read_text()))
+        except (OSError, ValueError):  # missing, or cut short by the disk
+            if r not in faults:
+                faults[r] = _read_post(root / f"{FAULT}{name}-{r}") or f"{side}: rank {r} wrote no checksum"
+    if not faults:
+        failed = _attempt(tmp, lambda: _commit(root, tmp, final, step, world_size, identity, files))
+        if not failed:
+            with contextlib.suppress(OSError):  # committed: what is left is tidying, it must not undo that
+                _prune(root, step, keep)
+                size = sum(p.stat().st_size for p in final.iterdir())
+                warn_low_space(root, size, "the next checkpoint (as large as this one)")
+            return ""
+        faults[0] = failed
+    what = "; ".join(f"rank {r}: {line}" for r, line in sorted(faults.items()))
+    verdict = f"checkpoint of step {step} not written, the committed ones are untouched: {what}"
+    _post(root / f"{FAULT}{name}", verdict)
+    return verdict
 
 
 def _prepare(root: Path, tmp: Path) -> None:
@@ -171,18 +194,13 @@ def _write_mine(run_dir: str | os.PathLike, tmp: Path, rank: int, learner: dict[
 
 
 def _commit(root: Path, tmp: Path, final: Path, step: int, world_size: int, identity: Mapping[str, Any] | None,
-            keep: int) -> None:
-    """Rank 0: the manifest (last: its presence means every file above is complete), the rename, the pruning."""
-    files = {LEARNER: _file_entry(tmp / LEARNER)}
+            sums: dict[str, Any]) -> None:
+    """Rank 0: the manifest (last: its presence means every file above is complete), then the rename."""
+    files = {LEARNER: _file_entry(tmp / LEARNER), **sums}
     if (tmp / ROWS).exists():
         files[ROWS] = _file_entry(tmp / ROWS)
     for r in range(world_size):
-        side = tmp / f".{rank_file(r)}.sum"
-        try:
-            files.update(json.loads(side.read_text()))
-        except FileNotFoundError:
-            raise DiskFault(f"{side}: rank {r} wrote no checksum (its write failed)") from None
-        side.unlink()
+        (tmp / f".{rank_file(r)}.sum").unlink()
     manifest = {"format": MANIFEST_FORMAT, "step": step, "world_size": world_size,
                 "identity": None if identity is None else normalize_identity(identity),
                 "identity_hash": None if identity is None else identity_hash(identity),
@@ -194,9 +212,6 @@ def _commit(root: Path, tmp: Path, final: Path, step: int, world_size: int, iden
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(root)
-    _prune(root, step, keep)
-    size = sum(entry["size"] for entry in files.values())
-    warn_low_space(root, size, "the next checkpoint (as large as this one)")
 
 
 def _discard(path: Path) -> None:
