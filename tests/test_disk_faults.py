@@ -160,3 +160,45 @@ def test_a_metrics_write_on_a_full_disk_is_a_disk_fault(small_disk):
         for step in range(10_000):  # the file's current page takes a few rows before the disk refuses
             logger.log({"env_steps": step, "updates": step, "loss": 0.5})
     assert str(err.value).startswith(f"{logger.path}: No space left on device (0 B free of 2.0 MiB")
+
+
+def test_one_rank_failing_stops_both_with_the_same_line(tmp_path, monkeypatch):
+    """Two ranks as threads: rank 1's write fails on the disk, rank 0's succeeds; both raise the same
+    line naming rank 1's path, rank 0 commits nothing and the previous checkpoint stays."""
+    import errno
+    import threading
+
+    real = checkpoint.save_h5
+
+    def save_h5_failing_on_rank1(path, tree, version):
+        if Path(path).name == "rank1.h5" and step_now[0] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, tree, version)
+
+    monkeypatch.setattr(checkpoint, "save_h5", save_h5_failing_on_rank1)
+    gate = threading.Barrier(2, timeout=60)
+    outcome: dict[int, BaseException | None] = {}
+    step_now = [1]
+
+    def rank(r: int) -> None:
+        try:
+            checkpoint.save(tmp_path, step_now[0], r, 2, {"w": torch.ones(3)} if r == 0 else None,
+                            {"x": torch.full((4,), float(r))}, lambda name: gate.wait())
+            outcome[r] = None
+        except BaseException as err:  # noqa: BLE001
+            outcome[r] = err
+
+    for step in (1, 2):
+        step_now[0] = step
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+    assert all(isinstance(outcome[r], DiskFault) for r in range(2)), outcome
+    assert str(outcome[0]) == str(outcome[1])
+    assert str(outcome[0]).startswith("checkpoint of step 2 not written") and "rank 1: " in str(outcome[0])
+    assert "rank1.h5: No space left on device (" in str(outcome[0]) and "rank 0:" not in str(outcome[0])
+    root = checkpoint.checkpoint_root(tmp_path)
+    assert sorted(p.name for p in root.iterdir()) == ["step_000000000001"]
+    checkpoint.verify(root / "step_000000000001")
