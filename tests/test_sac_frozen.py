@@ -159,3 +159,15 @@ def test_lost_store_host_is_named_in_one_line_and_its_frames_go_to_the_log(tmp_p
     assert "hpcrl: rank 0 " in err and "which hosts the rendezvous store, stopped responding" in err, err
     assert "frame #" not in err and "Traceback" not in err
     assert (run / "logs" / "rank1.log").exists()
+
+
+def test_a_run_that_ends_is_not_taken_for_a_freeze(tmp_path):
+    """Ranks leave at different moments: a finished rank's silence is an exit (it says so), never a freeze."""
+    run = tmp_path / "run"
+    args = [a if a != "100000000" else "800" for a in TINY]
+    done = subprocess.run([sys.executable, "-m", "hpcrl.sac", *args, "--heartbeat-timeout-s", "2", "--nproc", "2",
+                           "--checkpoint-every", "50", "--log-every", "50", "--run-dir", str(run)], env=_env(), capture_output=True,
+                          text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "stopped responding" not in done.stderr
+    assert sorted(p.name for p in (run / "logs").iterdir()) == ["rank0.log", "rank1.log"]

@@ -25,7 +25,6 @@ from hpcrl.conventions import EXIT_FAILED
 from .barrier import host_of, hosts
 from .context import DistContext
 from .env import detect_launch
-from .secret import UntrustedKeyError
 
 __all__ = ["MAX_BEAT", "Heartbeat", "PeerLost", "PeerWatch", "StoreUnresponsive", "Watcher", "bounded", "describe",
            "heartbeat_key", "liveness_store", "remember_hosts"]
@@ -207,15 +206,20 @@ class PeerWatch:
             try:
                 dead = self._watcher.dead()
                 dead = [r for r in dead if not self._done(r)]
-            except (StoreUnresponsive, UntrustedKeyError, PeerLost, RuntimeError) as err:
+            except (StoreUnresponsive, dist.DistError) as err:  # no answer, or the connection broke
                 self._lost(self._store_lost(err), None if detect_launch().store_hosted_elsewhere else 0)
+                return
+            except RuntimeError as err:  # a malformed or unsigned heartbeat: someone else writes to the store
+                self._lost(f"{err}; rank {self._ctx.rank} exits", None)
                 return
             if dead:
                 self._lost(self._stalled(dead), dead[0])
                 return
 
     def _done(self, rank: int) -> bool:
-        if bounded(lambda: self._store.check([_done_key(rank)]), self._timeout):
+        """``rank`` said it finished (read back signed: a forged "done" must not hide a frozen rank)."""
+        key = _done_key(rank)
+        if bounded(lambda: self._store.check([key]) and bytes(self._store.get(key)) == b"1", self._timeout):
             self._watcher.forget(rank)
             return True
         return False
