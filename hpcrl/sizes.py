@@ -251,8 +251,9 @@ def _cuda_free(index: int, here: bool) -> int | None:
     return int(out.stdout) if out.returncode == 0 and out.stdout.strip().isdigit() else None
 
 
-def _cuda_memory(device: str, ranks: int, here: bool) -> Memory | None:
-    """Free memory of the GPU a rank of this node runs on and how many ranks share it; None off CUDA."""
+def _cuda_memory(device: str, ranks: int, local_rank: int | None) -> Memory | None:
+    """Free memory of the GPU this rank (``local_rank``; None: the spawner, for its first rank) runs on,
+    and how many of the node's ``ranks`` share it; None off CUDA."""
     import torch
 
     if device == "cpu" or not torch.cuda.is_available():
@@ -260,18 +261,19 @@ def _cuda_memory(device: str, ranks: int, here: bool) -> Memory | None:
     count = torch.cuda.device_count()
     if ":" in device:
         index, sharing = int(device.split(":")[1]), ranks
-    else:
-        index, sharing = int(os.environ.get("LOCAL_RANK", "0")) % count, math.ceil(ranks / count)
+    else:  # ranks get cuda:(local rank mod GPUs), as hpcrl.comm.devices.rank_device gives them
+        index, sharing = (local_rank or 0) % count, math.ceil(ranks / count)
     if index >= count:
         return None  # refused with a clearer line by check_local_gpus / the ranks
-    free = _cuda_free(index, here)
+    free = _cuda_free(index, here=local_rank is not None)
     return None if free is None else Memory(free, f"cuda:{index} memory", sharing)
 
 
-def node_memory(device: str, ranks: int, here: bool = True) -> Memory | None:
-    """What this node offers ``ranks`` ranks on ``device``: the GPU's free memory on CUDA (read in this
-    process if ``here``), else the host's available memory; None when it cannot be read."""
-    cuda = _cuda_memory(device, ranks, here)
+def node_memory(device: str, ranks: int, local_rank: int | None = 0) -> Memory | None:
+    """What this node offers ``ranks`` ranks on ``device``: the GPU's free memory on CUDA, else the
+    host's available memory; None when it cannot be read. ``local_rank``: this process's rank on the
+    node, None if it spawns the ranks."""
+    cuda = _cuda_memory(device, ranks, local_rank)
     if cuda is not None:
         return cuda
     host = host_available()
@@ -298,12 +300,12 @@ def probe_dims(env_name: str) -> EnvDims:
         env.close()
 
 
-def check_sac(cfg: Any, world_size: int, ranks: int, default: Any, spawner: bool = False) -> RankBytes | None:
+def check_sac(cfg: Any, world_size: int, ranks: int, default: Any, local_rank: int | None) -> RankBytes | None:
     """Refuse a FastSAC config whose ranks cannot fit on this node (ConfigError, one line); ``ranks``
     ranks of a ``world_size`` run share it, ``default`` is the preset's config (what a size was raised
-    from), ``spawner``: this process spawns the ranks (and stays off the GPU). Call after ``plan``
-    accepted the sizes. None when the memory cannot be read."""
-    memory = node_memory(cfg.device, ranks, here=not spawner)
+    from), ``local_rank`` this process's rank on the node (None: it spawns the ranks). Call after
+    ``plan`` accepted the sizes. None when the memory cannot be read."""
+    memory = node_memory(cfg.device, ranks, local_rank)
     if memory is None:
         return None
     return check_fits(cfg, world_size, probe_dims(cfg.env), memory, default)

@@ -23,28 +23,35 @@ TESTS = Path(__file__).resolve().parent
 PENDULUM = EnvDims(3, 1)
 
 
-def _sac(args: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
+TORCHRUN_RANK = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT="29511")  # a rank as torchrun starts it: refused before its rendezvous
+
+
+def _sac(args: list[str], cwd: Path, launcher: dict[str, str]) -> tuple[subprocess.CompletedProcess, float]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
            and not k.startswith("SLURM_")}
+    env.update(launcher)
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "hpcrl.sac", "--preset", "pendulum", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
     return proc, time.monotonic() - start
 
 
-@pytest.mark.parametrize("args, name", [
-    (["--buffer-size", "1000000000000"], "--buffer-size"),
-    (["--num-envs", "100000000"], "--num-envs"),
-    (["--batch-size", "1000000000000"], "--batch-size"),
-    (["--nproc", "2", "--buffer-size", "1000000000000"], "--buffer-size"),
+@pytest.mark.parametrize("args, name, launcher", [
+    (["--buffer-size", "1000000000000"], "--buffer-size", {}),
+    (["--num-envs", "100000000"], "--num-envs", {}),
+    (["--batch-size", "1000000000000"], "--batch-size", {}),
+    (["--nproc", "2", "--buffer-size", "1000000000000"], "--buffer-size", {}),
+    (["--buffer-size", "1000000000000"], "--buffer-size", TORCHRUN_RANK),
 ])
-def test_sizes_too_large_for_the_node_exit_2_before_any_rank(tmp_path, args, name):
+def test_sizes_too_large_for_the_node_exit_2_before_any_rank(tmp_path, args, name, launcher):
     run = tmp_path / "run"
-    proc, elapsed = _sac([*args, "--run-dir", str(run)], tmp_path)
+    proc, elapsed = _sac([*args, "--run-dir", str(run)], tmp_path, launcher)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2, proc.stderr
     assert len(lines) == 1 and lines[0].startswith(f"hpcrl.sac: error: {name} "), proc.stderr
-    assert "available for" in lines[0] and f"use {name} <= " in lines[0], lines[0]
+    ranks = "2 ranks" if "--nproc" in args or launcher else "1 rank"
+    assert f"available for {ranks}: use {name} <= " in lines[0], lines[0]
     assert elapsed < 20, elapsed
     assert not (run / "checkpoints").exists() and not (run / "config.json").exists()  # no rank started
 
@@ -76,7 +83,7 @@ def test_the_presets_pass_the_check(name, dims):
 def test_a_small_config_passes_on_this_machine():
     cfg = preset("pendulum")
     assert probe_dims("pendulum") == PENDULUM
-    need = check_sac(cfg, 1, 1, cfg)
+    need = check_sac(cfg, 1, 1, cfg, local_rank=0)
     assert need is None or need.total < 10**9  # None: this machine's memory cannot be read
 
 
@@ -133,3 +140,17 @@ def test_hf_sharded_index_with_a_missing_shard_is_named(tmp_path):
         check_model_path("--hf.model", str(tmp_path))
     (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"")
     assert missing_weights(tmp_path) is None
+
+
+def test_hf_model_without_its_tokenizer_is_refused_up_front(tmp_path):
+    pytest.importorskip("transformers")
+    import hf_fixtures as F
+    from hpcrl.ppo.workloads.hf import HFWorkload
+
+    model = F.build_causal_lm(tmp_path / "llama")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).unlink()
+    with pytest.raises(ConfigError, match=f"--model {model}: cannot load its tokenizer") as err:
+        HFWorkload(model=str(model), reward_fn="hf_fixtures:target_fraction",
+                   prompts=str(F.write_prompts(tmp_path / "prompts.jsonl")), max_prompt_tokens=8, max_new_tokens=8)
+    assert "\n" not in str(err.value)

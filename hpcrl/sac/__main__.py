@@ -77,7 +77,7 @@ def _run(cfg: SACConfig) -> list[dict]:
     if cfg.nproc > 1:
         plan(cfg, cfg.nproc)  # fail before spawning anything
         check_local_gpus(cfg.nproc, cfg.device, cuda_count())
-        check_sac(cfg, cfg.nproc, cfg.nproc, preset(cfg.preset), spawner=True)  # every rank's memory
+        check_sac(cfg, cfg.nproc, cfg.nproc, preset(cfg.preset), local_rank=None)  # every rank's memory
         # spawn forwards stop signals to the ranks while they run (they checkpoint and stop) and puts
         # these back afterwards: once the ranks are done, a late signal changes nothing (also between
         # the seeds of --seeds; the process exits when the last one is done).
@@ -86,9 +86,10 @@ def _run(cfg: SACConfig) -> list[dict]:
         return spawn(train, cfg.nproc, args=(cfg,), timeout_s=None)
     # one process, or one rank of srun / torchrun: before its rendezvous, so no rank of this node has
     # allocated anything while another one reads the memory left
-    world = detect_launch().world_size
-    plan(cfg, world)
-    check_sac(cfg, world, local_ranks(), preset(cfg.preset))
+    launch = detect_launch()
+    plan(cfg, launch.world_size)
+    ranks = min(local_ranks(), launch.world_size)  # 1 alone, whatever an salloc shell's variables say
+    check_sac(cfg, launch.world_size, ranks, preset(cfg.preset), local_rank=launch.local_rank)
     return [train(cfg)]
 
 
