@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import zlib
 from pathlib import Path
@@ -16,7 +17,8 @@ from typing import Any
 
 from hpcrl.rundir import RunDirError
 
-__all__ = ["LEARNER", "MANIFEST", "MANIFEST_FORMAT", "PREFIX", "CheckpointError", "CorruptCheckpoint", "rank_file",
+__all__ = ["LEARNER", "MANIFEST", "MANIFEST_FORMAT", "PREFIX", "CheckpointError", "CorruptCheckpoint", "checkpoint_root",
+           "rank_file",
            "read_manifest", "verify"]
 
 PREFIX = "step_"
@@ -37,6 +39,10 @@ class CorruptCheckpoint(CheckpointError):
     def __init__(self, path: Path, reason: str):
         super().__init__(f"{path}: {reason}")
         self.path, self.reason = path, reason
+
+
+def checkpoint_root(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "checkpoints"
 
 
 def rank_file(rank: int) -> str:

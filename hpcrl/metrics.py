@@ -34,7 +34,9 @@ def truncate_rows(path: Path, resume_env_steps: int, key: str = "env_steps") -> 
     """Keep the rows of ``path`` up to the checkpoint a run resumes from (``row[key] <= resume_env_steps``);
     the rows after it are replayed by the resumed run. The file is replaced atomically (a crash here
     leaves the old one). A torn last line (the previous run was killed mid-write) or any other line
-    that is not a JSON object is dropped with a note on stderr, never fatal. Returns the rows kept."""
+    that is not a JSON object is dropped with a note on stderr, never fatal; the rows of the checkpoint's
+    step that the file lacks (torn, or lost with the page cache) come back from the checkpoint
+    (:func:`hpcrl.checkpoint_rows.saved_rows`). Returns the rows kept and restored."""
     lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
     kept: list[str] = []
     bad: list[int] = []

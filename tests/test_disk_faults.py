@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpcrl import checkpoint
+from hpcrl import checkpoint, checkpoint_write
 from hpcrl.conventions import EXIT_BAD_CONFIG
 from hpcrl.diskfault import DiskFault, owned_file
 from hpcrl.h5io import load_h5, save_h5
@@ -168,14 +168,14 @@ def test_one_rank_failing_stops_both_with_the_same_line(tmp_path, monkeypatch):
     import errno
     import threading
 
-    real = checkpoint.save_h5
+    real = checkpoint_write.save_h5
 
     def save_h5_failing_on_rank1(path, tree, version):
         if Path(path).name == "rank1.h5" and step_now[0] == 2:
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real(path, tree, version)
 
-    monkeypatch.setattr(checkpoint, "save_h5", save_h5_failing_on_rank1)
+    monkeypatch.setattr(checkpoint_write, "save_h5", save_h5_failing_on_rank1)
     gate = threading.Barrier(2, timeout=60)
     outcome: dict[int, BaseException | None] = {}
     step_now = [1]
