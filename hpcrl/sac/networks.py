@@ -146,8 +146,9 @@ class BatchedCritic(nn.Module):
             weight, bias = getattr(self, f"layer{j}_weight"), getattr(self, f"layer{j}_bias").unsqueeze(1)
             if kind == "linear":
                 h = torch.baddbmm(bias, h, weight.mT)
-            else:  # LayerNorm without affine, then each head's own affine
-                h = torch.addcmul(bias, F.layer_norm(h, h.shape[-1:], eps=self._eps), weight.unsqueeze(1))
+            else:  # each head's LayerNorm with its own affine: fused, unlike a shared norm then addcmul
+                h = torch.stack([F.layer_norm(x, h.shape[-1:], w, b, self._eps)
+                                 for x, w, b in zip(h.unbind(), weight.unbind(), bias.squeeze(1).unbind())])
         return h
 
     def q_value(self, logits: torch.Tensor) -> torch.Tensor:
