@@ -12,7 +12,7 @@ script's ``actor`` from the calling frame's globals and evaluates it; ``writer.c
 gives the last eval. The evaluation is the benchmark's protocol for every system: the deterministic
 policy (tanh(mean) scaled to the action box, the script's own third output of ``get_action``, computed
 without its random draw so training's random streams are untouched) on ``E`` fresh envs, one episode
-each. The wall clock starts when the script creates its writer and stops while an eval runs.
+each. The wall clock starts at the script's env reset before its loop and stops while an eval runs.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ EVAL_SEED = 10_000  # eval envs' seeds: EVAL_SEED + seed + i, away from the trai
 
 @dataclass
 class Clock:
-    """Wall seconds since the script's writer was created, less the time spent evaluating."""
+    """Wall seconds since the script's first env reset, less the time spent evaluating."""
 
     start: float | None = None
     paused: float = 0.0
@@ -97,14 +97,19 @@ def eval_at(curve: Curve, actor, env_steps: int, point: int) -> None:
 
 
 def install_hooks(curve: Curve) -> None:
-    """Wrap SummaryWriter's __init__ (clock start), add_scalar (eval points) and close (last eval)."""
+    """Wrap the vector env's reset (clock start) and SummaryWriter's add_scalar (eval points) and close
+    (last eval)."""
+    import gymnasium as gym
     from torch.utils.tensorboard import SummaryWriter
 
-    init, add_scalar, close = SummaryWriter.__init__, SummaryWriter.add_scalar, SummaryWriter.close
+    reset, add_scalar, close = gym.vector.SyncVectorEnv.reset, SummaryWriter.add_scalar, SummaryWriter.close
 
-    def hooked_init(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        curve.clock.start = time.perf_counter()
+    def hooked_reset(self, *args, **kwargs):
+        # the script's reset right before its loop, after building envs and networks (where its own
+        # start_time is taken, and where hpcrl's clock starts too); the eval envs are not vector envs
+        if curve.clock.start is None:
+            curve.clock.start = time.perf_counter()
+        return reset(self, *args, **kwargs)
 
     def hooked_add_scalar(self, tag, scalar_value, global_step=None, *args, **kwargs):
         out = add_scalar(self, tag, scalar_value, global_step, *args, **kwargs)
@@ -124,7 +129,8 @@ def install_hooks(curve: Curve) -> None:
             eval_at(curve, g["actor"], total, total)
         close(self)
 
-    SummaryWriter.__init__, SummaryWriter.add_scalar, SummaryWriter.close = hooked_init, hooked_add_scalar, hooked_close
+    gym.vector.SyncVectorEnv.reset = hooked_reset
+    SummaryWriter.add_scalar, SummaryWriter.close = hooked_add_scalar, hooked_close
 
 
 def versions() -> dict[str, str]:
