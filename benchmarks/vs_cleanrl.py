@@ -22,7 +22,8 @@ against env steps and against wall time; the issue's targets) and ``DIR/vs_clean
 
 One protocol for both: every ``--eval-every`` env steps and at the end, the deterministic policy
 (tanh(mean) scaled to the action box) on ``--eval-episodes`` fresh envs, one episode each; the eval's
-time is taken out of the wall clock. An eval is filed under the nearest multiple of ``--eval-every``:
+time is taken out of the wall clock, which starts after each system's build (CleanRL: its env reset
+before its loop; hpcrl: its metrics logger's start). An eval is filed under the nearest multiple of ``--eval-every``:
 CleanRL's hook fires at the script's first log past the point (at most 100 env steps late), hpcrl
 evaluates every round(eval_every / num_envs) vector steps (at most num_envs / 2 per point early or late).
 Both run 1 torch thread by default (``--threads``).
