@@ -28,6 +28,9 @@ The parent supervises like an agent:
 - **Failures are attributed** to the rank whose exit the parent observed first (ties: a rank killed
   by a signal before one that raised, then the earlier exception), with its signal name, exit code
   or the exception's last line, not to a peer that died of it later.
+- **A frozen rank** that its peers' heartbeat watch named (:mod:`hpcrl.comm.heartbeat`; the rank that
+  noticed exits 1) is blamed with the watch's one line (:class:`SpawnPeerLost`) and SIGKILLed at once:
+  a stopped process never acts on SIGTERM.
 - **Configuration errors** raised inside a rank (an instance of one of
   :data:`~hpcrl.comm.spawn_errors.CONFIG_ERRORS`) come back as :class:`SpawnConfigError` carrying the rank's one-line
   message, so entry points exit 2 without a traceback however many ranks hit it.
