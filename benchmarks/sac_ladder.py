@@ -4,7 +4,7 @@
     python benchmarks/sac_ladder.py [--quick] [--json PATH]
 
 Rungs (``SACConfig`` fields): ``per_head`` (per-head critic, per-parameter tensors: the old path),
-``flat`` (flat parameters only), ``batched`` (batched critic only), ``batched_flat`` (both: the default).
+``flat`` (flat parameters only: the default), ``batched`` (batched critic only), ``batched_flat`` (both).
 Sizes: the pendulum preset (obs 3, action 1, batch 256, hidden 128) and the halfcheetah preset (obs 17,
 action 6, batch 4096, critic 512, actor 256). One torch thread, CPU, one process. Every rung starts
 from the same seed (hence the same weights) and runs on the same fixed batch and noise; one timed call

@@ -82,7 +82,7 @@ class FastSAC(nn.Module):
         self.critic_obs_dim = critic_obs_dim
         self.actor = Actor(obs_dim, action_dim, cfg.actor_hidden, action_low, action_high, cfg.layer_norm,
                            cfg.log_std_min, cfg.log_std_max).to(device)
-        critic_cls = BatchedCritic if getattr(cfg, "batched_critic", True) else DistributionalCritic
+        critic_cls = BatchedCritic if getattr(cfg, "batched_critic", False) else DistributionalCritic
         self.critic = critic_cls(critic_obs_dim or obs_dim, action_dim, cfg.critic_hidden, cfg.num_q, cfg.num_atoms,
                                  cfg.v_min, cfg.v_max, cfg.layer_norm).to(device)
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
