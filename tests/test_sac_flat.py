@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from hpcrl.comm import GradAverager, Plane
+from hpcrl.comm import GradAverager, Plane, spawn
 from hpcrl.sac import FastSAC
 from hpcrl.sac.flat import ALIGN_BYTES, FlatParams, optimizer_state_in, optimizer_state_out
 from hpcrl.sac.networks import BatchedCritic, DistributionalCritic
@@ -204,3 +204,31 @@ def test_flat_agent_steps_once_per_model_and_keeps_every_view():
     assert not any(p.requires_grad for p in agent.critic_target.parameters())
     ddp = _agent(True, True, grad_average="ddp")
     assert not ddp.flat and len(ddp.critic_opt.param_groups[0]["params"]) == len(list(ddp.critic.parameters()))
+
+
+def _batched(fn, *args):
+    """``fn`` with the data-parallel workers' config switched to the batched critic (flat is the default)."""
+    original = sac_workers.small_config
+    sac_workers.small_config = lambda mode: dataclasses.replace(original(mode), batched_critic=True)
+    try:
+        return fn(*args)
+    finally:
+        sac_workers.small_config = original
+
+
+def _batched_dp_rank(modes: list[str]) -> dict:
+    return _batched(sac_workers.dp_rank, modes)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_batched_flat_two_ranks_equal_one_rank():
+    single = _batched(sac_workers.run_updates, "flat")
+    for by_mode in spawn(_batched_dp_rank, 2, args=(["flat", "view"],), timeout_s=100):
+        for mode, res in by_mode.items():
+            for name, g in single["grads"].items():
+                torch.testing.assert_close(res["grads"][name], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{mode} {name}: {m}")
+            for group in ("actor", "critic", "critic_target"):
+                for name, value in single[group].items():
+                    torch.testing.assert_close(res[group][name], value, rtol=1e-5, atol=1e-5,
+                                               msg=lambda m: f"{mode} {group}.{name}: {m}")
