@@ -209,6 +209,7 @@ def _final_row(tmp_path):
     return json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
 
 
+@pytest.mark.extended  # chaos at random moments; the fast tier keeps a killed maker and a frozen trainer
 @pytest.mark.timeout(150)
 def test_chaos_frozen_and_killed_makers_are_dropped_and_the_rest_finish(tmp_path):
     """3 makers : 1 trainer. Maker 0 is frozen (SIGSTOP) past the heartbeat timeout and woken again,

@@ -37,7 +37,7 @@ class _Odd(torch.nn.Module):
         self.d = torch.nn.Embedding(7, 6)
 
 
-def _gather_rank(bucket_numel: int) -> dict:
+def _gather_rank(bucket_sizes: list[int]) -> list[dict]:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -52,43 +52,50 @@ def _gather_rank(bucket_numel: int) -> dict:
         want = ops.flatten([p.detach().clone() for p in model.parameters()])
         plane = new_plane("device", range(ctx.world_size), ctx.rank, ctx.device, "gloo", ctx.timeout)
         fully_shard(model, mesh=DeviceMesh.from_group(plane.group, "cpu"))
-        got = gather_flat([p.data for p in model.parameters()], plane, bucket_numel, ctx.rank == 0,
-                          torch.device("cpu"))
         full = ops.flatten([p.full_tensor() for p in model.parameters()])
-        return {"got": None if got is None else got.tolist(), "want": want.tolist(), "full": full.tolist()}
+        out = []
+        for bucket_numel in bucket_sizes:  # one spawn for every bucket size: the ranks' start dominates
+            got = gather_flat([p.data for p in model.parameters()], plane, bucket_numel, ctx.rank == 0,
+                              torch.device("cpu"))
+            out.append({"got": None if got is None else got.tolist(), "want": want.tolist(), "full": full.tolist()})
+        return out
     finally:
         shutdown()
 
 
-@pytest.mark.parametrize("bucket_numel", [1 << 20, 16])
-def test_gather_flat_is_the_full_tensors_bucket_by_bucket(bucket_numel):
-    out = spawn(_gather_rank, 3, args=(bucket_numel,), timeout_s=120)
-    assert out[0]["got"] == out[0]["want"] == out[0]["full"]  # exact: copies, no arithmetic
-    assert out[1]["got"] is None and out[2]["got"] is None  # only the publisher keeps a snapshot
+def test_gather_flat_is_the_full_tensors_bucket_by_bucket():
+    sizes = [1 << 20, 16]  # one bucket for everything; buckets smaller than a parameter
+    out = spawn(_gather_rank, 3, args=(sizes,), timeout_s=120)
+    for i, size in enumerate(sizes):
+        assert out[0][i]["got"] == out[0][i]["want"] == out[0][i]["full"], size  # exact: copies, no arithmetic
+        assert out[1][i]["got"] is None and out[2][i]["got"] is None  # only the publisher keeps a snapshot
 
 
-def _ddp_rank(same: bool) -> str:
+def _ddp_rank() -> list[str]:
     from hpcrl.comm import RankDivergenceError, init_distributed, new_plane, shutdown
     from hpcrl.ppo.strategy import Strategy
 
     ctx = init_distributed(timeout_s=60)
     try:
-        torch.manual_seed(0 if same else ctx.rank)  # a workload whose build is not deterministic for a seed
-        model = torch.nn.Linear(4, 3)
         plane = new_plane("device", range(ctx.world_size), ctx.rank, ctx.device, "gloo", ctx.timeout)
-        try:
-            Strategy("ddp", model, None, plane, ctx.device, keep=ctx.rank == 0)
-        except RankDivergenceError as err:
-            return str(err)
-        return "replicas equal"
+        out = []
+        for same in (True, False):  # both cases in one spawn: the ranks' start dominates
+            torch.manual_seed(0 if same else ctx.rank)  # a workload whose build is not deterministic for a seed
+            model = torch.nn.Linear(4, 3)
+            try:
+                Strategy("ddp", model, None, plane, ctx.device, keep=ctx.rank == 0)
+                out.append("replicas equal")
+            except RankDivergenceError as err:
+                out.append(str(err))
+        return out
     finally:
         shutdown()
 
 
 def test_ddp_refuses_replicas_that_start_different():
-    assert spawn(_ddp_rank, 2, args=(True,), timeout_s=60) == ["replicas equal", "replicas equal"]
-    out = spawn(_ddp_rank, 2, args=(False,), timeout_s=60)
-    assert all("weight" in text and "bias" in text for text in out), out  # named, on every rank
+    same, different = zip(*spawn(_ddp_rank, 2, timeout_s=60))
+    assert same == ("replicas equal", "replicas equal")
+    assert all("weight" in text and "bias" in text for text in different), different  # named, on every rank
 
 
 # ------------------------------------------------------------------------- through the detached roles

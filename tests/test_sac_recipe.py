@@ -271,6 +271,7 @@ def _cli(args, **kw):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # a long run; the fast tier's stop-and-exact-resume: test_sac_train.py's SIGUSR2 test
 @pytest.mark.timeout(400)
 def test_sigterm_stops_within_a_step_checkpoints_mid_window_and_resumes_exactly(tmp_path):
     ref = tmp_path / "ref"

@@ -56,6 +56,7 @@ def _job_state(job_id: str) -> tuple[str, str]:
 
 @needs_slurm
 @pytest.mark.slow
+@pytest.mark.extended  # chaos at random moments; the fast tier runs the het job plain (test_slurm_ppo.py)
 @pytest.mark.timeout(300)
 def test_het_job_survives_a_frozen_and_a_killed_maker(cluster, tmp_path):  # noqa: F811
     seed = int(time.time())
