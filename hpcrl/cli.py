@@ -13,7 +13,7 @@ import sys
 from typing import Any, Callable
 
 from hpcrl.config_check import ConfigError, show
-from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_STOPPED
+from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_DISK, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_STOPPED
 
 __all__ = ["OLD_NAMES", "cli", "exit_code", "flag_value", "renamed", "tyro_call", "warn_renamed"]
 
@@ -138,11 +138,16 @@ def exit_code(err: BaseException, prog: str, failures: tuple[type[BaseException]
     for an exception that is a bug (the caller re-raises it: a traceback). ``failures``: more types
     that mean "a rank failed" (exit 1; e.g. detached PPO's lost trainer)."""
     from hpcrl.comm.local import SpawnConfigError, SpawnDataError, SpawnError, is_config_error, is_data_error
+    from hpcrl.diskfault import DiskFault
+
+    DISK_FAULT = f"{DiskFault.__module__}.{DiskFault.__qualname__}"  # how a rank's error record names it
 
     if isinstance(err, KeyboardInterrupt):
         print(f"{prog}: interrupted: stopped without a checkpoint", file=sys.stderr)
         return EXIT_INTERRUPTED
-    if isinstance(err, SpawnDataError) or is_data_error(err):  # one rank's line, whichever ranks hit it
+    if isinstance(err, DiskFault) or getattr(err, "type_name", "") == DISK_FAULT:
+        code = EXIT_DISK  # before the config branch: a DiskFault is a RunDirError too
+    elif isinstance(err, SpawnDataError) or is_data_error(err):  # one rank's line, whichever ranks hit it
         code = EXIT_NONFINITE
     elif isinstance(err, SpawnConfigError) or is_config_error(err):
         code = EXIT_BAD_CONFIG

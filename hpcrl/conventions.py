@@ -15,6 +15,7 @@ __all__ = [
     "DEFAULT_MAKERS",
     "DEFAULT_TRAINERS",
     "EXIT_BAD_CONFIG",
+    "EXIT_DISK",
     "EXIT_FAILED",
     "EXIT_INTERRUPTED",
     "EXIT_NONFINITE",
@@ -27,6 +28,7 @@ EXIT_FAILED = 1  # a rank failed; the message names it
 EXIT_BAD_CONFIG = 2  # bad configuration, caught before (or while) ranks start
 EXIT_STOPPED = 75  # sysexits EX_TEMPFAIL: stopped on request after a checkpoint; rerun with --resume
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C twice, the ranks killed without a checkpoint
+EXIT_DISK = 74  # sysexits EX_IOERR: a write failed on the disk (full, I/O error); free space, then --resume
 EXIT_NONFINITE = 65  # sysexits EX_DATAERR: the env returned NaN/inf (FastSAC --nonfinite error); fix the env
 
 # Detached PPO: ranks [0, trainers) train, [trainers, trainers + makers) make experience.

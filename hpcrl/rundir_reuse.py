@@ -28,7 +28,7 @@ __all__ = ["RUN_FILES", "check_fresh_start", "check_resumable", "check_start", "
            "overwrite", "previous_run", "remove_run"]
 
 RUN_FILES = ("config.json", "metrics.jsonl", "outcome.json", "wandb_id", "checkpoints", "best", "final", "tb",
-             "wandb", "hf")
+             "wandb", "hf", "logs")
 """Everything hpcrl writes into a run directory (besides its ``.lock``)."""
 TRASH = ".overwritten-"  # prefix of the directory an --overwrite empties into
 _STEP_DIR = re.compile(r"^step_\d+$")  # a committed checkpoint (hpcrl.checkpoint.PREFIX)

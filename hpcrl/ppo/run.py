@@ -10,6 +10,7 @@ import tyro
 
 from hpcrl import checkpoint, rundir
 from hpcrl.comm import StopRequest, detect_launch, init_distributed, shutdown
+from hpcrl.comm.native_log import divert_native_stderr, restore_native_stderr
 from hpcrl.conventions import ppo_role
 
 from .config import HF_WORKLOADS, LM_WORKLOADS, ConfigError, DetachedConfig, is_plugin, tyro_call
@@ -93,6 +94,8 @@ def train(cfg: DetachedConfig, events: Events = ignore) -> dict[str, float]:
     # Every rank, before anything touches the run dir: trainer 0 (global rank 0) holds its lock for the
     # life of the run; a refusal (in use, another run's checkpoint, nothing to resume) is exit 2 everywhere.
     lock = rundir.claim(cfg.run_dir, ctx)
+    if ctx.is_distributed:  # C++ frames (c10d, gloo) to the rank's log; the one-line reason stays here
+        divert_native_stderr(Path(cfg.run_dir) / "logs", ctx.rank)
     try:
         if cfg.resume:
             check_resumable(cfg, top)
@@ -111,6 +114,7 @@ def train(cfg: DetachedConfig, events: Events = ignore) -> dict[str, float]:
             beat.stop()
         shutdown(gone=gone)  # trainer 0 waits for the live ranks only: a lost maker never reaches it
     finally:
+        restore_native_stderr()
         lock.release()
     return out
 

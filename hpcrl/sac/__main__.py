@@ -15,8 +15,11 @@ Without a launcher and with ``--nproc N`` it spawns N local ranks (gloo); under 
 Exit codes: 0 done, 2 bad configuration (one line, whichever rank found it), 65 (sysexits
 EX_DATAERR) the env returned a non-finite reward or observation (``--nonfinite error``; under
 ``--nproc`` > 1 it is "rank N failed", exit 1, with the same line), 1 a rank failed (the message names
-the rank that failed first), 75 stopped by SIGUSR2/SIGTERM after writing a checkpoint
-(resume with ``--resume``; the sbatch script requeues on 75), 130 interrupted twice.
+the rank that failed first) or stopped responding (every other rank exits 1 within
+``--heartbeat-timeout-s``, naming it), 75 stopped by SIGUSR2/SIGTERM after writing a checkpoint
+(resume with ``--resume``; the sbatch script requeues on 75), 74 (sysexits EX_IOERR) a checkpoint or
+metrics write failed on the disk (one line naming the path and the free space; free space, then
+``--resume``), 130 interrupted twice.
 
 With ``--nproc N`` the parent forwards SIGTERM/SIGUSR2 to its ranks, and Ctrl-C as SIGTERM: signal
 the pid you see (``kill``, systemd, docker) or the process group, the ranks checkpoint and the
@@ -33,7 +36,7 @@ import sys
 from hpcrl.cli import cli, exit_code, flag_value, run_exit
 from hpcrl.config_check import ConfigError
 from hpcrl.config_file import load_config_file
-from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_NONFINITE
+from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_DISK, EXIT_NONFINITE
 from hpcrl.rundir import RunDirError
 from hpcrl.rundir_reuse import check_start, overwrite
 from hpcrl.sizes import check_sac, local_ranks
@@ -64,7 +67,8 @@ def parse(argv: list[str]) -> SACConfig:
     return cli(SACConfig, argv, PROG, default=default,
                description=f"FastSAC, data parallel. Values: preset < --config file < flags "
                            f"(presets: {', '.join(sorted(PRESETS))}). Exit codes: 0 done, 2 bad configuration, "
-                           f"{EXIT_NONFINITE} non-finite env data, 1 a rank failed, 75 stopped after a "
+                           f"{EXIT_NONFINITE} non-finite env data, {EXIT_DISK} a disk write failed (full, I/O "
+                           "error), 1 a rank failed or stopped responding, 75 stopped after a "
                            "checkpoint (--resume), 130 interrupted twice.")
 
 

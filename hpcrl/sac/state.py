@@ -28,9 +28,11 @@ from .normalizer import ObsNormalizer
 # checkpoints and checks. Every other field, with the world size, is the run's identity: a
 # checkpoint resumes only into the run that wrote it (the first differing field is named).
 RESUMABLE_FIELDS = frozenset({"total_env_steps", "run_dir", "resume", "overwrite", "resume_missing", "device",
-                              "nproc", "threads", "timeout_s", "grad_average", "bf16", "amp", "compile", "log_every",
-                              "checkpoint_every", "keep_checkpoints", "check_replicas_every", "eval_episodes",
-                              "eval_every", "preset", "config", "seeds", "nonfinite", "wandb_project", "wandb_mode"})
+                              "nproc", "threads", "timeout_s", "heartbeat_timeout_s", "grad_average", "bf16", "amp",
+                              "compile", "log_every", "checkpoint_every", "keep_checkpoints", "check_replicas_every", "eval_episodes",
+                              "eval_every", "preset", "config", "seeds", "nonfinite", "wandb_project", "wandb_mode",
+                              # how the update is computed, not what: checkpoints are the same either way
+                              "flat_params", "batched_critic"})
 
 
 def run_identity(cfg: SACConfig, world_size: int) -> dict[str, Any]:
