@@ -247,14 +247,15 @@ def at_step(agg: dict[str, Any], step: int) -> float | None:
 
 
 def targets(peer: dict[str, Any], ours: dict[str, Any], env_steps: int) -> dict[str, Any]:
-    """The issue's targets: returns at half and all of the budget; hpcrl's wall time to CleanRL's final
-    mean return over CleanRL's wall time for the budget."""
+    """The targets: returns at half and all of the budget; hpcrl's wall time to CleanRL's final mean
+    return over CleanRL's wall time for the budget (when CleanRL's final is above its first eval)."""
     out: dict[str, Any] = {}
     for step in (env_steps // 2, env_steps):
         c, h = at_step(peer, step), at_step(ours, step)
         out[f"at_{step}"] = {"cleanrl": c, "hpcrl": h, "hpcrl_minus_cleanrl": None if c is None or h is None
                              else round(h - c, 3)}
-    if peer["env_steps"] and ours["env_steps"]:
+    # a goal CleanRL's own first eval meets already (a short run) would time hpcrl's untrained policy
+    if len(peer["env_steps"]) > 1 and ours["env_steps"] and peer["return_mean"][-1] > peer["return_mean"][0]:
         goal, peer_wall = peer["return_mean"][-1], peer["wall_s_mean"][-1]
         reach = next((w for r, w in zip(ours["return_mean"], ours["wall_s_mean"]) if r >= goal), None)
         out["time_to_cleanrl_final"] = {"cleanrl_final_return": goal, "cleanrl_wall_s": peer_wall,

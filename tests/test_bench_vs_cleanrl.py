@@ -77,6 +77,16 @@ def test_hpcrl_wall_time_leaves_the_evals_out() -> None:
     assert [(p["env_steps_actual"], p["wall_s"], p["eval_s"]) for p in got] == [(100, 1.0, 0.5), (200, 2.5, 0.25)]
 
 
+def test_targets_time_hpcrl_to_cleanrls_final_return() -> None:
+    peer = {"env_steps": [100, 200], "return_mean": [10.0, 50.0], "wall_s_mean": [5.0, 20.0]}
+    ours = {"env_steps": [100, 200], "return_mean": [60.0, 70.0], "wall_s_mean": [4.0, 8.0]}
+    got = vs_cleanrl.targets(peer, ours, 200)
+    assert got["at_100"] == {"cleanrl": 10.0, "hpcrl": 60.0, "hpcrl_minus_cleanrl": 50.0}
+    assert got["time_to_cleanrl_final"]["hpcrl_wall_s"] == 4.0 and got["time_to_cleanrl_final"]["ratio"] == 0.2
+    flat = {**peer, "return_mean": [50.0, 10.0]}  # CleanRL ended below its first eval: no goal to time
+    assert "time_to_cleanrl_final" not in vs_cleanrl.targets(flat, ours, 200)
+
+
 def test_quick_runs_both_systems_and_merges(tmp_path: Path, peer_venv: Path) -> None:
     out = tmp_path / "out"
     for system in ("cleanrl", "hpcrl"):
@@ -100,6 +110,6 @@ def test_quick_runs_both_systems_and_merges(tmp_path: Path, peer_venv: Path) -> 
         assert all(w > 0 for w in agg["wall_s_mean"])
     assert task["cleanrl"]["versions"]["gymnasium"] == "0.29.1"
     assert task["cleanrl"]["command"].startswith("python cleanrl/sac_continuous_action.py --env-id Pendulum-v1")
-    assert set(task["targets"]) == {"at_200", "at_400", "time_to_cleanrl_final"}
+    assert {"at_200", "at_400"} <= set(task["targets"])
     assert doc["results"]["peer"]["files"] == vs_cleanrl.PEER_FILES
     assert (out / "vs_cleanrl.png").stat().st_size > 10_000
