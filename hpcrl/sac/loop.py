@@ -31,6 +31,8 @@ from .state import LoopState, Run, Window, save
 def run_loop(run: Run, state: LoopState) -> dict[str, float]:
     """The env steps left, then the end of the run; returns the final row (``preempted`` after a stop)."""
     agent, cfg = run.parts.agent, run.cfg
+    if state.sampler is not None:  # resumed: continue the replay stream where the checkpoint left it
+        run.sampler.load_state_dict(state.sampler)
     state.window.start = time.time()
     for it in range(agent.counters.iteration, run.layout.iterations):
         step = collect(run, state, it)
@@ -120,9 +122,13 @@ def update(run: Run, state: LoopState) -> None:
 
 
 def _sample(run: Run) -> tuple[Any, UpdateNoise]:
-    """A normalised replay batch (with its mirror under --symmetry) and the update's noise."""
+    """A normalised replay batch (with its mirror under --symmetry) and the update's noise.
+
+    The sampled tensors are the sampler's buffers, overwritten by the next call: the mirror's cat and
+    the normalisers copy them, and the update reads the rest (action, reward, discount) once, before
+    the next draw, so nothing keeps them across updates."""
     cfg, p, env = run.cfg, run.parts, run.parts.env
-    batch = p.replay.sample(run.layout.batch_per_rank, p.generator)
+    batch = run.sampler.sample()
     if cfg.symmetry:  # [sampled; mirrored]: 2 x batch_per_rank rows (raw obs are mirrored)
         batch = mirror_batch(batch, env.mirror_obs, env.mirror_action,
                              env.mirror_critic_obs if p.has_critic_obs else None)

@@ -16,7 +16,7 @@ from hpcrl import checkpoint
 from hpcrl.comm import DistContext, StopRequest, all_reduce_sum_, barrier
 from hpcrl.envs import EpisodeStats
 from hpcrl.metrics import RunLogger
-from hpcrl.replay import ReplayShard
+from hpcrl.replay import ReplayShard, Sampler
 
 from .agent import FastSAC
 from .config import SACConfig
@@ -70,10 +70,16 @@ class Run:
     events: Events
     reduce_sum: Callable[[torch.Tensor], None] | None = field(init=False)
     """Sum over the ranks on the device plane, in place; None in one process."""
+    sampler: Sampler = field(init=False)
+    """The rank's replay minibatches (indices drawn in the kernel); a checkpoint saves its (seed, offset)."""
 
     def __post_init__(self) -> None:
         plane = self.ctx.device_plane
         self.reduce_sum = (lambda t: all_reduce_sum_([t], plane)) if self.ctx.is_distributed else None
+        # Per rank like Parts.generator, salted: on CUDA that generator is Philox too, and the two streams
+        # must not coincide.
+        seed = (self.cfg.seed * 1_000_003 + self.ctx.rank) ^ 0x9E3779B97F4A7C15
+        self.sampler = Sampler(self.parts.replay, self.layout.batch_per_rank, seed)
 
 
 @dataclass
@@ -96,6 +102,7 @@ class LoopState:
     best: float = -math.inf  # best eval return so far: rank 0's (only it writes best/)
     window: Window = field(default_factory=Window)
     row: dict[str, float] = field(default_factory=dict)  # the last metrics row
+    sampler: dict[str, int] | None = None  # a resumed run's Run.sampler state, loaded when its loop starts
 
 
 def restore(parts: Parts, found: checkpoint.Restored, device: torch.device, rank: int) -> LoopState:
@@ -112,7 +119,8 @@ def restore(parts: Parts, found: checkpoint.Restored, device: torch.device, rank
     parts.stats.load_state_dict(mine["episode_stats"])
     parts.generator.set_state(mine["generator"])
     state = LoopState(mine["obs"].to(device), mine["critic_obs"].to(device) if parts.has_critic_obs else None,
-                      best=float(learner.get("best_eval_return", -math.inf)) if rank == 0 else -math.inf)
+                      best=float(learner.get("best_eval_return", -math.inf)) if rank == 0 else -math.inf,
+                      sampler=mine.get("sampler"))
     if "window" in mine:  # a checkpoint taken mid-window (a stop): continue it
         state.window = Window({k: list(v.to(device).unbind(0)) for k, v in mine["window"].items()},
                               int(mine["window_iters"]), int(mine["dropped"]))
@@ -131,7 +139,7 @@ def save(run: Run, state: LoopState) -> None:
              "window": {k: torch.stack(v) for k, v in state.window.metrics.items() if v},
              "window_iters": state.window.iters, "dropped": state.window.dropped}
     rank_state = {"replay": p.replay.state_dict(), "env": p.env.state_dict(), "episode_stats": p.stats.state_dict(),
-                  "generator": p.generator.get_state(), "obs": state.obs,
+                  "generator": p.generator.get_state(), "sampler": run.sampler.state_dict(), "obs": state.obs,
                   **{k: v for k, v in extra.items() if v is not None}}
     checkpoint.save(cfg.run_dir, p.agent.counters.iteration, ctx.rank, ctx.world_size, learner, rank_state,
                     functools.partial(barrier, ctx), keep=cfg.keep_checkpoints,
