@@ -332,8 +332,11 @@ def plot(tasks: dict[str, dict], png: Path, header: dict[str, Any]) -> None:
             ax.set_ylabel(f"{task}: deterministic eval return")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
+    loads = [x[0] for t in tasks.values() for agg in t.values() for pair in agg.get("loads", []) for x in pair
+             if x]  # 1-minute load averages before and after each part
+    load = f", load {min(loads):.1f}-{max(loads):.1f}" if loads else ""
     fig.suptitle(f"hpcrl vs CleanRL SAC, mean ± std over seeds; {header['cpu_model']} ({header['cpu_count']} "
-                 f"cores, shared), {header['date'][:10]}", fontsize=9)
+                 f"cores, shared{load}), {header['date'][:10]}", fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
