@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from hpcrl.ppo import demo  # noqa: E402
-from hpcrl.ppo.demo_task import CATEGORIES, reward, task_prompts  # noqa: E402
+from hpcrl.ppo.demo_task import CATEGORIES, reward, task_prompts, task_record  # noqa: E402
 
 STEPS = 100
 """Shortened from the printed 400 (measured on 2 vCPU: reward 0.09 over the first 5 updates, ~0.5 over
@@ -31,9 +31,12 @@ def _env() -> dict[str, str]:
 
 
 def test_reward_counts_new_words_of_the_prompts_category():
-    assert reward(["list: cat dog"] * 5, ["horse cow fish", "cat dog cow", "cow cow cow", "red blue one", ""]) == \
+    cat_dog = task_record("list: cat dog", 0)
+    assert cat_dog == {"prompt": "list: cat dog", "answer": ["bird", "fish", "horse", "cow"], "id": 0}
+    assert reward([cat_dog] * 5, ["horse cow fish", "cat dog cow", "cow cow cow", "red blue one", ""]) == \
         pytest.approx([1.0, 1 / 3, 1 / 3, 0.0, 0.0])
-    assert reward(["list: red blue"], ["green yellow black cat white"]) == [1.0]  # only the first three words count
+    # only the first three words count
+    assert reward([task_record("list: red blue", 1)], ["green yellow black cat white"]) == [1.0]
     prompts = task_prompts(60)
     assert {p.split()[1] for p in prompts} <= {w for ws in CATEGORIES.values() for w in ws}
     assert len(set(prompts)) > 30
@@ -48,8 +51,11 @@ def test_demo_builds_and_its_printed_command_learns(tmp_path, capsys):
     assert built.returncode == 0, built.stderr[-2000:]
     assert (out / "model" / "config.json").is_file() and (out / "model" / "tokenizer.json").is_file()
     assert len((out / "prompts.jsonl").read_text().splitlines()) == 256
+    held_out = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert len(held_out) == demo.EVAL_RECORDS and all(r["answer"] for r in held_out)
     cmd = shlex.split(built.stdout.strip().splitlines()[-1])
     assert cmd[1:3] == ["-m", "hpcrl.ppo"] and cmd[cmd.index("--total-steps") + 1] == "400", cmd
+    assert cmd[cmd.index("--hf.eval-prompts") + 1] == str(out / "eval.jsonl") and "--hf.eval-every" in cmd, cmd
     cmd[cmd.index("--total-steps") + 1] = str(STEPS)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -58,6 +64,9 @@ def test_demo_builds_and_its_printed_command_learns(tmp_path, capsys):
     first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
     assert len(rewards) == STEPS and first < 0.2 and last > 0.4 and last > first + 0.25, \
         ([round(r, 2) for r in rewards], time.perf_counter() - t0)
+    evals = {r["updates"]: r for r in rows if "eval_reward" in r}  # at updates 50 and 100
+    assert sorted(evals) == [demo.EVAL_EVERY, STEPS], sorted(evals)
+    assert all(r["eval_records"] == demo.EVAL_RECORDS and 0 <= r["eval_pass_rate"] <= 1 for r in evals.values())
     before, after = demo.show(str(out / "model")), demo.show(str(tmp_path / "runs" / "hf" / "hf" / "actor"))
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 14 and " -> " in lines[0] and lines[-1].startswith("mean score"), lines

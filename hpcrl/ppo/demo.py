@@ -3,10 +3,13 @@ and the command that trains on it.
 
 ``DIR/model``: a 2-layer, hidden-64 Llama (``LlamaForCausalLM``, ``save_pretrained``) with a word-level
 tokenizer, pre-trained for a few seconds on the answer *format* of the list task
-(:mod:`hpcrl.ppo.demo_task`); ``DIR/prompts.jsonl``: prompts such as ``list: cat dog``; the reward is
-:func:`reward` (``--hf.reward-fn hpcrl.ppo.demo:reward``): the share of the response's first three words
-that are new words of the prompt's category. A pre-trained policy answers with words of any category
-(score ~0.1); the printed command (400 PPO updates, about a minute on 2 cores) raises it to ~0.9.
+(:mod:`hpcrl.ppo.demo_task`); ``DIR/prompts.jsonl``: records such as ``{"prompt": "list: cat dog",
+"answer": ["bird", "fish", "horse", "cow"]}``, and ``DIR/eval.jsonl``, a held-out set of them; the
+reward is :func:`reward` (``--hf.reward-fn hpcrl.ppo.demo:reward``, a records reward): the share of the
+response's first three words that are words of the record's answer. The printed command evaluates
+the greedy actor on ``eval.jsonl`` every 50 updates (``eval_reward`` / ``eval_pass_rate`` rows). A
+pre-trained policy answers with words of any category (score ~0.1); the printed command (400 PPO
+updates, about a minute on 2 cores) raises it to ~0.9.
 ``python -m hpcrl.ppo.demo --show MODEL_DIR`` prints a model's greedy answers and their scores (the
 demo's ``DIR/model`` before training, ``RUN_DIR/hf/actor`` after).
 """
@@ -19,7 +22,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from .demo_task import CATEGORIES, build_causal_lm, format_corpus, greedy_answers, reward, task_prompts, write_prompts
+from .demo_task import (CATEGORIES, build_causal_lm, format_corpus, greedy_answers, reward, task_prompts, task_record,
+                        write_records)
 
 __all__ = ["build", "command", "main", "reward"]
 
@@ -29,17 +33,23 @@ TRAIN_ARGS = ("--hf.max-prompt-tokens", "3", "--hf.max-new-tokens", "4", "--hf.b
 """Sizes and hyper-parameters the printed command passes (measured to learn in a few minutes on 2 cores)."""
 
 
-def build(out: Path, seed: int = 0, pretrain_steps: int = 300, prompts: int = 256) -> tuple[Path, Path]:
-    """``(model dir, prompts file)`` written under ``out``."""
+EVAL_RECORDS = 48
+EVAL_EVERY = 50
+
+
+def build(out: Path, seed: int = 0, pretrain_steps: int = 300, prompts: int = 256) -> tuple[Path, Path, Path]:
+    """``(model dir, prompts file, eval file)`` written under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     build_causal_lm(out / "model", format_corpus(2000, seed + 1), seed=seed, pretrain_steps=pretrain_steps)
-    return out / "model", write_prompts(out / "prompts.jsonl", task_prompts(prompts, seed))
+    return (out / "model", write_records(out / "prompts.jsonl", task_prompts(prompts, seed)),
+            write_records(out / "eval.jsonl", task_prompts(EVAL_RECORDS, seed + 1000)))
 
 
 def command(out: Path, total_steps: int = 400, run_dir: str = "runs/hf", python: str | None = None) -> list[str]:
     """The ``python -m hpcrl.ppo`` command line that trains on the demo in ``out``."""
     return [python or _python(), "-m", "hpcrl.ppo", "--workload", "hf", "--hf.model", str(out / "model"),
-            "--hf.reward-fn", "hpcrl.ppo.demo:reward", "--hf.prompts", str(out / "prompts.jsonl"), *TRAIN_ARGS,
+            "--hf.reward-fn", "hpcrl.ppo.demo:reward", "--hf.prompts", str(out / "prompts.jsonl"),
+            "--hf.eval-prompts", str(out / "eval.jsonl"), "--hf.eval-every", str(EVAL_EVERY), *TRAIN_ARGS,
             "--total-steps", str(total_steps), "--run-dir", run_dir]
 
 
@@ -48,7 +58,7 @@ def show(model_dir: str) -> float:
     prompt per category with its score; returns the mean score."""
     prompts = task_prompts(len(CATEGORIES), seed=7)
     answers = greedy_answers(model_dir, prompts)
-    scores = reward(prompts, answers)
+    scores = reward([task_record(p, i) for i, p in enumerate(prompts)], answers)
     for p, a, s in zip(prompts, answers, scores):
         print(f"{p} -> {a}  (score {s:.2f})")
     mean = sum(scores) / len(scores)
@@ -65,7 +75,8 @@ def _python() -> str:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0].replace("``", ""))
-    p.add_argument("dir", type=Path, nargs="?", help="where to write model/ and prompts.jsonl (must not hold them)")
+    p.add_argument("dir", type=Path, nargs="?",
+                   help="where to write model/, prompts.jsonl and eval.jsonl (must not hold them)")
     p.add_argument("--show", metavar="MODEL_DIR", default=None,
                    help="instead: print a model's greedy answers and scores, e.g. RUN_DIR/hf/actor after training")
     p.add_argument("--seed", type=int, default=0, help="model init, pre-training and prompts (default: 0)")
@@ -87,7 +98,7 @@ def _refusal(args: argparse.Namespace) -> str | None:
     if args.show is not None:
         ok = (Path(args.show) / "config.json").is_file()
         return None if ok else f"--show {args.show}: no config.json there; pass DIR/model or RUN_DIR/hf/actor"
-    taken = [p for p in (args.dir / "model", args.dir / "prompts.jsonl") if p.exists()]
+    taken = [p for p in (args.dir / "model", args.dir / "prompts.jsonl", args.dir / "eval.jsonl") if p.exists()]
     if taken:
         return f"{taken[0]} already exists; pass a new DIR (the demo never overwrites files)"
     if args.pretrain_steps < 0:
@@ -108,9 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    model, prompts = build(args.dir, args.seed, args.pretrain_steps)
+    model, prompts, held_out = build(args.dir, args.seed, args.pretrain_steps)
     py = _python()
-    print(f"{PROG}: wrote {model} (Llama, 2 layers, hidden 64) and {prompts}")
+    print(f"{PROG}: wrote {model} (Llama, 2 layers, hidden 64), {prompts} and {held_out} (held out)")
     print(f"{PROG}: greedy answers before / after training: {py} -m {PROG} --show {model} | --show runs/hf/hf/actor")
     print(f"{PROG}: train with:")
     print(shlex.join(command(args.dir, python=py)))

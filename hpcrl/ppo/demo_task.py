@@ -4,9 +4,10 @@
   wrapped as a ``transformers`` fast tokenizer with ``<eos>`` / ``<unk>`` and no pad token (the ``hf``
   workload falls back to EOS);
 * :func:`tiny_config` / :func:`build_causal_lm`: a 2-layer, hidden-64 Llama or GPT-2 causal LM;
-* the *list* task of ``python -m hpcrl.ppo.demo``: a prompt ``list: cat dog`` names two words of one
-  category, and :func:`reward` scores how many distinct *new* words of that category the response's
-  first three words are (0, 1/3, 2/3 or 1); :func:`pretrain` teaches a model the format (three words,
+* the *list* task of ``python -m hpcrl.ppo.demo``: a record ``{"prompt": "list: cat dog", "answer":
+  [the category's other words]}`` names two words of one category, and :func:`reward` (a records
+  reward: it reads each record's ``answer``) scores how many distinct words of the answer the
+  response's first three words are (0, 1/3, 2/3 or 1); :func:`pretrain` teaches a model the format (three words,
   then ``<eos>``) with words drawn from every category, so a policy starts near 0.1 and RL must learn
   the categories.
 """
@@ -134,25 +135,25 @@ def format_corpus(n: int, seed: int = 1) -> list[str]:
     return [f"{p} " + " ".join(rng.choice(WORDS) for _ in range(ANSWER_WORDS)) for p in task_prompts(n, seed)]
 
 
-def score(prompt: str, response: str) -> float:
-    """Distinct words of the prompt's category, not already in the prompt, among the response's first
-    :data:`ANSWER_WORDS` words, over :data:`ANSWER_WORDS`."""
+def task_record(prompt: str, i: int) -> dict[str, Any]:
+    """The dataset record of ``prompt``: its ``answer`` lists the words that score (the category's
+    words not in the prompt)."""
     given = prompt_words(prompt)
-    category = CATEGORY_OF.get(given[0]) if given else None
-    first = response.split()[:ANSWER_WORDS]
-    new = {w for w in first if CATEGORY_OF.get(w) == category and w not in given}
-    return len(new) / ANSWER_WORDS
+    return {"prompt": prompt, "answer": [w for w in CATEGORIES[CATEGORY_OF[given[0]]] if w not in given], "id": i}
 
 
-def reward(prompts: list[str], responses: list[str]) -> list[float]:
-    """The ``--hf.reward-fn`` of the demo: :func:`score` of each (prompt, response) pair."""
-    return [score(p, r) for p, r in zip(prompts, responses)]
+def reward(records: list[dict[str, Any]], responses: list[str]) -> list[float]:
+    """The ``--hf.reward-fn`` of the demo (a records reward): distinct words of each record's
+    ``answer`` among the response's first :data:`ANSWER_WORDS` words, over :data:`ANSWER_WORDS`."""
+    return [len(set(r.split()[:ANSWER_WORDS]) & set(rec["answer"])) / ANSWER_WORDS
+            for rec, r in zip(records, responses)]
 
 
-def write_prompts(path: Path, prompts: list[str], key: str = "prompt") -> Path:
+def write_records(path: Path, prompts: list[str]) -> Path:
+    """``prompts`` as jsonl records (:func:`task_record`)."""
     with open(path, "w") as f:
         for i, p in enumerate(prompts):
-            f.write(json.dumps({key: p, "id": i}) + "\n")
+            f.write(json.dumps(task_record(p, i)) + "\n")
     return path
 
 

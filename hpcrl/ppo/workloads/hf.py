@@ -38,6 +38,15 @@ Roles (the same split as :mod:`hpcrl.ppo.workloads.lm`):
   every checkpoint and at the end (:meth:`HFWorkload.save_artifacts`, from the checkpoint's state).
 * **trainer strategies** (``--strategy ddp|fsdp``, :mod:`hpcrl.ppo.strategy`): FSDP2 units are the
   decoder layers of actor and critic, then actor and critic (:meth:`HFWorkload.shard_units`).
+* **records**: a dataset line is a record with any fields (``answer``, ``tests``, ``meta``) and a prompt
+  under ``--prompt-key`` or chat ``messages`` (through the tokenizer's chat template). The records stay
+  on the makers (only tokens travel); a reward function whose first parameter is ``records`` gets
+  copies of them, one whose first parameter is ``prompts`` the prompt texts (:func:`~.hf_models.reward_takes`).
+* **evaluation** (``--eval-prompts``, ``--eval-every N``): after every N-th update each trainer answers
+  the held-out records greedily (plus ``--eval-samples`` sampled answers) with the current actor and
+  scores them (:mod:`.hf_eval`): ``eval_reward``, ``eval_pass_rate``, ``eval_records`` in that update's
+  row. Trainers, not makers, because only they know the version: every trainer computes the same
+  numbers from the same weights, drawing from no training random stream.
 * **prompts**: batch ``b`` of a run is a fixed slice of the shuffled dataset (:meth:`HFCollector.assign`,
   numbered by the trainers' credits): makers split the dataset, a resume continues with the next prompt.
 """
@@ -63,7 +72,7 @@ from .hf_collector import HFCollector, left_pad
 from .hf_generate import SamplingParams, position_ids
 from .hf_learner import HFLearner, group_advantages
 from .hf_options import HFOptions
-from .hf_prompts import load_prompts
+from .hf_prompts import load_records
 
 __all__ = ["HFActorCritic", "HFCollector", "HFLearner", "HFOptions", "HFWorkload", "RegisteredHFWorkload",
            "group_advantages", "left_pad"]
@@ -136,39 +145,55 @@ class HFWorkload(HFOptions, Workload):
                               f"<= {limit}")
         self.tokenizer = M.load_tokenizer(self.model)
         self.eos_id, self.pad_id = int(self.tokenizer.eos_token_id), int(self.tokenizer.pad_token_id)
-        self.prompt_texts = load_prompts(self.prompts, self.prompt_key)
-        self.prompt_ids = self._tokenize_prompts()
+        self.records = load_records(self.prompts, self.prompt_key)
+        self.prompt_texts, self.prompt_ids = self._encode(self.records, "prompts")
+        self.eval_records: list[dict[str, Any]] = []
+        self.eval_texts, self.eval_ids = [], []
+        if self.eval_prompts is not None:
+            self.eval_records = load_records(self.eval_prompts, self.prompt_key, self.flag("eval_prompts"))
+            self.eval_texts, self.eval_ids = self._encode(self.eval_records, "eval_prompts")
         self.reward_callable = M.import_reward_fn(self.reward_fn) if self.reward_fn else None
+        self.reward_takes = "prompts"
         if self.reward_callable is not None:  # a probe before any rank starts: raises / wrong length, named
-            probe = self.prompt_texts[:2]
-            M.call_reward_fn(self.reward_callable, self.reward_fn, probe, probe, batch="probe")
+            self.reward_takes = M.reward_takes(self.reward_callable, self.reward_fn)
+            probe = self.reward_inputs([0, 1][:len(self.records)], self.records, self.prompt_texts)
+            M.call_reward_fn(self.reward_callable, self.reward_fn, probe, self.prompt_texts[:2], batch="probe")
         self.sampling = SamplingParams(self.max_new_tokens, self.temperature, self.top_p, self.top_k)
         self._refs: dict[str, nn.Module] = {}
         self._rms: dict[str, nn.Module] = {}
 
-    def _tokenize_prompts(self) -> list[list[int]]:
-        out, long = [], []
-        for i, text in enumerate(self.prompt_texts):
-            formatted = M.format_prompt(self.tokenizer, text, self.chat_template)
-            ids = self.tokenizer(formatted, add_special_tokens=not (self.chat_template and
-                                                                    getattr(self.tokenizer, "chat_template", None)))
-            ids = list(ids["input_ids"])
+    def _encode(self, records: list[dict[str, Any]], flag: str) -> tuple[list[str], list[list[int]]]:
+        """``(texts, token ids)`` of the records of ``--prompts`` or ``--eval-prompts`` (``flag``): the
+        texts are what a prompts-reward receives (a chat record's: its templated text)."""
+        path, texts, out, long = getattr(self, flag), [], [], []
+        for i, record in enumerate(records):
+            where = f"--{flag.replace('_', '-')} {path}: record {i}"
+            text, templated = M.format_record(self.tokenizer, record, self.prompt_key, self.chat_template, where)
+            ids = list(self.tokenizer(text, add_special_tokens=not templated)["input_ids"])
             if not ids:
-                raise ConfigError(f"--prompts {self.prompts}: record {i} tokenizes to nothing; drop empty prompts")
+                raise ConfigError(f"{where} tokenizes to nothing; drop empty prompts")
             if len(ids) > self.max_prompt_tokens:
                 long.append((i, len(ids)))
                 ids = ids[-self.max_prompt_tokens:]
+            texts.append(record[self.prompt_key] if isinstance(record.get(self.prompt_key), str) else text)
             out.append(ids)
         if long:
             i, n = max(long, key=lambda x: x[1])
             what = (f"{len(long)} prompt(s) longer than --max-prompt-tokens {self.max_prompt_tokens} (longest: record "
                     f"{i}, {n} tokens)")
             if not self.truncate_prompts:
-                raise ConfigError(f"--prompts {self.prompts}: {what}; raise --max-prompt-tokens to {n} or pass "
-                                  "--truncate-prompts to keep their last tokens")
+                raise ConfigError(f"--{flag.replace('_', '-')} {path}: {what}; raise --max-prompt-tokens to {n} or "
+                                  "pass --truncate-prompts to keep their last tokens")
             print(f"hpcrl.ppo hf: warning: {what}: truncated to their last {self.max_prompt_tokens} tokens",
                   file=sys.stderr, flush=True)
-        return out
+        return texts, out
+
+    def reward_inputs(self, idx: list[int], records: list[dict[str, Any]], texts: list[str]) -> list[Any]:
+        """What ``--reward-fn`` receives for the prompts ``idx``: copies of the records (every field), or
+        the prompt texts, by its first parameter (:func:`~.hf_models.reward_takes`)."""
+        if self.reward_takes == "records":
+            return [dict(records[i]) for i in idx]
+        return [texts[i] for i in idx]
 
     def default_config(self) -> PPOConfig:
         """gamma = 1 (the episode is the response), lr 1e-5 (full fine-tuning; 1e-4 with LoRA)."""

@@ -9,28 +9,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from hpcrl.config_check import ConfigError
-
 from ..workload import Collector
-from . import hf_models as M
-from .hf_generate import generate, token_logp
+from .hf_eval import score_responses
+from .hf_generate import generate, left_pad, token_logp
 from .hf_prompts import PromptStream
 
 if TYPE_CHECKING:
     from .hf import HFActorCritic, HFWorkload
 
 __all__ = ["HFCollector", "left_pad"]
-
-
-def left_pad(rows: list[list[int]], length: int, pad_id: int) -> tuple[Tensor, Tensor]:
-    """``(ids [B, length], mask [B, length])``: each row right-aligned (left padding)."""
-    ids = torch.full((len(rows), length), pad_id, dtype=torch.int64)
-    mask = torch.zeros(len(rows), length, dtype=torch.float32)
-    for i, row in enumerate(rows):
-        if row:
-            ids[i, length - len(row):] = torch.tensor(row, dtype=torch.int64)
-            mask[i, length - len(row):] = 1.0
-    return ids, mask
 
 
 class HFCollector(Collector):
@@ -59,20 +46,6 @@ class HFCollector(Collector):
         ids, mask = left_pad([wl.prompt_ids[i] for i in idx], wl.max_prompt_tokens, wl.pad_id)
         return idx, ids, mask
 
-    def _scores(self, idx: list[int], tokens: Tensor, attn: Tensor, response: Tensor, amask: Tensor) -> Tensor:
-        wl = self.wl
-        if wl.reward_callable is None:
-            rm = wl.reward_net(tokens.device)
-            return rm(input_ids=tokens, attention_mask=attn.long()).logits[:, 0].float()
-        texts = [wl.tokenizer.decode(r[m > 0].tolist(), skip_special_tokens=True)
-                 for r, m in zip(response.cpu(), amask.cpu())]
-        prompts = [wl.prompt_texts[i] for i in idx]
-        try:
-            scores = M.call_reward_fn(wl.reward_callable, wl.reward_fn, prompts, texts, batch=self.batches)
-        except ConfigError as err:
-            raise wl.renamed(err) from None
-        return torch.tensor(scores, dtype=torch.float32, device=tokens.device)
-
     @torch.no_grad()
     def collect(self, model: HFActorCritic, generator: torch.Generator) -> tuple[dict[str, Tensor], dict[str, float]]:
         wl = self.wl
@@ -92,7 +65,8 @@ class HFCollector(Collector):
         logp = token_logp(model.action_logits(tokens, attn, net), response, wl.temperature) * amask
         ref_logp = token_logp(model.action_logits(tokens, attn, wl.reference_model(device)), response,
                               wl.temperature) * amask
-        score = self._scores(idx, tokens, attn, response, amask)
+        inputs = wl.reward_inputs(idx, wl.records, wl.prompt_texts)  # records stay maker-side: never sent
+        score = score_responses(wl, inputs, tokens, attn, response, amask, self.batches)
         self.batches += 1
         n_tok = float(amask.sum())
         batch = {"tokens": tokens, "attention_mask": attn, "action_mask": amask, "behaviour_logp": logp,

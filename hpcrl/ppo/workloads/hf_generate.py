@@ -28,6 +28,19 @@ class SamplingParams:
     """1 = off."""
     top_k: int = 0
     """0 = off."""
+    sample: bool = True
+    """False: greedy (the argmax token; temperature / top-p / top-k unused)."""
+
+
+def left_pad(rows: list[list[int]], length: int, pad_id: int) -> tuple[Tensor, Tensor]:
+    """``(ids [B, length], mask [B, length])``: each row right-aligned (left padding)."""
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.int64)
+    mask = torch.zeros(len(rows), length, dtype=torch.float32)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, length - len(row):] = torch.tensor(row, dtype=torch.int64)
+            mask[i, length - len(row):] = 1.0
+    return ids, mask
 
 
 def position_ids(attention_mask: Tensor) -> Tensor:
@@ -79,8 +92,9 @@ def _pad_response(out: Tensor, prompt_len: int, g: int, pad_id: int) -> tuple[Te
 def generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, params: SamplingParams, eos_id: int,
              pad_id: int, seed: int) -> tuple[Tensor, Tensor]:
     """``(response [B, G], action_mask [B, G])`` sampled with ``model.generate`` (KV cache), seeded by
-    ``seed`` without touching the caller's global RNG."""
-    kw = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
+    ``seed`` without touching the caller's global RNG (or greedy: ``params.sample`` False)."""
+    kw = (dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
+          if params.sample else dict(do_sample=False, temperature=None, top_p=None, top_k=None))
     devices = [input_ids.device] if input_ids.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)

@@ -1,6 +1,7 @@
 """The ``hf`` workload's trainer side: token-level PPO (KL-shaped rewards, GAE with the current
 critic, clipped losses) or GRPO (group-normalised scores, a KL loss term), through
-:func:`hpcrl.ppo.update.ppo_update` (:mod:`hpcrl.ppo.workloads.hf`)."""
+:func:`hpcrl.ppo.update.ppo_update` (:mod:`hpcrl.ppo.workloads.hf`); after every ``--eval-every``-th
+update, the held-out evaluation (:func:`~.hf_eval.evaluate`) joins the update's stats."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch import Tensor
 from ..losses import approx_kl, masked_mean, sequence_rewards_with_kl, token_gae
 from ..update import Coefs, GradStep, Outputs, Plan, Samples, ppo_update, read_stats
 from ..workload import AdamLearner, PPOConfig
+from .hf_eval import evaluate
 from .hf_generate import token_logp
 
 if TYPE_CHECKING:
@@ -84,6 +86,8 @@ class HFLearner(AdamLearner):
         tokens_done = out.pop("tokens")
         out.update(sequences=float(n),
                    trainer_tokens_per_s=tokens_done * cfg.epochs / max(time.perf_counter() - t_start, 1e-9))
+        if wl.eval_every and self.updates % wl.eval_every == 0:  # every trainer: the same numbers
+            out.update(evaluate(wl, model, self.updates))
         return out
 
 

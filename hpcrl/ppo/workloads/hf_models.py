@@ -4,8 +4,10 @@ reward model, initial model), plus the tokenizer.
 * actor / frozen reference: ``AutoModelForCausalLM.from_pretrained(path)``;
 * critic: :class:`ValueModel`, a zero-initialised scalar head on the causal-LM *backbone*
   (``AutoModel.from_pretrained``: the trunk without the LM head) of the actor or of ``--critic``;
-* reward: ``AutoModelForSequenceClassification`` with exactly one label, or a function
-  ``fn(prompts, responses) -> list[float]`` named ``package.module:fn``;
+* reward: ``AutoModelForSequenceClassification`` with exactly one label, or a function named
+  ``package.module:fn``: ``fn(records, responses)`` gets the dataset's records (dicts with every
+  field), ``fn(prompts, responses)`` the prompt strings (:func:`reward_takes` reads the first
+  parameter's name); either returns ``list[float]``;
 * tokenizer from the model directory; pad = EOS when it has no pad token; left padding.
 
 Every check here reads configs only (cheap), so the workload constructor runs them in the launching
@@ -15,10 +17,11 @@ process before any rank starts; errors are :class:`ConfigError` lines naming the
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 from torch import Tensor, nn
@@ -128,6 +131,19 @@ def format_prompt(tok: Any, text: str, use_chat_template: bool) -> str:
     return text
 
 
+def format_record(tok: Any, record: dict[str, Any], key: str, use_chat_template: bool, where: str) -> tuple[str, bool]:
+    """``(text the actor sees, whether a chat template made it)`` of one dataset record: its ``key``
+    prompt (:func:`format_prompt`), or its chat ``messages`` through the tokenizer's chat template
+    (required for them; ``where`` names the record in the error)."""
+    if isinstance(record.get(key), str):
+        text = format_prompt(tok, record[key], use_chat_template)
+        return text, bool(use_chat_template and getattr(tok, "chat_template", None))
+    if not getattr(tok, "chat_template", None):
+        raise ConfigError(f"{where} is chat-format ('messages') but the tokenizer of --model has no chat template; "
+                          "set tokenizer.chat_template and save it, or give plain prompt records")
+    return tok.apply_chat_template(record["messages"], tokenize=False, add_generation_prompt=True), True
+
+
 def load_causal_lm(path: str, dtype: torch.dtype = torch.float32) -> nn.Module:
     tf = _transformers()
     model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -175,7 +191,7 @@ def load_reward_model(path: str, pad_id: int) -> nn.Module:
     return rm.eval().requires_grad_(False)
 
 
-RewardFn = Callable[[list[str], list[str]], list[float]]
+RewardFn = Callable[[list[Any], list[str]], list[float]]
 
 
 def import_reward_fn(spec: str) -> RewardFn:
@@ -189,12 +205,28 @@ def import_reward_fn(spec: str) -> RewardFn:
                           "PYTHONPATH)") from None
     if not callable(fn):
         raise ConfigError(f"--reward-fn {spec}: {type(fn).__name__} is not callable; name a function "
-                          "fn(prompts, responses) -> list[float]")
+                          "fn(records, responses) or fn(prompts, responses) -> list[float]")
     return fn
 
 
-def call_reward_fn(fn: RewardFn, spec: str, prompts: list[str], responses: list[str], batch: int) -> list[float]:
-    """``fn(prompts, responses)`` checked: it must return one finite number per response; anything else
+def reward_takes(fn: RewardFn, spec: str) -> Literal["records", "prompts"]:
+    """What ``fn`` is called with, by its first parameter's name: ``records`` (the dataset's dicts) or
+    ``prompts`` (strings)."""
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        params = []
+    first = params[0] if params else None
+    if first not in ("records", "prompts"):
+        raise ConfigError(f"--reward-fn {spec}: its first parameter is {first!r}; name it records (gets the "
+                          "dataset's dicts) or prompts (gets the prompt strings): fn(records, responses)")
+    return first
+
+
+def call_reward_fn(fn: RewardFn, spec: str, prompts: list[Any], responses: list[str],
+                   batch: int | str) -> list[float]:
+    """``fn(prompts, responses)`` (``prompts``: records or strings, :func:`reward_takes`) checked: it
+    must return one finite number per response; anything else
     is a :class:`ConfigError` naming the function and the batch."""
     where = f"--reward-fn {spec} on batch {batch} ({len(responses)} responses)"
     try:

@@ -29,11 +29,22 @@ class HFOptions:
     reward_model: str | None = None
     """An AutoModelForSequenceClassification directory with one label (exactly one of --reward-model, --reward-fn)."""
     reward_fn: str | None = None
-    """package.module:function, called as fn(prompts: list[str], responses: list[str]) -> list[float]."""
+    """package.module:function -> list[float]: fn(records, responses) gets the dataset's records (dicts, every
+    field: answer, tests, ...), fn(prompts, responses) the prompt strings (by the first parameter's name)."""
     prompts: str = ""
-    """Prompt dataset: a .jsonl file (one object per line), a .parquet file, or a datasets directory (required)."""
+    """Prompt dataset: a .jsonl file (one object per line), a .parquet file, or a datasets directory (required);
+    a record holds a string prompt (--prompt-key) or chat 'messages' ([{role, content}], via the chat template)."""
     prompt_key: str = "prompt"
     """The field of each record that holds the prompt."""
+    eval_prompts: str | None = None
+    """Held-out records (the same formats) evaluated every --eval-every updates on the trainers."""
+    eval_every: int = 0
+    """Updates between evaluations of --eval-prompts (0 = off): greedy answers' mean reward and pass rate,
+    logged as eval_reward, eval_pass_rate, eval_records."""
+    eval_samples: int = 0
+    """Sampled answers per eval record on top of the greedy one (pass@k-style pass rate); 0 = greedy only."""
+    eval_pass_threshold: float = 1.0
+    """An eval record passes when any of its answers scores >= this."""
     chat_template: bool = True
     """Apply the tokenizer's chat template (user turn + generation prompt) when it has one."""
     max_prompt_tokens: int = 64
@@ -106,7 +117,8 @@ class HFOptions:
     def check_ranges(self) -> None:
         """:meth:`check` without the required fields: what a default group (another --workload) passes."""
         for name, lo, hi in (("max_prompt_tokens", 1, MAX_TOKENS), ("max_new_tokens", 1, MAX_TOKENS),
-                             ("batch_size", 1, 1 << 16), ("top_k", 0, MAX_TOKENS), ("lora_rank", 0, 4096)):
+                             ("batch_size", 1, 1 << 16), ("top_k", 0, MAX_TOKENS), ("lora_rank", 0, 4096),
+                             ("eval_every", 0, 1 << 30), ("eval_samples", 0, 1024)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
                 self.fail(name, f"an integer in [{lo}, {hi}]", f"e.g. {self.flag(name)} {getattr(HFOptions, name)}")
@@ -117,6 +129,12 @@ class HFOptions:
             self.fail("top_p", "in (0, 1]", "e.g. --top-p 1.0 (off) or 0.9")
         if not (finite(self.kl_coef) and self.kl_coef >= 0):
             self.fail("kl_coef", "a finite number >= 0", "e.g. --kl-coef 0.05")
+        if not finite(self.eval_pass_threshold):
+            self.fail("eval_pass_threshold", "a finite number", "e.g. --eval-pass-threshold 1.0")
+        if bool(self.eval_every) != (self.eval_prompts is not None):
+            given = "eval_every" if self.eval_every else "eval_prompts"
+            self.fail(given, "given with " + ("--eval-prompts" if self.eval_every else "--eval-every N > 0"),
+                      "pass both --eval-prompts PATH and --eval-every N, or neither")
         if self.lora_alpha is not None and not (finite(self.lora_alpha) and self.lora_alpha > 0):
             self.fail("lora_alpha", "a finite number > 0", "e.g. --lora-alpha 16, or leave it unset (= rank)")
         if self.algo == "grpo":

@@ -1,7 +1,9 @@
 """Prompt datasets of the ``hf`` workload: jsonl (one JSON object per line), parquet (needs pyarrow)
-or a saved ``datasets`` directory (needs datasets), read as a list of strings under ``--prompt-key``;
-and :class:`PromptStream`, the per-maker cursor over them (shuffled per epoch from the seed, its
-position a small state dict so a resume continues with the next prompt)."""
+or a saved ``datasets`` directory (needs datasets), read as *records*: dicts with any fields (an
+``answer``, ``tests``, ``meta`` for the reward function) holding either a string prompt under
+``--prompt-key`` or a chat ``messages`` list of ``{role, content}``; and :class:`PromptStream`,
+the per-maker cursor over them (shuffled per epoch from the seed, its position a small state dict so
+a resume continues with the next prompt)."""
 
 from __future__ import annotations
 
@@ -14,50 +16,66 @@ import torch
 from hpcrl.config_check import ConfigError
 
 
+def load_records(path: str, key: str, flag: str = "--prompts") -> list[dict[str, Any]]:
+    """Every record of the dataset at ``path``, checked: a string ``key`` field, or a chat ``messages``
+    list (``flag`` names the option in messages)."""
+    rows = _read_rows(path, flag)
+    for i, row in enumerate(rows):
+        if isinstance(row, dict) and (isinstance(row.get(key), str) or is_chat(row.get("messages"))):
+            continue
+        keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+        raise ConfigError(f"{flag} {path}: record {i} has no string field {key!r} nor a 'messages' list of "
+                          f"{{role, content}} (fields: {keys}); pass --prompt-key NAME of the field holding the prompt")
+    if not rows:
+        raise ConfigError(f"{flag} {path}: no records in it; give at least one record")
+    return rows
+
+
 def load_prompts(path: str, key: str) -> list[str]:
+    """The ``key`` field of every record (a dataset of plain prompts)."""
+    return [r[key] for r in load_records(path, key)]
+
+
+def is_chat(messages: Any) -> bool:
+    """A chat-format prompt: a non-empty list of ``{"role": str, "content": str}``."""
+    return (isinstance(messages, list) and bool(messages) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages))
+
+
+def _read_rows(path: str, flag: str) -> list[Any]:
     p = Path(path).expanduser()
     if not p.exists():
-        raise ConfigError(f"--prompts {path}: no such file or directory; pass a .jsonl file, a .parquet file or a "
+        raise ConfigError(f"{flag} {path}: no such file or directory; pass a .jsonl file, a .parquet file or a "
                           "datasets directory (save_to_disk)")
     if p.is_dir():
         try:
             import datasets
         except ImportError:
-            raise ConfigError(f"--prompts {path}: a directory is read as a saved datasets dataset, which needs the "
+            raise ConfigError(f"{flag} {path}: a directory is read as a saved datasets dataset, which needs the "
                               "datasets package (pip install datasets); or pass a .jsonl file") from None
         ds = datasets.load_from_disk(str(p))
         if isinstance(ds, datasets.DatasetDict):
             ds = ds["train"] if "train" in ds else next(iter(ds.values()))
-        rows: list[Any] = list(ds)
-    elif p.suffix == ".parquet":
+        return list(ds)
+    if p.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            raise ConfigError(f"--prompts {path}: parquet needs pyarrow (pip install pyarrow); or pass a .jsonl "
+            raise ConfigError(f"{flag} {path}: parquet needs pyarrow (pip install pyarrow); or pass a .jsonl "
                               "file") from None
-        rows = pq.read_table(p).to_pylist()
-    else:
-        rows = []
-        with open(p) as f:
-            for i, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise ConfigError(f"--prompts {path}: line {i} is not JSON ({err.msg}); one JSON object per "
-                                      "line, e.g. {\"prompt\": \"...\"}") from None
-    prompts = []
-    for i, row in enumerate(rows):
-        value = row.get(key) if isinstance(row, dict) else None
-        if not isinstance(value, str):
-            keys = sorted(row) if isinstance(row, dict) else type(row).__name__
-            raise ConfigError(f"--prompts {path}: record {i} has no string field {key!r} (fields: {keys}); pass "
-                              "--prompt-key NAME of the field holding the prompt")
-        prompts.append(value)
-    if not prompts:
-        raise ConfigError(f"--prompts {path}: no prompts in it; give at least one record")
-    return prompts
+        return pq.read_table(p).to_pylist()
+    rows = []
+    with open(p) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"{flag} {path}: line {i} is not JSON ({err.msg}); one JSON object per "
+                                  "line, e.g. {\"prompt\": \"...\"}") from None
+    return rows
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
