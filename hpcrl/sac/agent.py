@@ -26,6 +26,7 @@ from hpcrl.comm import GradAverager, Plane
 from hpcrl.replay import Batch
 
 from . import losses
+from .compiled import CompiledUpdate
 from .config import SACConfig
 from .flat import FlatParams, Reshape, optimizer_state_in, optimizer_state_out
 from .networks import Actor, BatchedCritic, DistributionalCritic
@@ -109,6 +110,8 @@ class FastSAC(nn.Module):
         self.max_grad_norm = float(getattr(cfg, "max_grad_norm", 0.0))
         for averager in (self.critic_average, self.actor_average):
             averager.zero_grad()
+        # --compile: the whole update captured (hpcrl/sac/compiled.py); the eager path below stays the default.
+        self._compiled = CompiledUpdate(self) if getattr(cfg, "compile", False) else None
 
     def _layout_params(self, plane: Plane) -> None:
         """What the optimizers, the Polyak update and the averagers step: per-parameter tensors, or
@@ -150,6 +153,8 @@ class FastSAC(nn.Module):
 
         Returns detached scalar tensors (no host read) for logging.
         """
+        if self._compiled is not None:
+            return self._compiled.update(batch, noise)
         cfg = self.cfg
         alpha = self.alpha
         with torch.no_grad(), self._autocast:

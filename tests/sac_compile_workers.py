@@ -1,0 +1,50 @@
+"""Rank functions for tests/test_sac_compile.py (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from sac_workers import ACT, OBS, global_data, rows, small_config
+
+from hpcrl.comm import Plane, init_distributed
+from hpcrl.replay import Batch
+from hpcrl.sac import FastSAC, UpdateNoise
+
+UPDATES = 100
+
+
+def compiled_config(compile: bool):
+    return dataclasses.replace(small_config("flat"), compile=compile)
+
+
+def run(compile: bool, updates: int = UPDATES, rank: int = 0, world: int = 1, ctx=None) -> dict:
+    """``updates`` updates on this rank's rows of each global batch; the final state and the outputs of
+    the last update."""
+    torch.manual_seed(0)
+    plane = ctx.device_plane if ctx is not None else Plane.local("device")
+    agent = FastSAC(compiled_config(compile), OBS, ACT, -torch.ones(ACT), torch.ones(ACT), torch.device("cpu"),
+                    plane=plane)
+    outs = []
+    for step in range(updates):
+        batch, noise = global_data(step)
+        outs.append(agent.update(Batch(*[None if t is None else rows(t, rank, world) for t in batch]),
+                                 UpdateNoise(*[rows(t, rank, world) for t in noise])))
+    return state(agent, outs)
+
+
+def state(agent: FastSAC, outs: list[dict]) -> dict:
+    return {
+        "actor": {k: v.clone() for k, v in agent.actor.state_dict().items()},
+        "critic": {k: v.clone() for k, v in agent.critic.state_dict().items()},
+        "critic_target": {k: v.clone() for k, v in agent.critic_target.state_dict().items()},
+        "log_alpha": agent.log_alpha.detach().clone(),
+        "critic_opt": agent.learner_state()["critic_opt"],
+        "outs": outs,
+        "counters": dataclasses.astuple(agent.counters),
+    }
+
+
+def compiled_rank(updates: int) -> dict:
+    ctx = init_distributed(timeout_s=60)
+    return run(True, updates, ctx.rank, ctx.world_size, ctx)
