@@ -47,7 +47,7 @@ from hpcrl.rundir import RunDirError, identity_difference
 from hpcrl.rundir_reuse import nothing_to_resume, remove_run
 
 __all__ = ["CheckpointError", "CorruptCheckpoint", "DiskFault", "Restored", "checkpoint_root", "clear", "committed", "fresh_or_refuse",
-           "latest", "load", "nothing_to_resume", "preflight", "read_manifest", "restore", "save", "store_agree",
+           "latest", "load", "nothing_to_resume", "source_ranks", "preflight", "read_manifest", "restore", "save", "store_agree",
            "verify"]
 
 # agree(reason) -> {rank: reason} of every rank whose reason is non-empty (the same dict on every rank)
@@ -93,14 +93,24 @@ def latest(run_dir: str | os.PathLike, *, report: bool = True) -> Path | None:
     return None
 
 
-def _check_world(path: Path, manifest: dict[str, Any], world_size: int) -> None:
-    if manifest["world_size"] != world_size:
+def _check_world(path: Path, manifest: dict[str, Any], world_size: int, reshard: bool = False) -> None:
+    """Another world size is refused unless the caller reshards (its rank state is per env: FastSAC)."""
+    if manifest["world_size"] != world_size and not reshard:
         raise CheckpointError(f"{path} was written by {manifest['world_size']} ranks but this job has {world_size}; "
                               "resume with the same number of ranks (replay shards are per rank)")
 
 
-def _check_identity(path: Path, manifest: dict[str, Any], identity: Mapping[str, Any]) -> None:
+def source_ranks(old_world: int, new_world: int, rank: int) -> list[int]:
+    """The ranks of a checkpoint written by ``old_world`` ranks whose files rank ``rank`` of ``new_world``
+    reads when it reshards: those whose contiguous share of the envs overlaps its own."""
+    return [r for r in range(old_world)
+            if r * new_world < (rank + 1) * old_world and rank * old_world < (r + 1) * new_world]
+
+
+def _check_identity(path: Path, manifest: dict[str, Any], identity: Mapping[str, Any], reshard: bool = False) -> None:
     saved = manifest.get("identity")
+    if reshard and isinstance(saved, dict) and "world_size" not in identity:
+        saved = {k: v for k, v in saved.items() if k != "world_size"}  # written before resharding existed
     if not isinstance(saved, dict):
         raise CheckpointError(f"--resume: {path} records no run identity, so it cannot be matched to this run; "
                               "use another --run-dir (or pass --overwrite instead of --resume to start over there)")
@@ -112,17 +122,25 @@ def _check_identity(path: Path, manifest: dict[str, Any], identity: Mapping[str,
 
 def _load_files(path: Path, manifest: dict[str, Any], rank: int, device: torch.device
                 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    for name in (LEARNER, rank_file(rank)):
+    learner, ranks = _load_ranks(path, manifest, [rank], device)
+    return learner, ranks[rank]
+
+
+def _load_ranks(path: Path, manifest: dict[str, Any], ranks: list[int], device: torch.device
+                ) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+    for name in (LEARNER, *map(rank_file, ranks)):
         _check_file(path, name, manifest)
     try:
         learner = torch.load(path / LEARNER, map_location=device, weights_only=True)
     except Exception as err:  # noqa: BLE001  (any unpickling failure means the same: unusable)
         raise CorruptCheckpoint(path, f"{LEARNER} cannot be loaded: {type(err).__name__}: {err}") from None
-    try:
-        mine = load_h5(path / rank_file(rank), FORMAT_VERSION)
-    except Exception as err:  # noqa: BLE001
-        raise CorruptCheckpoint(path, f"{rank_file(rank)} cannot be loaded: {type(err).__name__}: {err}") from None
-    return learner, mine
+    states = {}
+    for r in ranks:
+        try:
+            states[r] = load_h5(path / rank_file(r), FORMAT_VERSION)
+        except Exception as err:  # noqa: BLE001
+            raise CorruptCheckpoint(path, f"{rank_file(r)} cannot be loaded: {type(err).__name__}: {err}") from None
+    return learner, states
 
 
 def load(path: Path, rank: int, world_size: int, device: torch.device, *,
@@ -176,13 +194,15 @@ class Restored:
     path: Path
     step: int
     learner: dict[str, Any]
-    rank_state: dict[str, Any]
+    rank_state: dict[str, Any]  # this rank's file; {} when resharded (see rank_states)
     skipped: list[str]  # "path: reason" of each newer checkpoint that was unusable
+    world_size: int = 0  # the ranks that wrote it; another than this job's only with reshard=True
+    rank_states: dict[int, dict[str, Any]] | None = None  # resharded: the old ranks' files this rank reads
 
 
 def restore(run_dir: str | os.PathLike, rank: int, world_size: int, device: torch.device, *,
             identity: Mapping[str, Any] | None = None, agree: Agree | None = None,
-            report: bool = True) -> Restored | None:
+            report: bool = True, reshard: bool = False) -> Restored | None:
     """The newest checkpoint of ``run_dir`` that every rank can load, loaded; None when there is none.
 
     Collective when ``agree`` is given (see :func:`store_agree`; needed with more than one rank, so
@@ -192,6 +212,10 @@ def restore(run_dir: str | os.PathLike, rank: int, world_size: int, device: torc
     but none is usable (message: each path and what is wrong), and when the newest readable one
     was written by another world size or, with ``identity``, by another run (no fallback then:
     the older ones belong to that run too).
+
+    ``reshard``: a checkpoint of another world size is loaded too, as the files of the old ranks
+    :func:`source_ranks` names (``Restored.rank_states``); the caller re-deals them. An identity
+    without ``world_size`` then also matches an older checkpoint whose identity has it.
     """
     candidates = committed(run_dir)
     if not candidates:
@@ -206,18 +230,22 @@ def restore(run_dir: str | os.PathLike, rank: int, world_size: int, device: torc
             if speak:
                 _report(f"skipping unusable checkpoint {err}")
             continue
-        _check_world(path, manifest, world_size)
+        _check_world(path, manifest, world_size, reshard)
         if identity is not None:
-            _check_identity(path, manifest, identity)
+            _check_identity(path, manifest, identity, reshard)
+        old = int(manifest["world_size"])
+        ranks = [rank] if old == world_size else source_ranks(old, world_size, rank)
         try:
-            learner, mine = _load_files(path, manifest, rank, device)
+            learner, states = _load_ranks(path, manifest, ranks, device)
             reason = ""
         except Exception as err:  # noqa: BLE001  (one rank must not leave the others waiting in agree)
             reason = err.reason if isinstance(err, CorruptCheckpoint) else f"{type(err).__name__}: {err}"
-            learner, mine = {}, {}
+            learner, states = {}, {}
         failed = agree(reason) if agree is not None else ({rank: reason} if reason else {})
         if not failed:
-            return Restored(path, int(manifest["step"]), learner, mine, skipped)
+            if old == world_size:
+                return Restored(path, int(manifest["step"]), learner, states[rank], skipped, old)
+            return Restored(path, int(manifest["step"]), learner, {}, skipped, old, states)
         what = "; ".join(f"rank {r}: {why}" if world_size > 1 else why for r, why in sorted(failed.items()))
         skipped.append(f"{path}: {what}")
         if speak:

@@ -18,6 +18,7 @@ from hpcrl.envs import EpisodeStats
 from hpcrl.metrics import RunLogger
 from hpcrl.replay import ReplayShard, Sampler
 
+from . import reshard
 from .agent import FastSAC
 from .config import SACConfig
 from .events import Events
@@ -25,8 +26,9 @@ from .layout import Layout
 from .normalizer import ObsNormalizer
 
 # SACConfig fields a resume may change: how long it runs, where and how fast, how often it logs,
-# checkpoints and checks. Every other field, with the world size, is the run's identity: a
-# checkpoint resumes only into the run that wrote it (the first differing field is named).
+# checkpoints and checks. Every other field is the run's identity: a checkpoint resumes only into the
+# run that wrote it (the first differing field is named). The world size is not part of it: a resume
+# at another world size re-deals the envs (:mod:`hpcrl.sac.reshard`).
 RESUMABLE_FIELDS = frozenset({"total_env_steps", "run_dir", "resume", "overwrite", "resume_missing", "device",
                               "nproc", "threads", "timeout_s", "heartbeat_timeout_s", "grad_average", "bf16", "amp",
                               "compile", "log_every", "checkpoint_every", "keep_checkpoints", "check_replicas_every", "eval_episodes",
@@ -35,9 +37,10 @@ RESUMABLE_FIELDS = frozenset({"total_env_steps", "run_dir", "resume", "overwrite
                               "flat_params", "batched_critic"})
 
 
-def run_identity(cfg: SACConfig, world_size: int) -> dict[str, Any]:
+def run_identity(cfg: SACConfig, world_size: int | None = None) -> dict[str, Any]:
+    """The run's identity; ``world_size`` is accepted for older callers and left out (runs reshard)."""
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in RESUMABLE_FIELDS}
-    return {"world_size": world_size, "seed": fields.pop("seed"), **fields}
+    return {"seed": fields.pop("seed"), **fields}
 
 
 @dataclass
@@ -106,8 +109,11 @@ class LoopState:
 
 
 def restore(parts: Parts, found: checkpoint.Restored, device: torch.device, rank: int) -> LoopState:
-    """Load a checkpoint into ``parts``; returns the loop state it carries."""
+    """Load a checkpoint into ``parts``; returns the loop state it carries. One written by another
+    world size is re-dealt to this rank first (:func:`resharded`)."""
     learner, mine = found.learner, found.rank_state
+    if found.rank_states is not None:
+        mine = resharded(parts, found, rank)
     parts.agent.load_learner_state(learner["agent"])
     parts.normalizer.load_state_dict(learner["normalizer"])
     if parts.critic_normalizer is not None:
@@ -125,6 +131,28 @@ def restore(parts: Parts, found: checkpoint.Restored, device: torch.device, rank
         state.window = Window({k: list(v.to(device).unbind(0)) for k, v in mine["window"].items()},
                               int(mine["window_iters"]), int(mine["dropped"]))
     return state
+
+
+def resharded(parts: Parts, found: checkpoint.Restored, rank: int) -> dict[str, Any]:
+    """This rank's state re-dealt from the old ranks' files (:mod:`hpcrl.sac.reshard`); rank 0 says so."""
+    cfg = parts.agent.cfg
+    world = cfg.num_envs // parts.replay.num_envs
+    # the env's generator (pure-torch envs) lives on the run's device too, so one factory serves both
+    device = parts.generator.device
+    target = reshard.Target(cfg.num_envs, found.world_size, world, rank, cfg.seed, found.step,
+                            lambda seed: torch.Generator(device).manual_seed(seed).get_state())
+    mine = reshard.rank_state({r: _cpu(s) for r, s in (found.rank_states or {}).items()}, target)
+    if rank == 0:
+        print(f"hpcrl: resharded {found.world_size} → {world} ranks: {parts.replay.num_envs} envs per rank, "
+              f"batch {cfg.batch_size // world} per rank", flush=True)
+    return mine
+
+
+def _cpu(value: Any) -> Any:
+    """A rank file's tree on the host (slicing and concatenation there; the loads move it to the device)."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    return {k: _cpu(v) for k, v in value.items()} if isinstance(value, dict) else value
 
 
 def save(run: Run, state: LoopState) -> None:
