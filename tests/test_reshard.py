@@ -281,3 +281,37 @@ def test_a_sigusr2_stop_mid_window_resumes_at_another_world_size(tmp_path):
     assert "hpcrl: resharded 2 → 1 ranks: 4 envs per rank, batch 32 per rank" in resumed.stdout
     (row,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert row["env_steps"] == 1600 and row["updates"] == (400 - 4) * 2
+
+
+def _save_old_style(run_dir: Path, world: int) -> None:
+    """A checkpoint of ``world`` ranks whose identity records the world size (before resharding existed)."""
+    import threading
+
+    barrier = threading.Barrier(world)
+
+    def rank(r):
+        checkpoint.save(run_dir, 7, r, world, {"step": torch.tensor(7)} if r == 0 else None,
+                        {"r": torch.full((4,), float(r))}, lambda name: barrier.wait(), keep=3,
+                        identity={"world_size": world, "seed": 0})
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def test_restore_reads_the_overlapping_old_rank_files_and_keeps_the_strict_check_otherwise(tmp_path):
+    cpu, ident = torch.device("cpu"), {"seed": 0}
+    _save_old_style(tmp_path, 2)
+    one = checkpoint.restore(tmp_path, 0, 1, cpu, identity=ident, reshard=True)
+    assert one.world_size == 2 and one.rank_state == {}
+    assert {r: float(s["r"][0]) for r, s in one.rank_states.items()} == {0: 0.0, 1: 1.0}
+    three = checkpoint.restore(tmp_path, 3, 4, cpu, identity=ident, reshard=True)
+    assert sorted(three.rank_states) == [1]
+    same = checkpoint.restore(tmp_path, 1, 2, cpu, identity=ident, reshard=True)
+    assert same.rank_states is None and float(same.rank_state["r"][0]) == 1.0
+    with pytest.raises(checkpoint.CheckpointError, match="written by 2 ranks"):
+        checkpoint.restore(tmp_path, 0, 1, cpu, identity={"world_size": 1, "seed": 0})  # PPO-style: strict
+    with pytest.raises(checkpoint.CheckpointError, match="seed"):
+        checkpoint.restore(tmp_path, 0, 1, cpu, identity={"seed": 1}, reshard=True)

@@ -99,24 +99,23 @@ def merge_replay(parts: list[tuple[dict[str, Any], Piece]]) -> dict[str, Any]:
     out["head_next_obs"] = torch.cat([torch.as_tensor(s["head_next_obs"])[p.lo:p.hi] for s, p in parts]).clone()
     num_envs = out["obs"].shape[1]
     out["num_envs"] = num_envs
-    old_refs = out["final_ref"]
     pools = [torch.as_tensor(s["final_pool"]) for s, _ in parts]
     owner = torch.cat([torch.full((p.hi - p.lo,), i, dtype=torch.int64) for i, (_, p) in enumerate(parts)])
-    rows, per_slot = [], [0] * capacity
-    order = [(ptr - filled + t) % capacity for t in range(filled)]  # slots oldest first
-    new_refs = torch.full_like(old_refs, -1)
-    for slot in order:
-        for env in torch.nonzero(old_refs[slot] >= 0).flatten().tolist():
-            new_refs[slot, env] = len(rows)
-            rows.append(pools[int(owner[env])][int(old_refs[slot, env])])
-        per_slot[slot] = int((old_refs[slot] >= 0).sum())
-    live = len(rows)
+    order = (ptr - filled + torch.arange(filled)) % capacity  # slots, oldest write first
+    refs = out["final_ref"][order]
+    ended = refs >= 0  # row-major (slot, env): the order the shard allocated pool rows in
+    live = int(ended.sum())
+    new_refs = torch.full_like(out["final_ref"], -1)
+    new_refs[order] = torch.where(ended, torch.cumsum(ended.flatten(), 0).reshape(ended.shape) - 1, -1)
     size = max(num_envs, live)
     pool = torch.zeros(size, out["obs"].shape[2], dtype=torch.float32)
-    if rows:
-        pool[:live] = torch.stack(rows)
+    src, from_piece = refs[ended], owner[ended.nonzero()[:, 1]]
+    for i, old_pool in enumerate(pools):
+        pool[:live][from_piece == i] = old_pool[src[from_piece == i]]
+    per_slot = torch.zeros(capacity, dtype=torch.int64)
+    per_slot[order] = ended.sum(1)
     out.update(final_ref=new_refs, final_pool=pool, ptr=ptr, pool_cursor=live % size, pool_live=live,
-               pool_per_slot=torch.tensor(per_slot, dtype=torch.int64))
+               pool_per_slot=per_slot)
     return out
 
 
