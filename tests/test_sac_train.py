@@ -180,13 +180,15 @@ def test_bf16_autocast_update_is_finite_and_learns():
 def test_interrupted_checkpoint_never_replaces_the_last_good_one(tmp_path, monkeypatch):
     barrier = lambda name: None  # noqa: E731  (one rank)
     good = checkpoint.save(tmp_path, 10, 0, 1, {"x": torch.ones(2)}, {"a": torch.zeros(3)}, barrier)
-    import hpcrl.checkpoint as ck
+    import hpcrl.checkpoint_write as ck  # where the rank files are written
 
     def crash(*a, **k):
         raise OSError("killed while writing (simulated)")
 
     monkeypatch.setattr(ck, "save_h5", crash)
-    with pytest.raises(OSError, match="simulated"):
+    from hpcrl.diskfault import DiskFault
+
+    with pytest.raises(DiskFault, match="simulated"):  # a failed write stops the run naming the cause
         checkpoint.save(tmp_path, 20, 0, 1, {"x": torch.full((2,), 2.0)}, {"a": torch.ones(3)}, barrier)
     assert checkpoint.latest(tmp_path) == good
     learner, mine = checkpoint.load(good, 0, 1, torch.device("cpu"))
