@@ -46,6 +46,11 @@ class Sampler:
         self.offset += self.batch_size
         return s.split(g)
 
+    @property
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The preallocated tensors every batch is written into (what a batch's tensors view)."""
+        return self._out
+
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.seed, "offset": self.offset}
 

@@ -1,10 +1,12 @@
 """FastSAC's training loop on one rank, in named steps: collect -> store -> update -> log (and
 evaluate, keep the best) -> checkpoint -> stop?, then the end of the run.
 
-Envs and replay are rank-local; normaliser statistics (actor and, when the env has privileged critic
-observations, critic) and the env's shared state are reduced once per env step on the device plane.
-The stop agreement runs every env step on the host plane (one gloo all-reduce of a CPU flag, no
-device wait), so a signal is acted on within one env step plus the checkpoint.
+Envs and replay are rank-local. Once per env step, in one all-reduce on the device plane: the
+normaliser statistics (actor and, when the env has privileged critic observations, critic) of the
+observations about to be acted on, packed with the env's shared state the previous step left (it is
+first read by this step's env.step; a checkpoint reduces it on its own first). The stop agreement runs
+every env step on the host plane (one gloo all-reduce of a CPU flag, no device wait; none in one
+process), so a signal is acted on within one env step plus the checkpoint.
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ def run_loop(run: Run, state: LoopState) -> dict[str, float]:
     if state.sampler is not None:  # resumed: continue the replay stream where the checkpoint left it
         run.sampler.load_state_dict(state.sampler)
     state.window.start = time.time()
+    shared = SharedPending()
     for it in range(agent.counters.iteration, run.layout.iterations):
-        step = collect(run, state, it)
-        store(run, state, step)
+        step = collect(run, state, it, shared)
+        store(run, state, step, shared)
         if it >= cfg.learning_starts:
             update(run, state)
         agent.counters.iteration = it + 1
@@ -45,10 +48,23 @@ def run_loop(run: Run, state: LoopState) -> dict[str, float]:
         log(run, state, last)
         due = bool(cfg.checkpoint_every) and (it + 1) % cfg.checkpoint_every == 0
         if due and not last:
-            save(run, state)
+            save_reduced(run, state, shared)
         if stop_agreed(run, step.fault, last) and not last:
-            return preempt(run, state, saved=due)
-    return finish(run, state)
+            return preempt(run, state, shared, saved=due)
+    return finish(run, state, shared)
+
+
+@dataclass
+class SharedPending:
+    """The env's shared state at the end of an env step, packed (:func:`reduce_shared_state`) and not
+    yet reduced over the ranks: the next step's one collective, or a checkpoint's, reduces it."""
+
+    template: dict[str, torch.Tensor] | None = None
+    packed: torch.Tensor | None = None
+
+    def take(self) -> tuple[dict[str, torch.Tensor] | None, torch.Tensor | None]:
+        out, self.template, self.packed = (self.template, self.packed), None, None
+        return out
 
 
 @dataclass(frozen=True)
@@ -61,12 +77,11 @@ class Collected:
     fault: bool  # non-finite data under --nonfinite error, in a multi-rank run: stop at this step's agreement
 
 
-def collect(run: Run, state: LoopState, it: int) -> Collected:
-    """Normaliser update, action (uniform during ``random_steps``), env step, non-finite check."""
+def collect(run: Run, state: LoopState, it: int, shared: SharedPending) -> Collected:
+    """Normaliser update (with the shared state), action (uniform during ``random_steps``), env step,
+    non-finite check."""
     cfg, ctx, p = run.cfg, run.ctx, run.parts
-    p.normalizer.update(state.obs, run.reduce_sum)
-    if p.critic_normalizer is not None:
-        p.critic_normalizer.update(state.critic_obs, run.reduce_sum)
+    reduce_step(run, state, shared)
     if it < cfg.random_steps:
         low, high = p.env.action_low, p.env.action_high
         action = low + (high - low) * torch.rand(state.obs.shape[0], p.env.action_dim, generator=p.generator,
@@ -90,8 +105,9 @@ def collect(run: Run, state: LoopState, it: int) -> Collected:
     return Collected(action, result, next_obs, fault)
 
 
-def store(run: Run, state: LoopState, step: Collected) -> None:
-    """Replay add, episode stats, next observations, and the env's shared state reduced over ranks."""
+def store(run: Run, state: LoopState, step: Collected, shared: SharedPending) -> None:
+    """Replay add, episode stats, next observations, and the env's shared state packed for the next
+    step's reduction."""
     p, result, critic = run.parts, step.result, run.parts.has_critic_obs
     p.replay.add(state.obs, step.action, result.reward * run.cfg.reward_scale, result.next_obs, result.terminated,
                  result.truncated, critic_obs=result.critic_obs if critic else None,
@@ -100,9 +116,40 @@ def store(run: Run, state: LoopState, step: Collected) -> None:
     state.obs = step.next_obs
     if critic:
         state.critic_obs = result.critic_obs
-    shared = p.env.shared_state()
-    if shared:  # episode-weighted mean over ranks, on the device plane, every env step
-        p.env.load_shared_state(reduce_shared_state(shared, result.done.sum(), run.reduce_sum))
+    local = p.env.shared_state()
+    if local:  # episode-weighted mean over ranks, with the next step's normaliser statistics
+        shared.template, shared.packed = local, _pack_shared(local, result.done.sum())
+
+
+def reduce_step(run: Run, state: LoopState, shared: SharedPending) -> None:
+    """One collective on the device plane (none when there is nothing to reduce): the normalisers'
+    statistics of the observations about to be acted on and the pending shared state, packed."""
+    p = run.parts
+    norms = [(n, x) for n, x in ((p.normalizer, state.obs), (p.critic_normalizer, state.critic_obs))
+             if n is not None and n.enabled]
+    template, pending = shared.take()
+    chunks = [n.batch_stats(x) for n, x in norms] + ([pending] if pending is not None else [])
+    if not chunks:
+        return
+    packed = torch.cat(chunks)
+    if run.reduce_sum is not None:
+        run.reduce_sum(packed)
+    reduced = packed.split([c.numel() for c in chunks])
+    for (n, _), stats in zip(norms, reduced):
+        n.merge(stats)
+    if template is not None:
+        p.env.load_shared_state(_unpack_shared(template, reduced[-1]))
+
+
+def save_reduced(run: Run, state: LoopState, shared: SharedPending) -> None:
+    """Collective: a checkpoint, with the pending shared state reduced first (its own collective), so a
+    checkpoint holds what an env step acts on."""
+    template, pending = shared.take()
+    if template is not None:
+        if run.reduce_sum is not None:
+            run.reduce_sum(pending)
+        run.parts.env.load_shared_state(_unpack_shared(template, pending))
+    save(run, state)
 
 
 def update(run: Run, state: LoopState) -> None:
@@ -154,17 +201,20 @@ def log(run: Run, state: LoopState, last: bool) -> None:
 
 def stop_agreed(run: Run, fault: bool, last: bool) -> bool:
     """Every env step: one gloo all-reduce of a CPU flag on the host plane (no device wait); its cost
-    per step is in the README (measured at 2 ranks). Raises when a rank found non-finite env data."""
-    stopping = run.stop.agreed(run.ctx.host_plane, fault=fault) if run.ctx.is_distributed or not last else False
+    per step is in the README (measured at 2 ranks). Raises when a rank found non-finite env data.
+    One process has nothing to agree on (a fault raised in collect): the signal flag alone."""
+    if not run.ctx.is_distributed:
+        return bool(run.stop.reason)
+    stopping = run.stop.agreed(run.ctx.host_plane, fault=fault)
     if run.stop.faults:  # every rank raises the same message (the lowest faulty rank's)
         raise NonFiniteEnvData(nonfinite.posted(run.ctx))
     return stopping
 
 
-def preempt(run: Run, state: LoopState, saved: bool) -> dict[str, float]:
+def preempt(run: Run, state: LoopState, shared: SharedPending, saved: bool) -> dict[str, float]:
     """A stop before the end: checkpoint (the window too) unless this step just did, and leave."""
     if not saved:
-        save(run, state)
+        save_reduced(run, state, shared)
     if run.ctx.rank == 0:
         print(f"hpcrl.sac: stop requested ({run.stop.reason}); checkpoint at env step "
               f"{run.parts.agent.counters.iteration * run.cfg.num_envs} written, resume with --resume", flush=True)
@@ -173,7 +223,7 @@ def preempt(run: Run, state: LoopState, saved: bool) -> dict[str, float]:
     return {**state.row, "preempted": 1.0}
 
 
-def finish(run: Run, state: LoopState) -> dict[str, float]:
+def finish(run: Run, state: LoopState, shared: SharedPending) -> dict[str, float]:
     """The end of the run: the last eval, a checkpoint (resumable with a longer budget, exportable) and
     the final policy snapshot."""
     cfg = run.cfg
@@ -181,7 +231,7 @@ def finish(run: Run, state: LoopState) -> dict[str, float]:
     if cfg.eval_episodes or cfg.eval_every:  # the last eval (of --eval-every too) runs at the end
         final_eval = evaluate_and_keep_best(run, state)
         state.row.update(eval_return=final_eval)
-    save(run, state)
+    save_reduced(run, state, shared)
     if run.ctx.rank == 0:
         final = snapshot(run, "final", final_eval)
         best = state.best if math.isfinite(state.best) else None
@@ -222,13 +272,24 @@ def reduce_shared_state(state: dict[str, torch.Tensor], episodes: torch.Tensor,
     """The episode-weighted mean of every rank's env shared state: sum_r w_r v_r / sum_r w_r with w_r the
     episodes rank r finished this step, or the plain mean over ranks when no rank finished one. One
     collective (``all_reduce_sum``, the device plane; None = one process), no host read."""
-    keys = sorted(state)
-    flat = torch.cat([state[k].detach().reshape(-1).to(torch.float64) for k in keys])
-    w = episodes.detach().to(torch.float64).reshape(1)
-    packed = torch.cat([flat * w, flat, w, torch.ones_like(w)])
+    packed = _pack_shared(state, episodes)
     if all_reduce_sum is not None:
         all_reduce_sum(packed)
-    n = flat.numel()
+    return _unpack_shared(state, packed)
+
+
+def _pack_shared(state: dict[str, torch.Tensor], episodes: torch.Tensor) -> torch.Tensor:
+    """[w v, v, w, 1] in float64 (v: the state flattened, keys sorted): summed over ranks, the
+    weighted and plain sums with their weights."""
+    flat = torch.cat([state[k].detach().reshape(-1).to(torch.float64) for k in sorted(state)])
+    w = episodes.detach().to(torch.float64).reshape(1)
+    return torch.cat([flat * w, flat, w, torch.ones_like(w)])
+
+
+def _unpack_shared(state: dict[str, torch.Tensor], packed: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The episode-weighted mean (plain mean when no rank finished an episode), in ``state``'s shapes."""
+    keys = sorted(state)
+    n = (packed.numel() - 2) // 2
     wsum, ranks = packed[2 * n], packed[2 * n + 1]
     mean = torch.where(wsum > 0, packed[:n] / wsum.clamp(min=1e-300), packed[n:2 * n] / ranks)
     out, i = {}, 0

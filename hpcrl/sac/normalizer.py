@@ -28,13 +28,24 @@ class ObsNormalizer(nn.Module):
     def update(self, x: torch.Tensor, all_reduce_sum: Callable[[torch.Tensor], None] | None = None) -> None:
         if not self.enabled:
             return
+        stats = self.batch_stats(x)
+        if all_reduce_sum is not None:
+            all_reduce_sum(stats)
+        self.merge(stats)
+
+    @torch.no_grad()
+    def batch_stats(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's (count, sum, sum of squares) of ``x`` as one float64 vector: summed over ranks
+        (alone or packed with other such vectors), then :meth:`merge`."""
         x = x.to(torch.float64)
         # Shift by the running mean so the sum of squares does not cancel catastrophically.
         shifted = x - self.mean
-        stats = torch.cat([torch.tensor([x.shape[0]], dtype=torch.float64, device=x.device),
-                           shifted.sum(0), shifted.square().sum(0)])
-        if all_reduce_sum is not None:
-            all_reduce_sum(stats)
+        return torch.cat([torch.tensor([x.shape[0]], dtype=torch.float64, device=x.device),
+                          shifted.sum(0), shifted.square().sum(0)])
+
+    @torch.no_grad()
+    def merge(self, stats: torch.Tensor) -> None:
+        """Fold :meth:`batch_stats`, summed over the ranks, into the running statistics."""
         n, s, ss = stats[0], stats[1 : 1 + self.mean.numel()], stats[1 + self.mean.numel() :]
         batch_mean = s / n  # relative to the old mean
         batch_m2 = ss - n * batch_mean.square()
