@@ -192,3 +192,18 @@ def test_eval_does_not_change_training(art):
     evaluated, stats = train(_wl(art, "records_spy", eval_prompts=str(art["records"]), eval_every=1, eval_samples=1))
     assert all(torch.equal(a, b) for a, b in zip(plain, evaluated))  # no training stream is drawn from
     assert all(s["eval_records"] == 24 and 0 <= s["eval_pass_rate"] <= 1 for s in stats), stats
+
+
+@pytest.mark.slow
+def test_fsdp_trainers_evaluate_together(art, tmp_path):
+    # transformers would all-reduce over the world (makers too) in generate for an FSDP module: a hang
+    run = tmp_path / "run"
+    proc = F.run_ppo(["--workload", "hf", "--hf.model", str(art["llama"]), "--hf.reward-fn", f"{ME}:records_spy",
+                      "--hf.prompts", str(art["records"]), "--hf.eval-prompts", str(art["records"]),
+                      "--hf.eval-every", "2", *SIZES, "--hf.batch-size", "8", "--makers", "1", "--trainers", "2",
+                      "--strategy", "fsdp", "--total-steps", "2", "--timeout-s", "60", "--run-dir", str(run)],
+                     tmp_path, 180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval_reward" in r]
+    assert evals and evals[0]["updates"] == 2 and evals[0]["eval_records"] == 24, rows

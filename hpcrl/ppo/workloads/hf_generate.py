@@ -92,14 +92,17 @@ def _pad_response(out: Tensor, prompt_len: int, g: int, pad_id: int) -> tuple[Te
 def generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, params: SamplingParams, eos_id: int,
              pad_id: int, seed: int) -> tuple[Tensor, Tensor]:
     """``(response [B, G], action_mask [B, G])`` sampled with ``model.generate`` (KV cache), seeded by
-    ``seed`` without touching the caller's global RNG (or greedy: ``params.sample`` False)."""
+    ``seed`` without touching the caller's global RNG (or greedy: ``params.sample`` False). Never
+    ``synced_gpus``: transformers turns it on for an FSDP module and then all-reduces over the *world*
+    group, makers included; trainers evaluating together make the same forward passes anyway."""
     kw = (dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
           if params.sample else dict(do_sample=False, temperature=None, top_p=None, top_k=None))
     devices = [input_ids.device] if input_ids.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=params.max_new_tokens,
-                             min_new_tokens=0, eos_token_id=eos_id, pad_token_id=pad_id, use_cache=True, **kw)
+                             min_new_tokens=0, eos_token_id=eos_id, pad_token_id=pad_id, use_cache=True,
+                             synced_gpus=False, **kw)
     response, generated = _pad_response(out, input_ids.shape[1], params.max_new_tokens, pad_id)
     return response, response_mask(response, eos_id, generated)
 
