@@ -28,6 +28,7 @@ naming the sending rank before anything is allocated from it.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from datetime import timedelta
 from typing import Callable
@@ -140,6 +141,66 @@ class ExperienceChannel:
 # ----------------------------------------------------------------------------------------- weights
 
 
+class _Copies:
+    """The publisher's point-to-point copies: one sender thread per maker rank, each sending the newest
+    version it was handed (a one-slot mailbox: a newer version replaces one not started yet). A frozen
+    maker blocks only its own sender, holds at most the copy in flight and the newest one, and is
+    reported once its copy fails or does not land within ``timeout_s``."""
+
+    def __init__(self, host: Plane, timeout_s: float) -> None:
+        self.host, self.timeout_s = host, timeout_s
+        self._cv = threading.Condition()
+        self._slots: dict[int, list[torch.Tensor]] = {}  # maker rank -> [head, *buckets] to send next
+        self._delivered: dict[int, float] = {}  # maker rank -> the version its last landed copy carried
+        self._failed: set[int] = set()
+        self._unreported: list[int] = []
+        self._senders: dict[int, threading.Thread] = {}
+
+    def post(self, dst: int, tensors: list[torch.Tensor]) -> None:
+        with self._cv:
+            if dst in self._failed:
+                return
+            self._slots[dst] = tensors
+            if dst not in self._senders:
+                self._senders[dst] = threading.Thread(target=self._send_loop, args=(dst,), daemon=True,
+                                                      name=f"weights-to-{dst}")
+                self._senders[dst].start()
+            self._cv.notify_all()
+
+    def take_failed(self) -> list[int]:
+        with self._cv:
+            found, self._unreported = self._unreported, []
+        return found
+
+    def wait_delivered(self, makers: list[int], version: float, timeout_s: float) -> None:
+        """Until every maker in ``makers`` got ``version`` or failed (one deadline)."""
+        with self._cv:
+            self._cv.wait_for(lambda: all(self._delivered.get(d) == version or d in self._failed for d in makers),
+                              timeout=timeout_s)
+
+    def _send_loop(self, dst: int) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: dst in self._slots)
+                tensors = self._slots.pop(dst)
+            try:
+                works = [dist.isend(t, dst, group=self.host.group, tag=TAG_WEIGHTS) for t in tensors]
+                deadline = time.monotonic() + self.timeout_s
+                for w in works:
+                    w.wait(timedelta(seconds=max(0.01, deadline - time.monotonic())))
+            except Exception:  # gone, or frozen past the timeout: no more copies for it
+                with self._cv:
+                    self._failed.add(dst)
+                    self._unreported.append(dst)
+                    self._cv.notify_all()
+                return
+            with self._cv:
+                self._delivered[dst] = float(tensors[0][0])
+                self._cv.notify_all()
+            if float(tensors[0][0]) == END:
+                return
+
+
 class WeightChannel:
     """Trainer 0 -> makers. ``plane``: the weight plane (trainer 0 + makers; NCCL or gloo), ``host``:
     the world's host plane (point-to-point fallback), ``store``: the rendezvous store (fallback flag).
@@ -160,6 +221,7 @@ class WeightChannel:
         self.src = plane.ranks[0]
         self.point_to_point = transport == "point-to-point"
         self.transport = transport
+        self._copies = _Copies(host, timeout_s)  # the publisher's point-to-point senders
 
     @property
     def nbytes(self) -> int:
@@ -191,7 +253,7 @@ class WeightChannel:
             return
         if not self.point_to_point:
             self._fall_back(END)
-        self._send_each(torch.zeros(0, dtype=self.dtype), header, makers, buckets=0)
+        self._end_each(makers)
 
     def _fall_back(self, version: int) -> None:
         """From now on point-to-point over the host plane; every member learns it from the store and
@@ -202,24 +264,18 @@ class WeightChannel:
 
     def _send_each(self, flat: torch.Tensor, header: list[float], makers: list[int],
                    buckets: int | None = None) -> list[int]:
-        """One copy per maker, all posted first, then waited for against one deadline."""
+        """Hand one copy per maker to its sender (:class:`_Copies`) without waiting; returns the makers a
+        copy failed to reach (or did not reach within the timeout) since the last call."""
         head = torch.tensor(header, dtype=torch.float64)
         parts = [flat[i * self.bucket : (i + 1) * self.bucket] for i in range(self.buckets if buckets is None else buckets)]
-        works: dict[int, list] = {}
-        failed: list[int] = []
         for dst in makers:
-            try:
-                works[dst] = [dist.isend(t, dst, group=self.host.group, tag=TAG_WEIGHTS) for t in [head, *parts]]
-            except Exception:
-                failed.append(dst)
-        deadline = time.monotonic() + self.timeout_s
-        for dst, ws in works.items():
-            try:
-                for w in ws:
-                    w.wait(timedelta(seconds=max(0.01, deadline - time.monotonic())))
-            except Exception:
-                failed.append(dst)
-        return failed
+            self._copies.post(dst, [head, *parts])
+        return self._copies.take_failed()
+
+    def _end_each(self, makers: list[int]) -> None:
+        """The end marker to every live maker (each after its last copy), within one deadline."""
+        self._send_each(torch.zeros(0, dtype=self.dtype), [float(END), 0.0, 0.0, 0.0], makers, buckets=0)
+        self._copies.wait_delivered(makers, float(END), self.timeout_s)
 
     def _wait(self, works: list, alive: Callable[[], bool] | None, max_nap_s: float = _POLL_BUSY_S) -> bool:
         """Poll the works until done (True), or False when the channel must give up on broadcasts: on the

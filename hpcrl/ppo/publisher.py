@@ -85,27 +85,34 @@ class Publisher:
             with self._mail:
                 self._mail.wait_for(lambda: bool(self._mailbox))
                 item = self._mailbox.pop()
-            live = self._live
             if item is None:
-                self.weights.end(live, self._alive)
+                self.weights.end(self._live, self._alive)
                 return
-            version, flat = item
-            t0 = time.perf_counter()
-            before = self.weights.transport
-            try:
-                failed = self.weights.publish(flat, version, live, self._alive)
-            except Exception as err:  # the main thread raises it at its next post
-                self.error = err
+            if not self._publish(*item):
                 return
-            seconds = time.perf_counter() - t0
-            self.publish_ms = seconds * 1000
-            if self.weights.transport != before:
-                print(f"hpcrl.ppo: the weight broadcast to the makers could not complete at v{version} (a maker is "
-                      f"lost or hangs); weights go {self.weights.transport} to the {len(live)} live maker(s) from "
-                      "now on", flush=True)
-            self.events(WeightsPublished(time.time(), version, seconds, self.weights.nbytes, len(live),
-                                         self.weights.transport))
-            if failed:  # no more weights for them; the trainer drops them (and re-issues their credits)
-                with self._mail:
-                    self._unreachable += failed
-                    self._live = [r for r in self._live if r not in failed]
+
+    def _publish(self, version: int, flat: torch.Tensor) -> bool:
+        """One version to the live makers; False (the error kept for the main thread) if that failed."""
+        live, t0, before = self._live, time.perf_counter(), self.weights.transport
+        try:
+            failed = self.weights.publish(flat, version, live, self._alive)
+        except Exception as err:  # the main thread raises it at its next post
+            self.error = err
+            return False
+        seconds = time.perf_counter() - t0
+        self.publish_ms = seconds * 1000
+        self._lose(failed)
+        if self.weights.transport != before:
+            print(f"hpcrl.ppo: the weight broadcast to the makers could not complete at v{version} (a maker is "
+                  f"lost or hangs); weights go {self.weights.transport} to the {len(self._live)} live maker(s) "
+                  "from now on", flush=True)
+        self.events(WeightsPublished(time.time(), version, seconds, self.weights.nbytes, len(live),
+                                     self.weights.transport))
+        return True
+
+    def _lose(self, failed: list[int]) -> None:
+        """No more weights for them; the trainer drops them (and re-issues their credits)."""
+        if failed:
+            with self._mail:
+                self._unreachable += failed
+                self._live = [r for r in self._live if r not in failed]

@@ -1,0 +1,121 @@
+"""Detached PPO keeps training while a maker is frozen: real SIGSTOP on real processes (cartpole, 2 makers :
+1 trainer, ``--heartbeat-timeout-s 3``). The frozen maker is dropped and counted, the weights go to the
+live maker alone, the run finishes rc 0 with every sample accounted for, and it made updates while the
+maker was frozen; woken after being dropped, the maker leaves on its own with exit 0 and a message."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(90)
+
+HEARTBEAT_S = 3.0
+ARGS = ["--workload", "cartpole", "--makers", "2", "--trainers", "1", "--heartbeat-timeout-s", str(HEARTBEAT_S),
+        "--timeout-s", "60"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(run: Path, steps: int) -> list[subprocess.Popen]:
+    """Independent processes, torchrun-style variables (ranks 0 trainer, 1-2 makers): a frozen maker is
+    then the test's to end, and each process's exit code is its own."""
+    port, procs = _free_port(), []
+    for rank in range(3):
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "RANK": str(rank),
+               "WORLD_SIZE": "3", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, "-m", "hpcrl.ppo", *ARGS, "--total-steps", str(steps),
+                                       "--run-dir", str(run)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def _rows(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _wait_rows(run: Path, n: int, procs: list[subprocess.Popen], timeout: float = 60) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if len(_rows(run)) >= n:
+            return
+        if any(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.02)
+    raise AssertionError("the run did not log enough rows: " + "".join(p.communicate()[1][-2000:] for p in procs))
+
+
+def _updates(run: Path) -> int:
+    rows = _rows(run)
+    return int(rows[-1]["updates"]) if rows else 0
+
+
+def _check_accounts(final: dict) -> None:
+    assert final["makers_lost"] == 1
+    assert final["samples_produced"] == (final["samples_consumed"] + final["dropped_stale"]
+                                         + final["dropped_shutdown"] + final["lost_in_flight"])
+
+
+def test_a_maker_frozen_for_good_is_dropped_and_the_run_finishes(tmp_path):
+    run = tmp_path / "run"
+    procs = _launch(run, 150)
+    trainer, healthy, frozen = procs
+    try:
+        _wait_rows(run, 5, procs)
+        frozen.send_signal(signal.SIGSTOP)
+        at_freeze, t0 = _updates(run), time.monotonic()
+        out, err = trainer.communicate(timeout=60)
+        assert trainer.returncode == 0, err[-3000:]
+        assert time.monotonic() - t0 < 40
+        assert healthy.wait(timeout=30) == 0
+    finally:
+        for p in procs:
+            p.kill()
+    rows = _rows(run)
+    final = rows[-1]
+    assert final["policy_version"] == 150 and final["updates"] > at_freeze
+    _check_accounts(final)
+    assert "weights go point-to-point to the 1 live maker(s)" in out, out[-2000:]
+    assert "maker rank 1" not in out + err  # the healthy maker is never blamed
+
+
+def test_a_maker_frozen_for_10_s_is_dropped_trained_around_and_leaves_when_woken(tmp_path):
+    run = tmp_path / "run"
+    procs = _launch(run, 300)
+    trainer, healthy, frozen = procs
+    try:
+        _wait_rows(run, 5, procs)
+        frozen.send_signal(signal.SIGSTOP)
+        at_freeze = _updates(run)
+        time.sleep(10.0)
+        before_wake = _updates(run)
+        frozen.send_signal(signal.SIGCONT)  # dropped by now: it must leave on its own, cleanly
+        woke_out, woke_err = frozen.communicate(timeout=30)
+        out, err = trainer.communicate(timeout=60)
+        assert trainer.returncode == 0, err[-3000:]
+        assert healthy.wait(timeout=30) == 0
+    finally:
+        for p in procs:
+            p.kill()
+    # progress while the maker was frozen: the trainer went on with the live one
+    assert before_wake > at_freeze, (at_freeze, before_wake)
+    assert frozen.returncode == 0, woke_err[-2000:]
+    assert "maker 1: the trainers dropped this maker" in woke_out, woke_out[-2000:]
+    final = _rows(run)[-1]
+    assert final["policy_version"] == 300
+    _check_accounts(final)
+    assert "to the 1 live maker(s)" in out, out[-2000:]
