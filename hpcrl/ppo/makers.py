@@ -67,6 +67,7 @@ class MakerLedger:
         self._pending: deque[int] = deque()  # credit ids in grant order: experience is handed out oldest-first
         self._credit_maker: dict[int, int] = {}
         self._sending: dict[int, list] = {}  # maker -> credit sends posted and not yet completed (work, tensor)
+        self._credit_sent: dict[int, tuple] = {}  # credit id -> its send, until its batch is handed out
         self._arrived: dict[int, Received] = {}
         self._failed: dict[int, BaseException] = {}  # maker -> what its receive thread hit (written there)
         self._lost: list[int] = []  # dropped since the last take_lost()
@@ -111,6 +112,7 @@ class MakerLedger:
                 self.grant(1, min_version)
                 continue
             self._sending.setdefault(m, []).append(sent)
+            self._credit_sent[credit] = sent
             self.next_credit += 1
             self._pending.append(credit)
             self._credit_maker[credit] = m
@@ -227,6 +229,7 @@ class MakerLedger:
             between()
         if self._pending and self._pending[0] in self._arrived:
             item = self._arrived.pop(self._pending.popleft())
+            self._delivered(item.header.maker, item.header.credit)
             self.outstanding[item.header.maker] -= 1
             self.used[item.header.maker] += item.header.samples
             return item
@@ -245,6 +248,18 @@ class MakerLedger:
             self._arrived[item.header.credit] = item
         # else it arrived after we gave up on its maker (credit re-issued), or is not a credit we gave it
         return None
+
+    def _delivered(self, m: int, credit: int) -> None:
+        """Its batch is here, so the credit's send landed: settle it (a gloo send reports completion only
+        once waited for, so without this every credit's send would be kept for the whole run)."""
+        sent = self._credit_sent.pop(credit, None)
+        if sent is None:
+            return
+        self._sending[m] = [s for s in self._sending.get(m, []) if s[0] is not sent[0]]
+        try:
+            sent[0].wait()
+        except Exception:  # delivered all the same: the maker answered it
+            pass
 
     def join(self, timeout_s: float) -> None:
         """Wait (one deadline) for the live makers to close their streams after STOP; a lost maker's

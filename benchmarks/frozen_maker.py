@@ -1,0 +1,117 @@
+#!/usr/bin/env python
+"""Detached PPO throughput with one of two makers frozen (SIGSTOP for good) vs the healthy run.
+
+    python benchmarks/frozen_maker.py [--pairs 2] [--steps 300] [--json benchmarks/results/frozen_maker.json]
+
+Cartpole, 2 makers : 1 trainer, ``--heartbeat-timeout-s 3``, real processes (torchrun-style variables,
+gloo on loopback). Runs alternate healthy / frozen (interleaved, so load drifts hit both alike). In a
+frozen run maker 1 is SIGSTOPped once the 5th metrics row is written and never woken (killed at the
+end). Throughput = env steps / s from the metrics rows' ``env_steps`` and ``time``, over the same
+window in both: from row 5 to the last row; in the frozen run that window holds the detection (up
+to the heartbeat timeout) and the rest of the run on the live maker alone. Target: frozen >= 40 % of
+healthy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import schema  # noqa: E402
+from benchmarks._timing import write_json  # noqa: E402
+
+HEARTBEAT_S = 3.0
+FROM_ROW = 5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rows(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _launch(run: Path, steps: int) -> list[subprocess.Popen]:
+    port, procs = _free_port(), []
+    for rank in range(3):
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "RANK": str(rank),
+               "WORLD_SIZE": "3", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "hpcrl.ppo", "--workload", "cartpole", "--makers", "2", "--trainers", "1",
+             "--heartbeat-timeout-s", str(HEARTBEAT_S), "--timeout-s", "60", "--total-steps", str(steps),
+             "--run-dir", str(run)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def one_run(steps: int, freeze: bool) -> dict:
+    """One run; its env steps / s from row FROM_ROW to the last row, and the makers it lost."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp) / "run"
+        procs = _launch(run, steps)
+        try:
+            while len(_rows(run)) < FROM_ROW:
+                if procs[0].poll() is not None:
+                    raise RuntimeError(f"trainer exited {procs[0].returncode}: {procs[0].stderr.read()[-2000:]}")
+                time.sleep(0.01)
+            if freeze:
+                procs[2].send_signal(signal.SIGSTOP)
+            _, err = procs[0].communicate(timeout=300)
+            if procs[0].returncode != 0:
+                raise RuntimeError(f"trainer exited {procs[0].returncode}: {err[-2000:]}")
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+        rows = _rows(run)
+    start, last = rows[FROM_ROW - 1], rows[-2]  # rows[-1] repeats the last step with the closing accounts
+    rate = (last["env_steps"] - start["env_steps"]) / max(last["time"] - start["time"], 1e-9)
+    updates_s = (last["updates"] - start["updates"]) / max(last["time"] - start["time"], 1e-9)
+    return {"frozen": freeze, "env_steps_per_s": rate, "updates_per_s": updates_s,
+            "window_s": last["time"] - start["time"], "makers_lost": rows[-1].get("makers_lost"),
+            "policy_version": rows[-1].get("policy_version")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    ap.add_argument("--pairs", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "frozen_maker.json"))
+    args = ap.parse_args()
+    runs = []
+    for _ in range(args.pairs):
+        for freeze in (False, True):
+            runs.append(one_run(args.steps, freeze))
+            print(json.dumps(runs[-1]), flush=True)
+    healthy = statistics.median(r["env_steps_per_s"] for r in runs if not r["frozen"])
+    frozen = statistics.median(r["env_steps_per_s"] for r in runs if r["frozen"])
+    ratio = frozen / healthy
+    config = {"workload": "cartpole", "makers": 2, "trainers": 1, "heartbeat_timeout_s": HEARTBEAT_S,
+              "total_steps": args.steps, "pairs": args.pairs, "from_row": FROM_ROW}
+    doc = schema.make("frozen_maker", schema.header("cpu", 3, config),
+                      {"frozen_over_healthy": schema.figure(ratio, "ratio", True),
+                       "healthy_env_steps_per_s": schema.figure(healthy, "env steps/s", True),
+                       "frozen_env_steps_per_s": schema.figure(frozen, "env steps/s", True)},
+                      {"runs": runs, "target": 0.4, "meets_target": ratio >= 0.4})
+    write_json(args.json, doc)
+    print(f"frozen_maker: healthy {healthy:.0f} env steps/s, one of two makers frozen {frozen:.0f} env steps/s: "
+          f"{100 * ratio:.0f} % (target >= 40 %); {args.json}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
