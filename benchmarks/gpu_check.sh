@@ -45,6 +45,7 @@ entry() {  # entry NAME TIMEOUT_S CMD...: run one entry point into $OUT/runs/NAM
 mkdir -p "$OUT/runs"
 entry sac_pendulum 90 "$PY" -m hpcrl.sac --preset pendulum --total-env-steps 6400 --eval-episodes 4
 entry sac_4096_envs 90 "$PY" -m hpcrl.sac --preset pendulum --num-envs 4096 --batch-size 8192 --total-env-steps 409600 --learning-starts 10 --log-every 20 --eval-episodes 4
+entry sac_compiled 180 "$PY" -m hpcrl.sac --preset pendulum --compile --total-env-steps 3200 --eval-episodes 2
 entry ppo_gpu_trainer_gpu_maker 90 "$PY" -m hpcrl.ppo --workload cartpole --makers 1 --trainers 1 --trainer-device cuda --maker-device cuda --total-steps 30
 entry ppo_gpu_trainer_cpu_maker 90 "$PY" -m hpcrl.ppo --workload cartpole --makers 1 --trainers 1 --trainer-device cuda --maker-device cpu --total-steps 30
 entry sac_amp_fp16_clipped 90 "$PY" -m hpcrl.sac --preset pendulum --amp fp16 --max-grad-norm 1 --total-env-steps 3200 --eval-episodes 2

@@ -4,7 +4,9 @@
     python benchmarks/sac_ladder.py [--quick] [--json PATH]
 
 Rungs (``SACConfig`` fields): ``per_head`` (per-head critic, per-parameter tensors: the old path),
-``flat`` (flat parameters only: the default), ``batched`` (batched critic only), ``batched_flat`` (both).
+``flat`` (flat parameters only: the default), ``batched`` (batched critic only), ``batched_flat`` (both),
+``compiled`` (flat + ``--compile``: the whole update captured by torch.compile, hpcrl/sac/compiled.py; its
+one-time compile is done before timing and reported as ``compile_s``).
 Sizes: the pendulum preset (obs 3, action 1, batch 256, hidden 128) and the halfcheetah preset (obs 17,
 action 6, batch 4096, critic 512, actor 256). One torch thread, CPU, one process. Every rung starts
 from the same seed (hence the same weights) and runs on the same fixed batch and noise; one timed call
@@ -40,6 +42,7 @@ RUNGS: dict[str, dict[str, bool]] = {
     "flat": dict(flat_params=True, batched_critic=False),
     "batched": dict(flat_params=False, batched_critic=True),
     "batched_flat": dict(flat_params=True, batched_critic=True),
+    "compiled": dict(flat_params=True, batched_critic=False, compile=True),
 }
 SIZES = {"pendulum": (3, 1), "halfcheetah": (17, 6)}  # (obs_dim, action_dim) of each preset's env
 BASE = "per_head"
@@ -53,7 +56,7 @@ def fixed_batch(batch: int, obs_dim: int, action_dim: int) -> tuple[Batch, Updat
     return data, UpdateNoise.draw(batch, action_dim, g, CPU)
 
 
-def rung_call(name: str, rung: dict[str, bool], batch: int | None) -> Callable[[], None]:
+def rung_call(name: str, rung: dict[str, bool], batch: int | None, compile_s: dict[str, float]) -> Callable[[], None]:
     cfg = preset(name, **rung, **({} if batch is None else {"batch_size": batch}))
     obs_dim, action_dim = SIZES[name]
     torch.manual_seed(0)
@@ -64,12 +67,16 @@ def rung_call(name: str, rung: dict[str, bool], batch: int | None) -> Callable[[
     def call() -> None:
         for _ in range(cfg.policy_frequency):
             agent.update(data, noise)
+    if agent._compiled is not None:  # compile (critic and actor parts) outside the timed calls
+        call()
+        compile_s["compiled"] = agent._compiled.compile_s
     return call
 
 
 def bench_size(name: str, repeats: int, min_repeat_s: float, batch: int | None) -> dict[str, Any]:
     cfg = preset(name, **({} if batch is None else {"batch_size": batch}))
-    calls = {rung: rung_call(name, flags, batch) for rung, flags in RUNGS.items()}
+    compile_s: dict[str, float] = {}
+    calls = {rung: rung_call(name, flags, batch, compile_s) for rung, flags in RUNGS.items()}
     load_before = loadavg()
     timed = measure_group(calls, CPU, warmup=2, repeats=repeats, min_repeat_s=min_repeat_s, max_inner=200)
     per_update = {rung: t["median_s"] / cfg.policy_frequency for rung, t in timed.items()}
@@ -81,7 +88,8 @@ def bench_size(name: str, repeats: int, min_repeat_s: float, batch: int | None) 
         "rungs": {rung: {**RUNGS[rung], "update_s": s, "updates_per_s": 1.0 / s, "speedup_vs_per_head": per_update[BASE] / s,
                          "cpu_update_s": cpu[rung], "cpu_speedup_vs_per_head": cpu[BASE] / cpu[rung],
                          "min_update_s": timed[rung]["min_s"] / cfg.policy_frequency, "cpu_frac": timed[rung]["cpu_frac"],
-                         "inner": timed[rung]["inner"], "repeats": repeats}
+                         "inner": timed[rung]["inner"], "repeats": repeats,
+                         **({"compile_s": compile_s[rung]} if rung in compile_s else {})}
                   for rung, s in per_update.items()},
     }
 
@@ -106,6 +114,13 @@ def main() -> int:
                for name, size in sizes.items() for rung, r in size["rungs"].items()}
     figures.update({f"{name}_speedup_batched_flat": schema.figure(size["rungs"]["batched_flat"]["speedup_vs_per_head"],
                                                                   "x", True) for name, size in sizes.items()})
+    # compiled vs the default eager path (flat), by wall and by process CPU time (the steadier under load)
+    for name, size in sizes.items():
+        r = size["rungs"]
+        figures[f"{name}_compiled_vs_flat"] = schema.figure(r["flat"]["update_s"] / r["compiled"]["update_s"], "x", True)
+        figures[f"{name}_compiled_vs_flat_cpu"] = schema.figure(r["flat"]["cpu_update_s"] / r["compiled"]["cpu_update_s"],
+                                                               "x", True)
+        figures[f"{name}_compile_s"] = schema.figure(r["compiled"]["compile_s"], "s", False)
     config = {"quick": args.quick, "repeats": repeats, "min_repeat_s": min_repeat_s, "threads": 1,
               "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
     results = {"machine": machine_info(CPU, 1), "sizes": sizes,

@@ -23,6 +23,8 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
+from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 from hpcrl.config_check import ConfigError
 
@@ -59,6 +61,12 @@ class CompiledUpdate:
         # that AOT sees a no-grad graph): a step is three graphs, norm | step | zero + Polyak.
         self._critic_step = torch.compile(self._critic_step_eager, **compile_)
         self._actor_step = torch.compile(self._actor_step_eager, **compile_)
+        if cuda:  # buffers the step graphs mutate keep their addresses: CUDA graphs may capture them
+            for flat in (agent._flat_critic, agent._flat_actor, agent._flat_target):
+                for buffer in (*flat.buffers.values(), *flat.grad_buffers.values()):
+                    torch._dynamo.mark_static_address(buffer)
+        # A CUDA graph's outputs are overwritten by its next replay; the loop keeps metrics across updates.
+        self._keep = (lambda t: t.detach().clone()) if cuda else (lambda t: t.detach())
         self.compile_s = 0.0  # wall seconds of the first critic and first actor update (compilation)
         self._warm = {"critic": False, "actor": False}
 
@@ -71,8 +79,8 @@ class CompiledUpdate:
                                                     batch.q_next_obs, batch.discount, noise.next_eps)
         (critic_loss + alpha_loss).backward()
         agent.critic_average.all_reduce()
-        out = {"critic_loss": critic_loss.detach(), "alpha_loss": alpha_loss.detach(),
-               "critic_grad_norm": self._critic_step()}
+        keep = self._keep
+        out = {"critic_loss": keep(critic_loss), "alpha_loss": keep(alpha_loss), "critic_grad_norm": keep(self._critic_step())}
         agent.counters.critic_steps += 1
         self._count_compile("critic", start)
         if actor_due:
@@ -84,15 +92,20 @@ class CompiledUpdate:
             finally:
                 agent.critic.requires_grad_(True)
             agent.actor_average.all_reduce()
-            out["actor_loss"], out["entropy"], out["actor_grad_norm"] = loss.detach(), entropy, self._actor_step()
+            out["actor_loss"], out["entropy"], out["actor_grad_norm"] = keep(loss), keep(entropy), keep(self._actor_step())
             agent.counters.actor_steps += 1
             self._count_compile("actor", start)
         return out
 
     def _count_compile(self, part: str, start: float) -> None:
-        if not self._warm[part]:
-            self._warm[part] = True
-            self.compile_s += time.perf_counter() - start
+        """Add a first call's wall time to :attr:`compile_s`; once every part ran, report it (one line, rank 0)."""
+        if self._warm[part]:
+            return
+        self._warm[part] = True
+        self.compile_s += time.perf_counter() - start
+        if all(self._warm.values()) and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(f"hpcrl.sac: --compile: update compiled in {self.compile_s:.1f} s "
+                  f"(inductor cache {cache_dir()})", flush=True)
 
     # -- the captured graphs: plain functions of tensors, the modules and optimizers read from the agent
 
