@@ -138,7 +138,8 @@ class SACConfig:
     every sampled batch is doubled with its mirrored transitions, so each update sees 2 x batch_size rows
     globally (batch_size sampled, batch_size mirrored), as in holosoma."""
     compile: bool = False
-    """torch.compile the actor and critic."""
+    """torch.compile the whole update (losses, backward, optimizer steps, Polyak; CUDA graphs on a GPU),
+    hpcrl/sac/compiled.py; needs flat parameters and --amp none|bf16."""
 
     actor_hidden: int = 512
     """Width of the first hidden layer (then /2, /4): >= 4."""
