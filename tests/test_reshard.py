@@ -256,7 +256,7 @@ def test_critic_obs_and_shared_state_reshard_two_to_one(tmp_path):
     assert replay["critic_obs_dim"] == 3 and int(replay["ptr"]) == 60
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # the fast tier's 2 -> 1 -> 4 run covers the reshard; this adds a stop mid-window
 @pytest.mark.timeout(400)
 def test_a_sigusr2_stop_mid_window_resumes_at_another_world_size(tmp_path):
     import signal

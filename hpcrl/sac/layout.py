@@ -28,6 +28,10 @@ def plan(cfg: SACConfig, world_size: int) -> Layout:
     are global, every rank runs ``num_envs / W`` envs and samples ``batch_size / W`` transitions per
     update, so W changes the speed of a run, not what it learns from. Call after ``cfg.check()`` (every
     field's range)."""
+    if cfg.resume and (cfg.num_envs % world_size or cfg.batch_size % world_size):
+        valid = [w for w in range(1, cfg.num_envs + 1) if cfg.num_envs % w == 0 and cfg.batch_size % w == 0]
+        raise ConfigError(f"--resume with {world_size} ranks: this run's num_envs={cfg.num_envs} and "
+                          f"batch_size={cfg.batch_size} split over {', '.join(map(str, valid))} ranks only")
     if cfg.num_envs % world_size:
         raise ConfigError(f"num_envs={cfg.num_envs} not divisible by world_size={world_size}; "
                           f"use e.g. --num-envs {_nearest_multiples(cfg.num_envs, world_size)}")

@@ -170,7 +170,8 @@ def _resume(cfg: SACConfig, ctx: DistContext) -> checkpoint.Restored | None:
     """The newest checkpoint every rank can load (collective); None only with ``--resume-missing fresh``."""
     with _run_dir_errors():
         found = checkpoint.restore(cfg.run_dir, ctx.rank, ctx.world_size, ctx.device,
-                                   identity=run_identity(cfg, ctx.world_size), agree=checkpoint.store_agree(ctx))
+                                   identity=run_identity(cfg, ctx.world_size), agree=checkpoint.store_agree(ctx),
+                                   reshard=True)  # another world size: envs re-dealt (hpcrl/sac/reshard.py)
         if found is None:
             checkpoint.fresh_or_refuse(cfg.run_dir, cfg.resume_missing, ctx.rank == 0, "hpcrl.sac")
         return found
