@@ -28,8 +28,11 @@ __all__ = ["RUN_FILES", "check_fresh_start", "check_resumable", "check_start", "
            "overwrite", "previous_run", "remove_run"]
 
 RUN_FILES = ("config.json", "metrics.jsonl", "outcome.json", "wandb_id", "checkpoints", "best", "final", "tb",
-             "wandb", "hf", "logs")
-"""Everything hpcrl writes into a run directory (besides its ``.lock``)."""
+             "wandb", "hf")
+"""Everything hpcrl writes into a run directory (besides its ``.lock`` and the ranks' ``logs/``)."""
+LOGS = "logs"
+"""The ranks' native-stderr logs: written from the first moment of a rank, so only ``--overwrite`` before
+any rank starts removes them (a rank-0 clear at start-up would unlink the logs the ranks just opened)."""
 TRASH = ".overwritten-"  # prefix of the directory an --overwrite empties into
 _STEP_DIR = re.compile(r"^step_\d+$")  # a committed checkpoint (hpcrl.checkpoint.PREFIX)
 
@@ -98,7 +101,7 @@ def check_resumable(run_dir: str | os.PathLike, resume: bool, resume_missing: st
                           "--resume-missing fresh to start fresh whenever there is nothing to resume")
 
 
-def remove_run(run_dir: str | os.PathLike) -> list[str]:
+def remove_run(run_dir: str | os.PathLike, names: tuple[str, ...] = RUN_FILES) -> list[str]:
     """Delete every file hpcrl wrote in ``run_dir`` (:data:`RUN_FILES`, and the trash of an earlier
     unfinished call); returns the names removed. The caller holds the run-dir lock, or has checked
     that no run holds it."""
@@ -106,7 +109,7 @@ def remove_run(run_dir: str | os.PathLike) -> list[str]:
     if not run_dir.is_dir():
         return []
     trash = run_dir / f"{TRASH}{os.getpid()}"
-    present = [name for name in RUN_FILES if os.path.lexists(run_dir / name)]
+    present = [name for name in names if os.path.lexists(run_dir / name)]
     if present:
         trash.mkdir(exist_ok=True)
         for name in present:  # renames: after the first, the trash marks the run dir as not yet empty
@@ -131,6 +134,6 @@ def overwrite(run_dir: str | os.PathLike) -> None:
     starts several ranks, rank 0 does it instead, holding the run-dir lock (:func:`hpcrl.checkpoint.clear`),
     so that no two processes delete at once."""
     probe(run_dir)  # again, right before deleting: a run may have started there since the config check
-    if removed := remove_run(run_dir):
+    if removed := remove_run(run_dir, (*RUN_FILES, LOGS)):
         print(f"hpcrl: --overwrite: removed the previous run in {run_dir} ({', '.join(removed)})",
               file=sys.stderr, flush=True)
