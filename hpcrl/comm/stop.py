@@ -54,7 +54,8 @@ class StopRequest:
             raise ValueError(f"StopRequest.agreed runs on the host plane, got the {plane}")
         flags = torch.tensor([1.0 if self.reason else 0.0, 1.0 if fault else 0.0])
         all_reduce_sum_([flags], plane)
-        stop, self.faults = flags[0].item() > 0, int(flags[1].item())
+        stop_flag, faults = flags.tolist()  # one host read
+        stop, self.faults = stop_flag > 0, int(faults)
         if stop and not self.reason:
             self.reason = "signal on another rank"
         return stop

@@ -53,7 +53,7 @@ class Parts:
     critic_normalizer: ObsNormalizer | None  # over the privileged critic observations; None: the actor's
     replay: ReplayShard
     stats: EpisodeStats
-    generator: torch.Generator  # the rank's sampling stream: random actions, replay samples, update noise
+    generator: torch.Generator  # the rank's stream: random actions, update noise (replay samples: Run.sampler)
 
     @property
     def has_critic_obs(self) -> bool:

@@ -1,7 +1,7 @@
 """FastSAC data-parallel training: ``train(cfg)`` per rank sets the run up and runs its loop.
 
-Data path: env.step -> ReplayShard.add -> ReplayShard.sample -> FastSAC.update (losses ->
-GradAverager all-reduce -> optimizer step); the loop's steps are in :mod:`hpcrl.sac.loop`. Parameters
+Data path: env.step -> ReplayShard.add -> replay.Sampler.sample (indices drawn in the kernel) ->
+FastSAC.update (losses -> GradAverager all-reduce -> optimizer step); the loop's steps are in :mod:`hpcrl.sac.loop`. Parameters
 are broadcast from rank 0 at start and after a resume; a checkpoint taken mid metrics window
 carries the window, so a resumed run logs the same rows.
 """
