@@ -219,7 +219,11 @@ class Trainer:
                                  mins=["lag_min"])
         publish_ms = self.publisher.publish_ms if self.publisher is not None else float("nan")
         row = tally.row(reduced, self.version, publish_ms, step_s)
+        evals = {k: row.pop(k) for k in [k for k in row if k.startswith("eval_")]}
         logger.log(row)
+        if evals:  # a workload's held-out evaluation: its own row, as FastSAC's eval rows
+            logger.log({"env_steps": row["env_steps"], "updates": row["updates"],
+                        **({"eval_return": evals["eval_reward"]} if "eval_reward" in evals else {}), **evals})
         self.events(RowLogged(time.time(), self.index, dict(row)))
         return row
 
