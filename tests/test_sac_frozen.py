@@ -113,13 +113,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _torchrun_style(run: Path) -> list[subprocess.Popen]:
+    """Two ranks started as torchrun does (RANK, WORLD_SIZE, MASTER_*), no supervising parent."""
+    port = _free_port()
+    return [subprocess.Popen([sys.executable, "-m", "hpcrl.sac", *TINY, "--run-dir", str(run)],
+                             env=_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                                      MASTER_PORT=str(port)),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+
+
 def test_frozen_rank_under_torchrun_style_launch_is_named_by_the_other(tmp_path):
     """No supervising parent: the healthy rank (rank 0, which hosts the store) exits on its own."""
-    run, port = tmp_path / "run", _free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "hpcrl.sac", *TINY, "--run-dir", str(run)],
-                              env=_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                                       MASTER_PORT=str(port)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    run = tmp_path / "run"
+    procs = _torchrun_style(run)
     try:
         _started(run, procs)
         took, err = _freeze_and_wait(procs[1].pid, procs[0])
@@ -136,11 +142,8 @@ def test_frozen_rank_under_torchrun_style_launch_is_named_by_the_other(tmp_path)
 def test_lost_store_host_is_named_in_one_line_and_its_frames_go_to_the_log(tmp_path, sig):
     """Rank 0 hosts the store (torchrun-style): frozen or killed, rank 1 names it in one line; the C++
     frames of the broken store connection land in RUN_DIR/logs/rank1.log, not on the terminal."""
-    run, port = tmp_path / "run", _free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "hpcrl.sac", *TINY, "--run-dir", str(run)],
-                              env=_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                                       MASTER_PORT=str(port)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    run = tmp_path / "run"
+    procs = _torchrun_style(run)
     try:
         _started(run, procs)
         if sig == signal.SIGSTOP:

@@ -27,6 +27,7 @@ TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
 
 from test_spawn import TINY, _ranks_of  # noqa: E402
+from test_spawn import _finish as _end  # noqa: E402  (communicate, then SIGKILL the group)
 
 pytestmark = [pytest.mark.extended, pytest.mark.timeout(480)]
 
@@ -67,15 +68,6 @@ def _wait_rows(run: Path, n: int, proc: subprocess.Popen, timeout: float = 60) -
             return False
         time.sleep(0.02)
     raise AssertionError(f"no {n} rows within {timeout} s")
-
-
-def _end(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
-    try:
-        return proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def _ppo_job(rng: random.Random, run: Path, tmp: Path, resume: bool, budget: int) -> tuple[int, list[str]]:
