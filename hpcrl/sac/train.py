@@ -118,10 +118,8 @@ def _build(cfg: SACConfig, ctx: DistContext, layout: Layout) -> tuple[Parts, Loo
                     plane=ctx.device_plane, critic_obs_dim=cdim)
     normalizer = ObsNormalizer(env.obs_dim, enabled=cfg.obs_normalization).to(device)
     critic_normalizer = ObsNormalizer(cdim, enabled=cfg.obs_normalization).to(device) if cdim else None
-    if cfg.compile:
+    if cfg.compile:  # acting; the critics run only inside the update, which --compile captures whole
         agent.actor.compile()
-        agent.critic.compile()
-        agent.critic_target.compile()
     replay = ReplayShard(layout.envs_per_rank, cfg.buffer_size, env.obs_dim, env.action_dim, cfg.n_step,
                          cfg.gamma, device, critic_obs_dim=cdim or 0)
     generator = torch.Generator(device).manual_seed(cfg.seed * 1_000_003 + ctx.rank)
