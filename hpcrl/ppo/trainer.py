@@ -12,14 +12,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from hpcrl import checkpoint, rundir
-from hpcrl.comm import DistContext, Plane, StopRequest, barrier, hosts, reduce_metrics
+from hpcrl.comm import DistContext, StopRequest, barrier, hosts, reduce_metrics
 from hpcrl.metrics import RunLogger
 
 from .channels import CreditChannel, ExperienceChannel, SchemaChannel, StatusChannel, WeightChannel
@@ -30,12 +28,12 @@ from .liveness import PeerLost, Watcher, describe, liveness_store
 from .makers import MakerLedger, MakerWires
 from .publisher import Publisher
 from .rows import MAKER_TIME, STEP_SUMS, Tally, add_stats, closing_row, step_metrics
-from .strategy import Strategy
+from .replica import Replica
 from .topology import Topology
 from .wire import RESTORE_AGREE, barrier_name
 from .workload import PPOConfig, Workload
 
-__all__ = ["Replica", "Trainer", "run_identity"]
+__all__ = ["Trainer", "run_identity"]
 
 
 # DetachedConfig fields a resume may not change; with the number of trainers (the checkpoint's world)
@@ -50,38 +48,6 @@ def run_identity(cfg: DetachedConfig, trainers: int) -> dict:
         return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
 
     return {"trainers": trainers, **{name: plain(getattr(cfg, name)) for name in IDENTITY_FIELDS}}
-
-
-@dataclass
-class Replica:
-    """One trainer's model and what updates it: the strategy (ddp / fsdp), the workload's learner, the
-    tensors published to the makers and the minibatch generator."""
-
-    model: torch.nn.Module
-    strategy: Strategy
-    learner: Any
-    tensors: list[torch.Tensor]  # sharded under fsdp: Strategy.snapshot gathers them
-    generator: torch.Generator
-
-    @classmethod
-    def build(cls, cfg: DetachedConfig, workload: Workload, ppo: PPOConfig, plane: Plane, device: torch.device,
-              index: int) -> "Replica":
-        # fsdp: built in host memory; fully_shard moves one unit at a time to the device, so no trainer
-        # holds the whole model there
-        model = workload.build_model(cfg.seed, torch.device("cpu") if cfg.strategy == "fsdp" else device)
-        strategy = Strategy(cfg.strategy, model, workload, plane, device, keep=index == 0, offload=cfg.offload,
-                            dtype=cfg.trainer_dtype)
-        tensors = workload.publish_tensors(model)
-        learner = workload.make_learner(model, ppo, strategy.grad_average)
-        return cls(model, strategy, learner, tensors, torch.Generator().manual_seed(cfg.seed + 2 + 1000 * index))
-
-    def full_state(self) -> tuple[Any, Any]:
-        """The model's and the learner's full state (gathered under fsdp: every trainer calls it)."""
-        return self.strategy.full_state(self.model.state_dict()), self.strategy.full_state(self.learner.state_dict())
-
-    def snapshot(self, bucket_numel: int) -> torch.Tensor | None:
-        """A fresh flat copy of the published tensors (every trainer calls it: fsdp gathers the shards)."""
-        return self.strategy.snapshot(self.tensors, bucket_numel)
 
 
 class Trainer:

@@ -69,6 +69,14 @@ class HFOptions:
     """LoRA rank (0 = full fine-tuning); needs peft."""
     lora_alpha: float | None = None
     """LoRA alpha (default: the rank, i.e. scale 1)."""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Precision the trainers load the model in: auto = the checkpoint's stored dtype (config.json's
+    torch_dtype). Under --strategy fsdp the model is built on the meta device and each trainer
+    materialises only its shards; fp32 master weights live in the optimizer where the precision
+    policy needs them."""
+    micro_batch_size: int | None = None
+    """Sequences per forward / backward pass on a trainer; gradients are accumulated over the
+    minibatch (equal to one pass over the whole minibatch). None: the whole minibatch at once."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (trainers: less memory, ~1 more forward per step)."""
     maker_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
