@@ -10,6 +10,12 @@ os.environ.setdefault("HPCRL_STRICT_PLANES", "1")
 
 
 def pytest_collection_modifyitems(config, items):
+    # Under pytest-xdist (`-n 2 --dist loadgroup`, the README's command) a module's tests share one
+    # worker, so its module fixtures (multi-rank runs several tests assert on) run once; the modules
+    # that submit to the local Slurm cluster share one worker too (its 2 nodes hold one test's jobs).
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2]
+        item.add_marker(pytest.mark.xdist_group("slurm" if module.startswith("test_slurm") else module))
     # `cuda` tests are GPU parity checks (benchmarks/gpu_check.sh runs them on a lent GPU).
     if torch.cuda.is_available():
         return
