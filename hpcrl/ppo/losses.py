@@ -10,6 +10,7 @@ Conventions:
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -23,6 +24,12 @@ def masked_mean(x: Tensor, mask: Tensor | None = None) -> Tensor:
         return x.mean()
     m = mask.to(x.dtype)
     return (x * m).sum() / m.sum().clamp_min(1.0)
+
+
+def weighted_mean(x: Tensor, mask: Tensor | None = None, weights: Tensor | None = None) -> Tensor:
+    """``sum(weights * x)`` where ``weights`` are given (:func:`loss_weights`: normalised over a whole
+    minibatch, so a micro-batch's share adds up to it), else :func:`masked_mean` over ``mask``."""
+    return masked_mean(x, mask) if weights is None else (x * weights.to(x.dtype)).sum()
 
 
 def gae(
@@ -80,6 +87,8 @@ def policy_loss(
     truncated_is: float | None = None,
     proximal_logp: Tensor | None = None,
     mask: Tensor | None = None,
+    weights: Tensor | None = None,
+    stat_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped surrogate ``-mean(w * min(r A, clip(r, 1 - c, 1 + c) A))``.
 
@@ -97,6 +106,9 @@ def policy_loss(
     Stats: ``clip_frac`` (fraction of elements whose ratio lies outside the clip range),
     ``ratio_mean``; with a proximal policy also ``is_weight_mean`` (after truncation) and
     ``is_trunc_frac`` (fraction of weights that hit the cap).
+
+    ``weights`` / ``stat_weights`` (:func:`loss_weights`) replace the mean over ``mask`` of the loss /
+    of the stats by a weighted sum (another loss normalisation, or one micro-batch of a minibatch).
     """
     if proximal_logp is None and truncated_is is not None:
         raise ValueError("truncated_is needs proximal_logp (pi_prox / pi_behaviour is the weight it caps)")
@@ -107,14 +119,14 @@ def policy_loss(
     if proximal_logp is not None:
         weight = torch.exp(proximal_logp - behaviour_logp).detach()
         if truncated_is is not None:
-            stats["is_trunc_frac"] = masked_mean((weight > truncated_is).float(), mask)
+            stats["is_trunc_frac"] = weighted_mean((weight > truncated_is).float(), mask, stat_weights)
             weight = weight.clamp(max=truncated_is)
         surrogate = weight * surrogate
-        stats["is_weight_mean"] = masked_mean(weight, mask)
-    loss = -masked_mean(surrogate, mask)
+        stats["is_weight_mean"] = weighted_mean(weight, mask, stat_weights)
+    loss = -weighted_mean(surrogate, mask, weights)
     with torch.no_grad():
-        stats["clip_frac"] = masked_mean(((ratio - 1.0).abs() > clip_coef).float(), mask)
-        stats["ratio_mean"] = masked_mean(ratio, mask)
+        stats["clip_frac"] = weighted_mean(((ratio - 1.0).abs() > clip_coef).float(), mask, stat_weights)
+        stats["ratio_mean"] = weighted_mean(ratio, mask, stat_weights)
     return loss, stats
 
 
@@ -124,6 +136,7 @@ def value_loss(
     returns: Tensor,
     clip_coef: float | None,
     mask: Tensor | None = None,
+    weights: Tensor | None = None,
 ) -> Tensor:
     """``0.5 * mean((V - R)^2)``; with ``clip_coef``, the pessimistic clipped form
     ``0.5 * mean(max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2))`` where ``old_values`` are
@@ -132,12 +145,12 @@ def value_loss(
     if clip_coef is not None:
         clipped = old_values + (values - old_values).clamp(-clip_coef, clip_coef)
         err = torch.max(err, (clipped - returns).square())
-    return 0.5 * masked_mean(err, mask)
+    return 0.5 * weighted_mean(err, mask, weights)
 
 
-def entropy_bonus(entropy: Tensor, coef: float, mask: Tensor | None = None) -> Tensor:
+def entropy_bonus(entropy: Tensor, coef: float, mask: Tensor | None = None, weights: Tensor | None = None) -> Tensor:
     """The loss term ``-coef * mean(entropy)`` (negative: minimising it raises the entropy)."""
-    return -coef * masked_mean(entropy, mask)
+    return -coef * weighted_mean(entropy, mask, weights)
 
 
 def approx_kl(logp: Tensor, logp_ref: Tensor) -> Tensor:
@@ -208,3 +221,89 @@ def token_gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: 
     adv, returns = gae(rewards.T, values.T, next_values.T, last.T, last.T, gamma, lam)  # time-major
     adv, returns = adv.T * mask, returns.T
     return (whiten(adv, mask=mask) if normalize else adv), returns
+
+
+# -- loss variants: group baselines, loss normalisation, adaptive KL, learning-rate schedule ---------
+
+Advantage = Literal["grpo", "dr-grpo", "rloo"]
+LossNorm = Literal["token", "sequence", "dr-grpo"]
+LRSchedule = Literal["constant", "cosine"]
+
+
+def group_advantages(score: Tensor, group_size: int, kind: Advantage = "grpo", eps: float = 1e-6) -> Tensor:
+    """Per-sample advantages ``[B] -> [B]`` from the scores of consecutive groups of ``group_size``
+    samples of one prompt, with the group itself as the baseline:
+
+    * ``grpo`` (Shao et al. 2024): ``(r_i - mean) / (std + eps)``, population std; a group whose
+      scores are all equal gets 0 (no signal, no NaN);
+    * ``dr-grpo`` (Liu et al. 2025, "Understanding R1-Zero-Like Training"): ``r_i - mean``; dividing
+      by the std up-weights groups that are nearly all right or all wrong (a difficulty bias);
+    * ``rloo`` (Ahmadian et al. 2024): ``r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean)``, the
+      leave-one-out baseline, independent of the sample it scores (so the estimate stays unbiased).
+    """
+    g = score.float().view(-1, group_size)
+    centred = g - g.mean(1, keepdim=True)
+    if kind == "grpo":
+        out = centred / (g.std(1, unbiased=False, keepdim=True) + eps)
+    elif kind == "dr-grpo":
+        out = centred
+    elif kind == "rloo":
+        if group_size < 2:
+            raise ValueError("rloo needs groups of >= 2 samples (the baseline is the others' mean)")
+        out = g - (g.sum(1, keepdim=True) - g) / (group_size - 1)
+    else:
+        raise ValueError(f"advantage must be 'grpo', 'dr-grpo' or 'rloo', not {kind!r}")
+    return out.view(-1)
+
+
+def loss_weights(mask: Tensor | None, norm: LossNorm, like: Tensor) -> Tensor:
+    """Per-element weights ``w`` (shape of ``like``, ``[n, G]`` for sequences) such that a loss
+    ``sum(w * x)`` is the minibatch loss under normalisation ``norm``:
+
+    * ``token``: ``m / sum(m)``, the mean over every valid token of the minibatch (what
+      :func:`masked_mean` gives; long responses weigh more, as in DAPO);
+    * ``sequence``: ``m / (len_i * n)``, each sequence's token mean, then the mean over sequences
+      (the original GRPO; a token of a short response weighs more, the length bias Dr. GRPO removes);
+    * ``dr-grpo``: ``m / (G * n)``, the tokens' sum over a constant (the padded response length G
+      times the sequences), so no sequence's length rescales its tokens.
+
+    Without a mask every element is valid and the three are the plain mean. Computed over the whole
+    minibatch, they make micro-batches exact: the micro-batches' ``sum(w * x)`` add up to the
+    minibatch's loss. An empty row or minibatch gets weight 0 (no NaN)."""
+    if mask is None:
+        return torch.full_like(like, 1.0 / max(like.numel(), 1))
+    m = mask.to(like.dtype)
+    if norm == "token":
+        return m / m.sum().clamp_min(1.0)
+    rows = max(m.shape[0], 1)
+    if norm == "sequence":
+        return m / (m.sum(-1, keepdim=True).clamp_min(1.0) * rows)
+    if norm == "dr-grpo":
+        return m / float(m[0].numel() * rows)
+    raise ValueError(f"loss norm must be 'token', 'sequence' or 'dr-grpo', not {norm!r}")
+
+
+def adaptive_kl_coef(coef: float, current_kl: float, target: float, horizon: int, n_steps: int) -> float:
+    """The next KL coefficient of Ziegler et al. 2019's proportional controller (TRL's
+    ``AdaptiveKLController``): ``e = clip(KL / target - 1, -0.2, 0.2)``, ``coef * (1 + e * n_steps /
+    horizon)``. ``current_kl`` is the batch's mean KL to the reference per sequence (nats), ``n_steps``
+    the sequences it came from; the clip bounds the change per sample, so a noisy batch moves it little."""
+    error = min(max(current_kl / target - 1.0, -0.2), 0.2)
+    return coef * (1.0 + error * n_steps / horizon)
+
+
+def lr_at(update: int, lr: float, schedule: LRSchedule = "constant", warmup_updates: int = 0,
+          decay_updates: int | None = None, min_lr_ratio: float = 0.0) -> float:
+    """The learning rate of the 0-based ``update``: a linear warm-up ``lr * (update + 1) / warmup``
+    over the first ``warmup_updates`` (so the first step is small, never 0), then ``constant`` or a
+    ``cosine`` from ``lr`` down to ``min_lr_ratio * lr`` over ``decay_updates`` updates, staying there."""
+    if update < warmup_updates:
+        return lr * (update + 1) / warmup_updates
+    if schedule == "constant":
+        return lr
+    if schedule != "cosine":
+        raise ValueError(f"lr schedule must be 'constant' or 'cosine', not {schedule!r}")
+    if not decay_updates:
+        raise ValueError("the cosine schedule needs decay_updates >= 1")
+    t = min(update - warmup_updates, decay_updates) / decay_updates
+    return lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * t)))

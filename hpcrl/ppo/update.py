@@ -15,11 +15,11 @@ from typing import Any, Callable, Literal, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-from .losses import approx_kl, entropy_bonus, masked_mean, policy_loss, value_loss
+from .losses import LossNorm, approx_kl, entropy_bonus, loss_weights, policy_loss, value_loss, weighted_mean
 from .workload import PPOConfig
 
-__all__ = ["Coefs", "GradStep", "Outputs", "Plan", "Samples", "minibatch_indices", "ppo_losses", "ppo_update",
-           "read_stats"]
+__all__ = ["Coefs", "GradStep", "Outputs", "Plan", "Samples", "micro_batches", "minibatch_indices", "ppo_losses",
+           "ppo_update", "read_stats"]
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,9 @@ class ShardedGradAverage(Protocol):
 @dataclass
 class GradStep:
     """One optimizer step on a loss; ``grad_average.all_reduce()`` averages the gradients over the
-    trainers (a no-op on one). Returns the gradient norm before clipping."""
+    trainers (a no-op on one). Returns the gradient norm before clipping. Calling it is
+    :meth:`zero_grad`, :meth:`backward`, :meth:`finish`; gradient accumulation calls
+    :meth:`backward` once per micro-batch in between."""
 
     optimizer: torch.optim.Optimizer
     params: list[Tensor]
@@ -101,9 +103,20 @@ class GradStep:
     max_grad_norm: float
 
     def __call__(self, loss: Tensor) -> Tensor:
+        self.zero_grad()
+        self.backward(loss)
+        return self.finish()
+
+    def zero_grad(self) -> None:
         # set_to_none=False keeps GradAverager's "view" grads attached to its flat buffer
         self.optimizer.zero_grad(set_to_none=False)
+
+    def backward(self, loss: Tensor) -> None:
+        """Accumulate ``loss``'s gradients (one micro-batch's share of the minibatch loss)."""
         loss.backward()
+
+    def finish(self) -> Tensor:
+        """Average over the trainers, clip, step: once per minibatch, after its micro-batches."""
         self.grad_average.all_reduce()
         if isinstance(self.grad_average, ShardedGradAverage):
             norm = self.grad_average.clip_grad_norm_(self.params, self.max_grad_norm)
@@ -121,49 +134,83 @@ def minibatch_indices(n: int, plan: Plan, generator: torch.Generator, device: to
     return list(perm.chunk(plan.minibatches))
 
 
-def ppo_losses(out: Outputs, s: Samples, c: Coefs) -> tuple[Tensor, dict[str, Tensor]]:
+def ppo_losses(out: Outputs, s: Samples, c: Coefs,
+               weights: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """The minibatch loss ``policy + vf * value - ent * entropy (+ kl * KL to the reference)`` and its
     stats (detached): the loss terms, ``entropy``, ``approx_kl`` (k3 of the current policy against the
-    ratio's anchor: the proximal policy, else the behaviour one) and :func:`policy_loss`'s stats."""
+    ratio's anchor: the proximal policy, else the behaviour one) and :func:`policy_loss`'s stats.
+
+    ``weights``: ``(loss, stat)`` weights of :func:`~hpcrl.ppo.losses.loss_weights` (the loss's
+    normalisation, the token mean for the stats), cut from the whole minibatch's when ``s`` is one
+    micro-batch of it; None: means over ``s.mask`` (the token mean)."""
+    w, sw = (None, None) if weights is None else weights
     pl, pstats = policy_loss(out.logp, s.behaviour_logp, s.advantages, c.clip, c.truncated_is, s.proximal_logp,
-                             mask=s.mask)
+                             mask=s.mask, weights=w, stat_weights=sw)
     loss, stats = pl, {"policy_loss": pl}
     if s.old_values is not None:
-        vl = value_loss(out.values, s.old_values, s.returns, c.value_clip, mask=s.mask)
+        vl = value_loss(out.values, s.old_values, s.returns, c.value_clip, mask=s.mask, weights=w)
         loss, stats["value_loss"] = loss + c.vf * vl, vl
-    loss = loss + entropy_bonus(out.entropy, c.ent, s.mask)
+    loss = loss + entropy_bonus(out.entropy, c.ent, s.mask, w)
     if s.ref_logp is not None:
-        kl = masked_mean(approx_kl(out.logp, s.ref_logp), s.mask)
+        kl = weighted_mean(approx_kl(out.logp, s.ref_logp), s.mask, w)
         loss, stats["kl_loss"] = loss + c.kl * kl, kl
     with torch.no_grad():
         anchor = s.behaviour_logp if s.proximal_logp is None else s.proximal_logp
-        stats["entropy"] = masked_mean(out.entropy, s.mask)
-        stats["approx_kl"] = masked_mean(approx_kl(anchor, out.logp), s.mask)
+        stats["entropy"] = weighted_mean(out.entropy, s.mask, sw)
+        stats["approx_kl"] = weighted_mean(approx_kl(anchor, out.logp), s.mask, sw)
     stats.update(pstats)
     return loss, {k: v.detach() for k, v in stats.items()}
 
 
+def micro_batches(n: int, size: int | None) -> list[slice]:
+    """Consecutive slices of at most ``size`` of a minibatch of ``n`` samples (one slice: all of it)."""
+    if not size or size >= n:
+        return [slice(0, n)]
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
 def ppo_update(forward: Callable[[Tensor], Outputs], samples: Samples, coefs: Coefs, plan: Plan, step: GradStep,
                generator: torch.Generator, stats_dtype: torch.dtype | None = None,
-               logp_gap: bool = False) -> dict[str, Tensor]:
+               logp_gap: bool = False, micro_batch_size: int | None = None,
+               loss_norm: LossNorm = "token") -> dict[str, Tensor]:
     """Run ``plan`` over ``samples``: for each minibatch ``idx``, ``forward(idx)`` -> :func:`ppo_losses`
     -> ``step``. Returns each stat's mean over the minibatches as a device tensor (summed in
     ``stats_dtype``, default the stat's own), plus ``grad_norm``; with ``logp_gap`` also
     ``maker_logp_gap``, the mean ``|log pi_trainer - log pi_behaviour|`` over the first minibatch
-    before any step (staleness + numerics between maker and trainer)."""
+    before any step (staleness + numerics between maker and trainer).
+
+    ``micro_batch_size``: each minibatch runs as forward / backward passes over consecutive pieces
+    of at most that many samples, their gradients accumulated before the one step; the loss weights
+    (:func:`~hpcrl.ppo.losses.loss_weights` under ``loss_norm``) are the whole minibatch's, so the
+    step equals the one on the whole minibatch (to float rounding) whatever the pieces' sizes."""
     n = samples.behaviour_logp.shape[0]
     sums: dict[str, Tensor] = {}
     steps = 0
     gap = None
+    weighted = bool(micro_batch_size) or loss_norm != "token"
     for _ in range(plan.epochs):
         for idx in minibatch_indices(n, plan, generator, samples.behaviour_logp.device):
             mb = samples[idx]
-            out = forward(idx)
-            loss, stats = ppo_losses(out, mb, coefs)
-            if logp_gap and steps == 0:
-                gap = masked_mean((out.logp.detach() - mb.behaviour_logp).abs(), mb.mask)
-            stats["grad_norm"] = step(loss).detach()
-            for k, v in stats.items():
+            weights = None
+            if weighted:
+                weights = (loss_weights(mb.mask, loss_norm, mb.behaviour_logp),
+                           loss_weights(mb.mask, "token", mb.behaviour_logp))
+            mb_stats: dict[str, Tensor] = {}
+            step.zero_grad()
+            for piece in micro_batches(idx.shape[0], micro_batch_size):
+                part = mb[piece] if weighted else mb
+                out = forward(idx[piece])
+                loss, stats = ppo_losses(out, part, coefs, None if weights is None
+                                         else (weights[0][piece], weights[1][piece]))
+                if logp_gap and steps == 0:
+                    g = weighted_mean((out.logp.detach() - part.behaviour_logp).abs(), part.mask,
+                                      None if weights is None else weights[1][piece])
+                    gap = g if gap is None else gap + g
+                step.backward(loss)
+                for k, v in stats.items():  # weighted pieces: their sum is the minibatch's stat
+                    mb_stats[k] = mb_stats[k] + v if k in mb_stats else v
+            mb_stats["grad_norm"] = step.finish().detach()
+            for k, v in mb_stats.items():
                 v = v if stats_dtype is None else v.to(stats_dtype)
                 sums[k] = sums[k] + v if k in sums else v.clone()
             steps += 1

@@ -16,17 +16,20 @@ log-probabilities of the taken actions) so the trainer can correct for staleness
 
 from __future__ import annotations
 
+import math
 import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from torch import nn
 
 from hpcrl.config_check import ConfigError
 
-__all__ = ["AdamLearner", "Collector", "Learner", "PPOConfig", "Workload", "as_workload"]
+from .losses import Advantage, LossNorm, LRSchedule, adaptive_kl_coef, lr_at
+
+__all__ = ["AdamLearner", "Collector", "Learner", "PPOConfig", "Workload", "as_workload", "check_variants"]
 
 
 @dataclass
@@ -48,8 +51,61 @@ class PPOConfig:
     truncated_is: float | None = None
     """Cap of the truncated importance weight pi_current_at_start / pi_behaviour (None: off)."""
     kl_coef: float = 0.05
-    """Per-token KL penalty against the frozen initial model (LM workload)."""
+    """Per-token KL penalty against the frozen initial model (LM workload); with ``kl_target`` its
+    starting value."""
+    advantage: Advantage = "grpo"
+    """Group baseline of ``--hf.algo grpo``: grpo = (score - mean) / std, dr-grpo = score - mean (no std
+    division), rloo = score - mean of the group's other samples (leave-one-out)."""
+    loss_norm: LossNorm = "token"
+    """How token losses are averaged over a minibatch: token = over all its valid tokens, sequence = each
+    sequence's mean then over sequences (original GRPO), dr-grpo = tokens' sum / (sequences x max
+    response tokens) (length-unbiased)."""
+    kl_target: float | None = None
+    """Adaptive KL (Ziegler et al. 2019): the target KL to the reference per sequence (nats) the
+    controller steers kl_coef towards after each update; None: kl_coef stays fixed."""
+    kl_horizon: int = 10_000
+    """Adaptive KL: the controller's horizon in sequences (a 20% KL error moves kl_coef by 20% x
+    sequences / horizon per update)."""
+    warmup_updates: int = 0
+    """Updates of linear learning-rate warm-up (lr x (u + 1) / warmup); 0 = none."""
+    lr_schedule: LRSchedule = "constant"
+    """After warm-up: constant, or cosine from lr to min_lr_ratio x lr over decay_updates updates."""
+    decay_updates: int | None = None
+    """Updates the cosine takes from lr to its minimum (required with lr_schedule cosine)."""
+    min_lr_ratio: float = 0.0
+    """The cosine's final learning rate as a fraction of lr, in [0, 1]."""
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_variants(self)
+
+
+def check_variants(cfg: PPOConfig) -> None:
+    """The loss variants' values and combinations, one ConfigError line naming the --ppo.* flag."""
+    def bad(flag: str, value: Any, rule: str, fix: str) -> None:
+        raise ConfigError(f"--ppo.{flag} {value}: must be {rule}; {fix}")
+
+    finite = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+    integer = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+    if cfg.advantage not in get_args(Advantage):
+        bad("advantage", cfg.advantage, "grpo, dr-grpo or rloo", "e.g. --ppo.advantage rloo")
+    if cfg.loss_norm not in get_args(LossNorm):
+        bad("loss-norm", cfg.loss_norm, "token, sequence or dr-grpo", "e.g. --ppo.loss-norm token (the default)")
+    if cfg.kl_target is not None and not (finite(cfg.kl_target) and cfg.kl_target > 0):
+        bad("kl-target", cfg.kl_target, "a finite number > 0 (nats per sequence)", "e.g. --ppo.kl-target 6, or unset")
+    if not (integer(cfg.kl_horizon) and 1 <= cfg.kl_horizon <= 1 << 40):
+        bad("kl-horizon", cfg.kl_horizon, "an integer >= 1 (sequences)", "e.g. --ppo.kl-horizon 10000")
+    if not (integer(cfg.warmup_updates) and 0 <= cfg.warmup_updates <= 1 << 40):
+        bad("warmup-updates", cfg.warmup_updates, "an integer >= 0", "e.g. --ppo.warmup-updates 10")
+    if cfg.lr_schedule not in get_args(LRSchedule):
+        bad("lr-schedule", cfg.lr_schedule, "constant or cosine", "e.g. --ppo.lr-schedule cosine")
+    if cfg.decay_updates is not None and not (integer(cfg.decay_updates) and 1 <= cfg.decay_updates <= 1 << 40):
+        bad("decay-updates", cfg.decay_updates, "an integer >= 1", "e.g. --ppo.decay-updates 1000")
+    if cfg.lr_schedule == "cosine" and cfg.decay_updates is None:
+        raise ConfigError("--ppo.lr-schedule cosine: needs --ppo.decay-updates N, the updates the cosine takes from "
+                          "--ppo.lr to its minimum (e.g. the run's --total-steps)")
+    if not (finite(cfg.min_lr_ratio) and 0 <= cfg.min_lr_ratio <= 1):
+        bad("min-lr-ratio", cfg.min_lr_ratio, "in [0, 1]", "e.g. --ppo.min-lr-ratio 0.1")
 
 
 class Workload(ABC):
@@ -141,21 +197,62 @@ class Learner(ABC):
 
 
 class AdamLearner(Learner):
-    """What the token-level learners (``lm``, ``hf``) share: Adam over the trainable parameters and an
-    update counter, which is all they checkpoint (the model is saved by the trainer)."""
+    """What the token-level learners (``lm``, ``hf``) share: Adam over the trainable parameters, an
+    update counter (the learning-rate schedule's position) and the KL coefficient (adaptive with
+    ``cfg.kl_target``), which is all they checkpoint (the model is saved by the trainer)."""
 
     def __init__(self, model: nn.Module, cfg: PPOConfig, grad_average: Any) -> None:
         self.model, self.cfg, self.grad_average = model, cfg, grad_average
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(self.params, lr=cfg.lr, eps=1e-5)
         self.updates = 0
+        self.kl_coef = float(cfg.kl_coef)
+
+    def start_update(self) -> float:
+        """The schedule's learning rate for this update, set on the optimizer and returned."""
+        cfg = self.cfg
+        lr = lr_at(self.updates, cfg.lr, cfg.lr_schedule, cfg.warmup_updates, cfg.decay_updates, cfg.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def trainers(self) -> int:
+        """How many trainers average this learner's gradients (1 without a trainer plane)."""
+        plane = getattr(self.grad_average, "plane", None)
+        return plane.size if plane is not None and plane.active else 1
+
+    def kl_measure(self, kl_per_sequence: torch.Tensor) -> torch.Tensor:
+        """The batch's KL per sequence averaged over the trainers (a device all-reduce on the trainer
+        plane, in lockstep like the gradients'): every trainer's controller then moves the same way,
+        so the coefficient stays one number across trainers and resumes as one."""
+        t = kl_per_sequence.detach().to(torch.float64).clone()
+        plane = getattr(self.grad_average, "plane", None)
+        if plane is not None and plane.active:
+            import torch.distributed as dist
+
+            t = t.to(plane.device)
+            dist.all_reduce(t, group=plane.group)
+            t = t / plane.size
+        return t
+
+    def finish_update(self, kl_per_sequence: float, sequences: int) -> float:
+        """Count the update and move the KL coefficient (``cfg.kl_target``) by the batch's measured KL
+        to the reference per sequence (:meth:`kl_measure`) over ``sequences`` (all trainers'); returns
+        the coefficient this update used."""
+        used = self.kl_coef
+        self.updates += 1
+        if self.cfg.kl_target is not None and math.isfinite(kl_per_sequence):
+            self.kl_coef = adaptive_kl_coef(self.kl_coef, kl_per_sequence, self.cfg.kl_target, self.cfg.kl_horizon,
+                                            sequences)
+        return used
 
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "updates": self.updates}
+        return {"optimizer": self.optimizer.state_dict(), "updates": self.updates, "kl_coef": self.kl_coef}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.updates = int(state["updates"])
+        self.kl_coef = float(state.get("kl_coef", self.cfg.kl_coef))  # checkpoints from before adaptive KL
 
 
 # -- duck-typed plugins ----------------------------------------------------------------------------

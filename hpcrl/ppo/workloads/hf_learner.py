@@ -5,13 +5,16 @@ update, the held-out evaluation (:func:`~.hf_eval.evaluate`) joins the update's 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from ..losses import approx_kl, masked_mean, sequence_rewards_with_kl, token_gae
+from hpcrl.config_check import ConfigError
+
+from ..losses import approx_kl, group_advantages, masked_mean, sequence_rewards_with_kl, token_gae
 from ..update import Coefs, GradStep, Outputs, Plan, Samples, ppo_update, read_stats
 from ..workload import AdamLearner, PPOConfig
 from .hf_eval import evaluate
@@ -20,20 +23,26 @@ from .hf_generate import token_logp
 if TYPE_CHECKING:
     from .hf import HFActorCritic, HFWorkload
 
-__all__ = ["HFLearner", "group_advantages"]
+__all__ = ["HFLearner", "check_learner_options", "group_advantages"]
 
 
-def group_advantages(score: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
-    """GRPO: ``(score - mean) / (std + eps)`` within consecutive groups of ``group_size`` ([B] -> [B]);
-    a group whose scores are all equal gets 0 (no signal, no NaN)."""
-    g = score.float().view(-1, group_size)
-    return ((g - g.mean(1, keepdim=True)) / (g.std(1, unbiased=False, keepdim=True) + eps)).view(-1)
+def check_learner_options(algo: str, cfg: PPOConfig, micro_batch_size: int | None, flag: str = "--hf.") -> None:
+    """What the hf learner refuses (one ConfigError line): a group baseline without groups, a
+    micro-batch size that is not a positive integer (any size works: the last piece may be shorter)."""
+    if cfg.advantage != "grpo" and algo != "grpo":
+        raise ConfigError(f"--ppo.advantage {cfg.advantage}: a group baseline needs {flag}algo grpo (samples per "
+                          f"prompt); drop it, or pass {flag}algo grpo")
+    if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or isinstance(micro_batch_size, bool)
+                                         or not 1 <= micro_batch_size <= 1 << 20):
+        raise ConfigError(f"{flag}micro-batch-size {micro_batch_size}: must be an integer >= 1 (sequences per forward "
+                          f"/ backward pass); e.g. {flag}micro-batch-size 4, or leave it unset (the whole minibatch)")
 
 
 class HFLearner(AdamLearner):
     """Trainer side: token-level PPO (KL-shaped rewards, GAE, clipped losses) or GRPO; Adam."""
 
     def __init__(self, wl: HFWorkload, model: HFActorCritic, cfg: PPOConfig, grad_average: Any) -> None:
+        check_learner_options(wl.algo, cfg, wl.micro_batch_size, wl.FLAG_PREFIX)
         super().__init__(model, cfg, grad_average)
         self.wl = wl
 
@@ -48,11 +57,11 @@ class HFLearner(AdamLearner):
         if cfg.truncated_is is not None:
             prox = token_logp(model.action_logits(tokens, attn), tokens[:, wl.max_prompt_tokens:], wl.temperature)
         if wl.algo == "grpo":
-            adv = group_advantages(score, wl.group_size)[:, None] * mask
+            adv = group_advantages(score, wl.group_size, cfg.advantage)[:, None] * mask
             rewards = sequence_rewards_with_kl(score, blogp, ref_logp, mask, 0.0, wl.kl_estimator)
             return Samples(blogp, adv, proximal_logp=prox, ref_logp=ref_logp, mask=mask), rewards
         old_values = model.values(tokens, attn).float()
-        rewards = sequence_rewards_with_kl(score, blogp, ref_logp, mask, cfg.kl_coef, wl.kl_estimator)
+        rewards = sequence_rewards_with_kl(score, blogp, ref_logp, mask, self.kl_coef, wl.kl_estimator)
         adv, returns = token_gae(rewards, old_values, mask, cfg.gamma, cfg.gae_lambda, cfg.normalize_advantages)
         return Samples(blogp, adv, old_values, returns, prox, mask=mask), rewards
 
@@ -64,6 +73,7 @@ class HFLearner(AdamLearner):
         response = tokens[:, wl.max_prompt_tokens:]
         model.train()  # dropout is off (build_model); train mode is what gradient checkpointing acts in
         t_start = time.perf_counter()
+        lr = self.start_update()
         samples, rewards = self._samples(b)
         critic = samples.old_values is not None
 
@@ -77,13 +87,18 @@ class HFLearner(AdamLearner):
         n = tokens.shape[0]
         minibatches = min(cfg.minibatches, n // wl.group_size if wl.algo == "grpo" else n) or 1
         step = GradStep(self.optimizer, self.params, self.grad_average, cfg.max_grad_norm)
-        stats = ppo_update(forward, samples, Coefs.of(cfg), Plan(cfg.epochs, minibatches), step, generator,
-                           stats_dtype=torch.float64, logp_gap=True)
-        self.updates += 1
+        coefs = dataclasses.replace(Coefs.of(cfg), kl=self.kl_coef)
+        stats = ppo_update(forward, samples, coefs, Plan(cfg.epochs, minibatches), step, generator,
+                           stats_dtype=torch.float64, logp_gap=True, micro_batch_size=wl.micro_batch_size,
+                           loss_norm=cfg.loss_norm)
         stats.update(_sequence_stats(samples, b["ref_logp"].float(), b["score"].float(), rewards),
                      maker_tokens_per_s=tps.mean(), tokens=attn.sum())
+        if cfg.kl_target is not None:
+            stats["kl_measure"] = self.kl_measure(stats["kl_to_ref"])
         out = read_stats(stats)  # the one host read: also waits for the update's device work
         tokens_done = out.pop("tokens")
+        measured = out.pop("kl_measure", out["kl_to_ref"])
+        out.update(lr=lr, kl_coef=self.finish_update(measured, n * self.trainers()))
         out.update(sequences=float(n),
                    trainer_tokens_per_s=tokens_done * cfg.epochs / max(time.perf_counter() - t_start, 1e-9))
         if wl.eval_every and self.updates % wl.eval_every == 0:  # every trainer: the same numbers

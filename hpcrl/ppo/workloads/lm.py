@@ -55,6 +55,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from hpcrl.config_check import ConfigError
+
 from ..losses import approx_kl, masked_mean, sequence_rewards_with_kl, token_gae
 from ..update import Coefs, GradStep, Outputs, Plan, Samples, ppo_update, read_stats
 from ..workload import AdamLearner, Collector, PPOConfig, Workload
@@ -286,6 +288,9 @@ class LMLearner(AdamLearner):
     """Trainer side: KL-shaped token rewards, GAE with the current critic, clipped PPO, Adam."""
 
     def __init__(self, wl: LMWorkload, model: LMActorCritic, cfg: PPOConfig, grad_average: Any) -> None:
+        if cfg.advantage != "grpo":
+            raise ConfigError(f"--ppo.advantage {cfg.advantage}: a group baseline needs groups of samples per prompt "
+                              "(--workload hf --hf.algo grpo); --workload lm uses GAE with its critic; drop it")
         super().__init__(model, cfg, grad_average)
         self.wl = wl
 
@@ -297,6 +302,7 @@ class LMLearner(AdamLearner):
             layer.unmerge_()  # a trainer never runs on a cached merge
         tokens = b["tokens"]
         actions = tokens[:, self.wl.prompt_len :]
+        lr = self.start_update()
         samples, rewards = self._samples(b)
 
         def forward(idx: Tensor) -> Outputs:
@@ -307,10 +313,14 @@ class LMLearner(AdamLearner):
 
         step = GradStep(self.optimizer, self.params, self.grad_average, cfg.max_grad_norm)
         stats = ppo_update(forward, samples, Coefs.of(cfg), Plan(cfg.epochs, cfg.minibatches), step, generator,
-                           stats_dtype=torch.float64)
-        self.updates += 1
+                           stats_dtype=torch.float64, loss_norm=cfg.loss_norm)
         stats.update(_sequence_stats(samples, b["ref_logp"].float(), b["score"].float(), rewards))
-        return {**read_stats(stats), "sequences": float(tokens.shape[0])}
+        if cfg.kl_target is not None:
+            stats["kl_measure"] = self.kl_measure(stats["kl_to_ref"])
+        out = read_stats(stats)
+        n = tokens.shape[0]
+        kl_coef = self.finish_update(out.pop("kl_measure", out["kl_to_ref"]), n * self.trainers())
+        return {**out, "sequences": float(n), "lr": lr, "kl_coef": kl_coef}
 
     @torch.no_grad()
     def _samples(self, b: dict[str, Tensor]) -> tuple[Samples, Tensor]:
@@ -320,7 +330,7 @@ class LMLearner(AdamLearner):
         tokens, mask = b["tokens"], b["action_mask"]
         blogp, ref_logp, score = b["behaviour_logp"].float(), b["ref_logp"].float(), b["score"].float()
         old_values = model.values(tokens).float()
-        rewards = sequence_rewards_with_kl(score, blogp, ref_logp, mask, cfg.kl_coef, self.wl.kl_estimator)
+        rewards = sequence_rewards_with_kl(score, blogp, ref_logp, mask, self.kl_coef, self.wl.kl_estimator)
         adv, returns = token_gae(rewards, old_values, mask, cfg.gamma, cfg.gae_lambda, cfg.normalize_advantages)
         prox_logp = None
         if cfg.truncated_is is not None:

@@ -47,9 +47,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from hpcrl.config_check import ConfigError
 from hpcrl.envs import EpisodeStats, make_env
 
-from ..losses import gae, whiten
+from ..losses import gae, lr_at, whiten
 from ..update import Coefs, GradStep, Outputs, Plan, Samples, ppo_update, read_stats
 from ..workload import Collector, Learner, PPOConfig, Workload
 
@@ -284,6 +285,13 @@ class VectorEnvLearner(Learner):
             raise ValueError(f"extra['anneal_updates'] must be >= 0, got {self.anneal_updates}")
         if cfg.epochs < 1 or cfg.minibatches < 1:
             raise ValueError(f"epochs and minibatches must be >= 1, got {cfg.epochs}, {cfg.minibatches}")
+        for flag, given in (("advantage", cfg.advantage != "grpo"), ("kl-target", cfg.kl_target is not None)):
+            if given:
+                raise ConfigError(f"--ppo.{flag}: applies to the token workloads (--workload hf / lm), not a vector "
+                                  "env (GAE advantages, no reference model); drop it")
+        if self.anneal_updates and (cfg.lr_schedule != "constant" or cfg.warmup_updates):
+            raise ConfigError("--ppo.anneal-updates with --ppo.lr-schedule / --ppo.warmup-updates: two learning-rate "
+                              "schedules; keep one (--ppo.anneal-updates 0 for warm-up / cosine)")
         self.params = [p for p in model.parameters() if p.requires_grad]
         # Fused Adam: one kernel instead of ~40 small ops per step, 4x faster for these tiny nets.
         fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in self.params)
@@ -310,15 +318,17 @@ class VectorEnvLearner(Learner):
 
         frac = self.schedule()
         clip_coef = cfg.clip_coef * frac
+        lr = lr_at(self.updates, cfg.lr * frac, cfg.lr_schedule, cfg.warmup_updates, cfg.decay_updates,
+                   cfg.min_lr_ratio)
         for group in self.optimizer.param_groups:
-            group["lr"] = cfg.lr * frac
+            group["lr"] = lr
         step = GradStep(self.optimizer, self.params, self.grad_average, cfg.max_grad_norm)
         stats = ppo_update(forward, samples, Coefs.of(cfg, clip=clip_coef),
                            Plan(cfg.epochs, cfg.minibatches, "tensor_split"), step, generator)
         self.updates += 1
         stats["explained_variance"] = _explained_variance(samples.old_values, samples.returns)
         n = samples.advantages.numel()
-        return {**read_stats(stats), "lr": cfg.lr * frac, "clip_coef": clip_coef, "samples": float(n)}
+        return {**read_stats(stats), "lr": lr, "clip_coef": clip_coef, "samples": float(n)}
 
     def _samples(self, batch: dict[str, Tensor]) -> Samples:
         """Values, GAE and (with ``cfg.truncated_is``) the proximal log-probs from the model as it is
