@@ -31,9 +31,13 @@ class Replica:
     @classmethod
     def build(cls, cfg: DetachedConfig, workload: Workload, ppo: PPOConfig, plane: Plane, device: torch.device,
               index: int) -> "Replica":
-        # fsdp: built in host memory; fully_shard moves one unit at a time to the device, so no trainer
-        # holds the whole model there
-        model = workload.build_model(cfg.seed, torch.device("cpu") if cfg.strategy == "fsdp" else device)
+        # fsdp: built on the meta device where the workload can (its shards filled after fully_shard:
+        # no trainer ever holds the whole model), else in host memory (fully_shard moves one unit at a
+        # time to the device, so no trainer holds the whole model there)
+        where = device
+        if cfg.strategy == "fsdp":
+            where = torch.device("meta" if getattr(workload, "builds_on_meta", False) else "cpu")
+        model = workload.build_model(cfg.seed, where)
         strategy = Strategy(cfg.strategy, model, workload, plane, device, keep=index == 0, offload=cfg.offload,
                             dtype=cfg.trainer_dtype)
         tensors = workload.publish_tensors(model)

@@ -39,7 +39,7 @@ from hpcrl.comm import GradAverager, Plane, check_replicas_equal
 
 from .workload import Learner, Workload
 
-__all__ = ["Strategy", "StrategyName", "gather_flat", "shard_lengths"]
+__all__ = ["Strategy", "StrategyName", "gather_flat", "local_rows", "shard_lengths"]
 
 StrategyName = Literal["ddp", "fsdp"]
 
@@ -49,6 +49,22 @@ def shard_lengths(rows: int, world: int) -> list[int]:
     pieces, the last ones shorter or empty)."""
     chunk = math.ceil(rows / world) if rows else 0
     return [max(0, min(chunk, rows - r * chunk)) for r in range(world)]
+
+
+def local_rows(p: Tensor) -> tuple[int, int, Tensor]:
+    """``(start, stop, local)``: the dim-0 rows of the full ``p`` this rank holds and the tensor holding
+    them (a dim-0 sharded DTensor's local shard; a plain tensor whole)."""
+    mesh = getattr(p, "device_mesh", None)
+    if mesh is None:
+        return 0, (p.shape[0] if p.dim() else 0), p.data
+    from torch.distributed.tensor import Shard
+
+    if tuple(p.placements) != (Shard(0),):
+        raise ValueError(f"a tensor placed {p.placements}, not sharded on dim 0")
+    rows = shard_lengths(p.shape[0], mesh.size())
+    me = mesh.get_local_rank()
+    start = sum(rows[:me])
+    return start, start + rows[me], p.to_local()
 
 
 def _buckets(tensors: list[Tensor], bucket_numel: int) -> list[list[int]]:
@@ -172,6 +188,22 @@ class Strategy:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for unit in units:
             fully_shard(unit, **kwargs)
+        if any(p.is_meta for p in model.parameters()):
+            self._materialize(model, workload, offload)
+
+    def _materialize(self, model: nn.Module, workload: Workload, offload: bool) -> None:
+        """A model built on ``meta`` (:attr:`Workload.builds_on_meta`), now sharded: allocate this rank's
+        shards (host memory with offload) and let the workload fill them. Buffers were built for real
+        (rotary ``inv_freq``, ...) and are not sharded: kept as they are, not re-allocated empty."""
+        fill = getattr(workload, "materialize", None)
+        if fill is None:
+            raise ValueError(f"--strategy fsdp: workload {getattr(workload, 'name', workload)!r} built its model "
+                             "on the meta device but has no materialize(model) to fill the shards")
+        buffers = [(m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None]
+        model.to_empty(device=torch.device("cpu") if offload else self.device)
+        for m, n, b in buffers:
+            m._buffers[n] = b.to(self.device)
+        fill(model)
 
     # -- what the trainer calls ------------------------------------------------------------------
     def snapshot(self, tensors: list[Tensor], bucket_numel: int) -> Tensor | None:

@@ -127,6 +127,7 @@ class HFWorkload(HFOptions, Workload):
     def _setup(self) -> None:
         self.check()
         config = M.load_config(self.flag("model"), self.model)
+        self.param_dtype = M.resolve_dtype(self.dtype, config, self.flag("dtype"), self.model)
         if self.critic is not None:
             M.load_config(self.flag("critic"), self.critic)
         if self.reward_model is not None:
@@ -207,13 +208,33 @@ class HFWorkload(HFOptions, Workload):
 
         cfg = peft.LoraConfig(r=self.lora_rank, lora_alpha=self.lora_alpha or self.lora_rank, lora_dropout=0.0,
                               target_modules="all-linear", bias="none")
-        return peft.get_peft_model(net, cfg)
+        # adapters in the base weights' dtype: one dtype per FSDP unit, and bf16 weights stay bf16
+        return peft.get_peft_model(net, cfg, autocast_adapter_dtype=False)
+
+    builds_on_meta = True
+    """Under --strategy fsdp the trainers build the model empty (``build_model(seed, "meta")``) and
+    fill their shards after ``fully_shard`` (:meth:`materialize`)."""
 
     def build_model(self, seed: int, device: torch.device | str = "cpu", critic: bool = True) -> HFActorCritic:
-        """Pretrained weights by path (identical on every rank); the value head is zero-initialised.
-        ``critic=False``: the actor alone (what a maker needs)."""
-        actor = M.load_causal_lm(self.model)
-        critic = None if self.algo == "grpo" or not critic else M.load_value_model(self.critic or self.model)
+        """Pretrained weights by path in ``--dtype`` (identical on every rank); the parameters no file
+        holds (value head, LoRA adapters) from the seed (:func:`~.hf_shards.fresh_value`).
+        ``critic=False``: the actor alone (what a maker needs). ``device="meta"``: nothing is read or
+        allocated: the weights files are named on the model, for :meth:`materialize` after sharding."""
+        from .hf_shards import WeightFiles, sources
+
+        empty = torch.device(device).type == "meta"
+        dtype = self.param_dtype
+        actor = M.empty_causal_lm(self.model, dtype) if empty else M.load_causal_lm(self.model, dtype)
+        critic = None if self.algo == "grpo" or not critic else M.load_value_model(self.critic or self.model, dtype,
+                                                                                     empty)
+        load = []
+        if empty:  # before LoRA wraps the layers: the stored names are the bare models'
+            actor_files = WeightFiles(self.model, self.flag("model"))
+            load.append((actor_files, sources(actor, actor_files)))
+            if critic is not None:
+                critic_files = (actor_files if (self.critic or self.model) == self.model
+                                else WeightFiles(self.critic, self.flag("critic")))
+                load.append((critic_files, sources(critic.backbone, critic_files)))
         for net in (actor, critic):
             if net is None:
                 continue
@@ -223,14 +244,43 @@ class HFWorkload(HFOptions, Workload):
             if self.gradient_checkpointing:
                 inner = net.backbone if isinstance(net, M.ValueModel) else net
                 inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.lora_rank:  # adapters' A matrices are random: from the seed, so every rank builds the same ones
+        if self.lora_rank:  # peft's own random init is overwritten below: no global random state is drawn
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
                 actor = self._lora(actor)
                 if critic is not None:
                     critic.backbone = self._lora(critic.backbone)
                     critic.value_head.requires_grad_(True)
-        return HFActorCritic(actor, critic, self.max_prompt_tokens, self.temperature).to(device)
+        model = HFActorCritic(actor, critic, self.max_prompt_tokens, self.temperature)
+        fresh = [(n, *_owner(model, n)) for n, _ in model.named_parameters() if _is_fresh(n)]
+        if empty:
+            model.__dict__["_hpcrl_load"] = (load, fresh, seed)  # not a submodule: never saved or published
+            return model
+        with torch.no_grad():
+            for name, module, attr in fresh:
+                p = getattr(module, attr)
+                p.copy_(_fresh(name, p, seed))
+        return model.to(device)
+
+    @torch.no_grad()
+    def materialize(self, model: HFActorCritic) -> None:
+        """Fill the parameters of a model built by ``build_model(seed, "meta")``, once FSDP has sharded it
+        and ``to_empty`` allocated the shards: each trainer reads only its own dim-0 rows of each stored
+        tensor (:class:`~.hf_shards.WeightFiles`), converted to the parameter dtype; the fresh ones get
+        their rows of :func:`~.hf_shards.fresh_value`."""
+        from ..strategy import local_rows
+
+        load, fresh, seed = model.__dict__.pop("_hpcrl_load")
+        for files, entries in load:
+            for module, attr, key in entries:
+                p = getattr(module, attr)
+                start, stop, local = local_rows(p)
+                if stop > start or p.dim() == 0:
+                    local.copy_(files.rows(key, start, stop))
+            files.close()
+        for name, module, attr in fresh:
+            p = getattr(module, attr)
+            start, stop, local = local_rows(p)
+            local.copy_(_fresh(name, p, seed)[start:stop] if p.dim() else _fresh(name, p, seed))
 
     def build_maker_model(self, seed: int, device: torch.device | str = "cpu") -> HFActorCritic:
         """Makers generate and score with the actor only: no critic is loaded."""
@@ -257,7 +307,7 @@ class HFWorkload(HFOptions, Workload):
     def reference_model(self, device: torch.device) -> nn.Module:
         key = str(device)
         if key not in self._refs:
-            self._refs[key] = M.load_causal_lm(self.model).to(device).eval().requires_grad_(False)
+            self._refs[key] = M.load_causal_lm(self.model, self.param_dtype).to(device).eval().requires_grad_(False)
         return self._refs[key]
 
     def reward_net(self, device: torch.device) -> nn.Module:
@@ -367,6 +417,22 @@ class HFWorkload(HFOptions, Workload):
 
     def make_learner(self, model: HFActorCritic, cfg: PPOConfig, grad_average: Any) -> HFLearner:
         return HFLearner(self, model, cfg, grad_average)
+
+
+def _is_fresh(name: str) -> bool:
+    """A parameter no weights file holds: a LoRA adapter or the value head."""
+    return "lora_" in name or name.startswith("critic.value_head.")
+
+
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return model.get_submodule(path), attr
+
+
+def _fresh(name: str, p: Tensor, seed: int) -> Tensor:
+    from .hf_shards import fresh_value
+
+    return fresh_value(name, tuple(p.shape), p.dtype, seed)
 
 
 @dataclass

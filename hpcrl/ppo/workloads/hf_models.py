@@ -144,9 +144,45 @@ def format_record(tok: Any, record: dict[str, Any], key: str, use_chat_template:
     return tok.apply_chat_template(record["messages"], tokenize=False, add_generation_prompt=True), True
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def resolve_dtype(choice: str, config: Any, flag: str, path: str) -> torch.dtype:
+    """The parameter dtype ``--hf.dtype`` names: ``fp32`` / ``bf16``, or ``auto``: the dtype config.json
+    says the weights are stored in (``dtype``, formerly ``torch_dtype``; fp32 when it says none). Stored
+    fp16 (or anything else) is refused: trainers train in fp32 or bf16."""
+    if choice in DTYPES:
+        return DTYPES[choice]
+    if choice != "auto":
+        raise ConfigError(f"{flag} {choice}: must be one of auto, fp32, bf16; e.g. {flag} auto (the stored dtype)")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    stored = getattr(text, "dtype", None) or getattr(text, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, stored)
+    if stored is None:
+        return torch.float32
+    if stored in (torch.float32, torch.bfloat16):
+        return stored
+    raise ConfigError(f"{flag} auto: {path} stores its weights as {stored} (config.json), which the trainers do "
+                      f"not train in; pass {flag} bf16 or {flag} fp32")
+
+
 def load_causal_lm(path: str, dtype: torch.dtype = torch.float32) -> nn.Module:
     tf = _transformers()
     model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.config.use_cache = True
+    return model
+
+
+def empty_causal_lm(path: str, dtype: torch.dtype) -> nn.Module:
+    """The causal LM of ``path`` with its parameters on ``meta`` (:func:`.hf_shards.params_on_meta`:
+    no weights read, none allocated; tied weights tied, non-persistent buffers computed)."""
+    from .hf_shards import params_on_meta
+
+    tf = _transformers()
+    config = tf.AutoConfig.from_pretrained(path)
+    with params_on_meta():
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.config.use_cache = True
     return model
 
@@ -155,10 +191,10 @@ class ValueModel(nn.Module):
     """Critic: ``AutoModel`` backbone (the causal LM's trunk) + a zero-initialised linear value head.
     ``forward(input_ids, attention_mask, position_ids) -> [B, T]`` values."""
 
-    def __init__(self, backbone: nn.Module, hidden: int) -> None:
+    def __init__(self, backbone: nn.Module, hidden: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.backbone = backbone
-        self.value_head = nn.Linear(hidden, 1)
+        self.value_head = nn.Linear(hidden, 1, dtype=dtype)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
@@ -168,12 +204,23 @@ class ValueModel(nn.Module):
         return self.value_head(h.to(self.value_head.weight.dtype)).float().squeeze(-1)  # bf16 under FSDP mixed precision
 
 
-def load_value_model(path: str) -> ValueModel:
+def load_value_model(path: str, dtype: torch.dtype = torch.float32, empty: bool = False) -> ValueModel:
+    """The critic on the trunk of ``path`` in ``dtype`` (its head too: FSDP shards a unit of one dtype);
+    ``empty``: parameters on ``meta`` (:func:`empty_causal_lm`)."""
+    from .hf_shards import params_on_meta
+
     tf = _transformers()
-    backbone = tf.AutoModel.from_pretrained(path)
+    if empty:
+        with params_on_meta():
+            backbone = tf.AutoModel.from_config(tf.AutoConfig.from_pretrained(path), dtype=dtype)
+    else:
+        backbone = tf.AutoModel.from_pretrained(path, dtype=dtype)
     text = backbone.config.get_text_config() if hasattr(backbone.config, "get_text_config") else backbone.config
     hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd")
-    return ValueModel(backbone, hidden)
+    if not empty:
+        return ValueModel(backbone, hidden, dtype)
+    with params_on_meta():
+        return ValueModel(backbone, hidden, dtype)
 
 
 def check_reward_model(path: str) -> None:
