@@ -107,10 +107,18 @@ def source_ranks(old_world: int, new_world: int, rank: int) -> list[int]:
             if r * new_world < (rank + 1) * old_world and rank * old_world < (r + 1) * new_world]
 
 
-def _check_identity(path: Path, manifest: dict[str, Any], identity: Mapping[str, Any], reshard: bool = False) -> None:
+# upgrade(saved identity) -> the identity as this version of the program writes it (fields since dropped
+# removed, fields since added filled with the values that reproduce the old behaviour)
+Upgrade = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def _check_identity(path: Path, manifest: dict[str, Any], identity: Mapping[str, Any], reshard: bool = False,
+                    upgrade: Upgrade | None = None) -> None:
     saved = manifest.get("identity")
     if reshard and isinstance(saved, dict) and "world_size" not in identity:
         saved = {k: v for k, v in saved.items() if k != "world_size"}  # written before resharding existed
+    if upgrade is not None and isinstance(saved, dict):
+        saved = upgrade(saved)
     if not isinstance(saved, dict):
         raise CheckpointError(f"--resume: {path} records no run identity, so it cannot be matched to this run; "
                               "use another --run-dir (or pass --overwrite instead of --resume to start over there)")
@@ -155,7 +163,8 @@ def load(path: Path, rank: int, world_size: int, device: torch.device, *,
     return _load_files(path, manifest, rank, device)
 
 
-def preflight(run_dir: str | os.PathLike, world_size: int, *, identity: Mapping[str, Any] | None = None) -> Path | None:
+def preflight(run_dir: str | os.PathLike, world_size: int, *, identity: Mapping[str, Any] | None = None,
+              reshard: bool = False, upgrade: Upgrade | None = None) -> Path | None:
     """What every rank of a job can check before any of them loads (manifests only, the same verdict
     on every rank): the newest checkpoint with a readable manifest, its world size and ``identity``
     checked; None when there is no committed checkpoint. Raises :class:`CheckpointError` on another
@@ -167,9 +176,9 @@ def preflight(run_dir: str | os.PathLike, world_size: int, *, identity: Mapping[
         except CorruptCheckpoint as err:
             problems.append(str(err))
             continue
-        _check_world(path, manifest, world_size)
+        _check_world(path, manifest, world_size, reshard)
         if identity is not None:
-            _check_identity(path, manifest, identity)
+            _check_identity(path, manifest, identity, reshard, upgrade)
         return path
     if problems:
         raise CheckpointError(f"--resume: no usable checkpoint in {checkpoint_root(run_dir)}: " + " | ".join(problems)
@@ -202,7 +211,9 @@ class Restored:
 
 def restore(run_dir: str | os.PathLike, rank: int, world_size: int, device: torch.device, *,
             identity: Mapping[str, Any] | None = None, agree: Agree | None = None,
-            report: bool = True, reshard: bool = False) -> Restored | None:
+            report: bool = True, reshard: bool = False, upgrade: Upgrade | None = None,
+            loader: Callable[[Path, dict[str, Any]], tuple[dict[str, Any], dict[int, dict[str, Any]]]] | None = None
+            ) -> Restored | None:
     """The newest checkpoint of ``run_dir`` that every rank can load, loaded; None when there is none.
 
     Collective when ``agree`` is given (see :func:`store_agree`; needed with more than one rank, so
@@ -216,6 +227,12 @@ def restore(run_dir: str | os.PathLike, rank: int, world_size: int, device: torc
     ``reshard``: a checkpoint of another world size is loaded too, as the files of the old ranks
     :func:`source_ranks` names (``Restored.rank_states``); the caller re-deals them. An identity
     without ``world_size`` then also matches an older checkpoint whose identity has it.
+
+    ``upgrade``: applied to a checkpoint's recorded identity before it is compared (an older layout
+    of the identity brought to this one). ``loader(path, manifest)``: verifies and loads what this
+    rank needs instead of the default (the learner file and this rank's file, or the source ranks'
+    files): returns (learner state, {old rank: state}); a :class:`CorruptCheckpoint` it raises makes
+    every rank fall back to the previous checkpoint.
     """
     candidates = committed(run_dir)
     if not candidates:
@@ -232,17 +249,20 @@ def restore(run_dir: str | os.PathLike, rank: int, world_size: int, device: torc
             continue
         _check_world(path, manifest, world_size, reshard)
         if identity is not None:
-            _check_identity(path, manifest, identity, reshard)
+            _check_identity(path, manifest, identity, reshard, upgrade)
         old = int(manifest["world_size"])
         ranks = [rank] if old == world_size else source_ranks(old, world_size, rank)
         try:
-            learner, states = _load_ranks(path, manifest, ranks, device)
+            learner, states = (_load_ranks(path, manifest, ranks, device) if loader is None
+                               else loader(path, manifest))
             reason = ""
         except Exception as err:  # noqa: BLE001  (one rank must not leave the others waiting in agree)
             reason = err.reason if isinstance(err, CorruptCheckpoint) else f"{type(err).__name__}: {err}"
             learner, states = {}, {}
         failed = agree(reason) if agree is not None else ({rank: reason} if reason else {})
         if not failed:
+            if loader is not None:
+                return Restored(path, int(manifest["step"]), learner, states.get(rank, {}), skipped, old, states)
             if old == world_size:
                 return Restored(path, int(manifest["step"]), learner, states[rank], skipped, old)
             return Restored(path, int(manifest["step"]), learner, {}, skipped, old, states)

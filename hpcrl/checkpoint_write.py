@@ -41,7 +41,8 @@ FAULT = ".fault-"  # prefix of a rank's one-line report that its part of a check
 
 def save(run_dir: str | os.PathLike, step: int, rank: int, world_size: int, learner: dict[str, Any] | None,
          rank_state: dict[str, Any], barrier: Callable[[str], None], keep: int = 2, *,
-         identity: Mapping[str, Any] | None = None) -> Path:
+         identity: Mapping[str, Any] | None = None, extra: Callable[[Path], list[str]] | None = None,
+         rows: str | None = None) -> Path:
     """Collective: every rank calls it with its own ``rank_state``; rank 0 also passes ``learner``.
 
     ``identity``: what must not change when this run resumes (recorded in the manifest; pass the
@@ -52,13 +53,19 @@ def save(run_dir: str | os.PathLike, step: int, rank: int, world_size: int, lear
     (each failed path and the free space), the partial checkpoint removed and the committed ones
     untouched: a failed rank posts its line instead of its checksum, rank 0 posts the verdict instead
     of committing, and every rank reads it after the commit barrier. Barriers bound every wait.
+
+    ``extra(tmp)`` (every rank, before its own file; may be a collective of the ranks, e.g. a
+    ``torch.distributed.checkpoint`` save): writes more files under ``tmp`` and returns their names
+    relative to it, which go into the manifest with their checksums like the rank files. ``rows``:
+    the metrics rows to store (default: the tail of ``metrics.jsonl`` now; a writer running behind
+    the training loop passes the rows of its own step).
     """
     root = checkpoint_root(run_dir)
     name = f"{PREFIX}{step:012d}"
     tmp, final = root / f".tmp-{name}", root / name
     fault = _attempt(root, lambda: _prepare(root, tmp)) if rank == 0 else ""
     barrier("ckpt-begin")
-    fault = fault or _attempt(tmp, lambda: _write_mine(run_dir, tmp, rank, learner, rank_state))
+    fault = fault or _attempt(tmp, lambda: _write_mine(run_dir, tmp, rank, learner, rank_state, extra, rows))
     if fault and rank != 0:
         _post(root / f"{FAULT}{name}-{rank}", fault)
     barrier("ckpt-written")
@@ -125,7 +132,7 @@ def _commit_or_verdict(root: Path, tmp: Path, final: Path, step: int, world_size
         if not failed:
             with contextlib.suppress(OSError):  # committed: what is left is tidying, it must not undo that
                 _prune(root, step, keep)
-                size = sum(p.stat().st_size for p in final.iterdir())
+                size = sum(p.stat().st_size for p in final.rglob("*") if p.is_file())
                 warn_low_space(root, size, "the next checkpoint (as large as this one)")
             return ""
         faults[0] = failed
@@ -146,16 +153,20 @@ def _prepare(root: Path, tmp: Path) -> None:
 
 
 def _write_mine(run_dir: str | os.PathLike, tmp: Path, rank: int, learner: dict[str, Any] | None,
-                rank_state: dict[str, Any]) -> None:
-    """This rank's file and its size and checksum; rank 0 also the learner and the latest metrics rows."""
+                rank_state: dict[str, Any], extra: Callable[[Path], list[str]] | None = None,
+                rows: str | None = None) -> None:
+    """This rank's file and its size and checksum (and those of its ``extra`` files); rank 0 also the
+    learner and the latest metrics rows."""
+    names = extra(tmp) if extra is not None else []  # first: a collective every rank must reach
     mine = rank_file(rank)
     save_h5(tmp / mine, rank_state, FORMAT_VERSION)
-    _write_private(tmp / f".{mine}.sum", json.dumps({mine: _file_entry(tmp / mine)}))
+    sums = {mine: _file_entry(tmp / mine), **{name: _file_entry(tmp / name) for name in names}}
+    _write_private(tmp / f".{mine}.sum", json.dumps(sums))
     if rank == 0:
         assert learner is not None
         with owned_file(tmp / LEARNER) as f:
             torch.save(learner, f)
-        rows = tail_rows(Path(run_dir) / METRICS)
+        rows = tail_rows(Path(run_dir) / METRICS) if rows is None else rows
         if rows:
             write_text(tmp / ROWS, rows)
 

@@ -21,6 +21,7 @@ from .maker import Maker
 from .plugins import plugin_class
 from .topology import Topology
 from .trainer import Trainer, run_identity
+from .trainer_checkpoint import upgrade_identity
 from .workload import PPOConfig, Workload, as_workload
 
 __all__ = ["ConfigError", "build_workload", "train", "validate"]
@@ -68,7 +69,8 @@ def check_resumable(cfg: DetachedConfig, top: Topology) -> None:
     """``--resume`` checks every rank makes before any loads (manifests only, one verdict everywhere):
     another run's checkpoint, or nothing to resume, is a :class:`hpcrl.rundir.RunDirError` on every
     rank (exit 2), not a trainer failure the makers learn about later."""
-    if checkpoint.preflight(cfg.run_dir, top.trainers, identity=run_identity(cfg, top.trainers)) is None \
+    if checkpoint.preflight(cfg.run_dir, top.trainers, identity=run_identity(cfg), reshard=True,
+                           upgrade=upgrade_identity(cfg)) is None \
             and cfg.resume_missing != "fresh":
         raise rundir.RunDirError(f"--resume: {checkpoint.nothing_to_resume(cfg.run_dir)}; run without --resume to "
                                  "start fresh, or pass --resume-missing fresh to start fresh whenever there is "

@@ -29,6 +29,8 @@ from .makers import MakerLedger, MakerWires
 from .publisher import Publisher
 from .rows import MAKER_TIME, STEP_SUMS, Tally, add_stats, closing_row, step_metrics
 from .replica import Replica
+from . import export, trainer_checkpoint
+from .trainer_checkpoint import TrainerCheckpoints
 from .topology import Topology
 from .wire import RESTORE_AGREE, barrier_name
 from .workload import PPOConfig, Workload
@@ -36,18 +38,18 @@ from .workload import PPOConfig, Workload
 __all__ = ["Trainer", "run_identity"]
 
 
-# DetachedConfig fields a resume may not change; with the number of trainers (the checkpoint's world)
-# they are the run's identity. Everything else (steps, lag, makers, devices, timeouts, checkpoint
-# cadence) may change between the jobs of one run dir.
-# The option groups (--env.*, --lm.*, --ppo.*) are part of it: they change the model or the update.
-IDENTITY_FIELDS = ("seed", "workload", "env", "lm", "hf", "ppo", "plugin_args")
+def _saves_artifacts(workload: Workload) -> bool:
+    """Whether the workload exports anything after a checkpoint (else no state is read back for it)."""
+    hooks = getattr(workload, "_hooks", None)
+    if isinstance(hooks, dict):  # a duck-typed plugin: its own hook or none
+        return hooks.get("save_artifacts") is not None
+    return type(workload).save_artifacts is not Workload.save_artifacts
 
 
-def run_identity(cfg: DetachedConfig, trainers: int) -> dict:
-    def plain(value):
-        return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
-
-    return {"trainers": trainers, **{name: plain(getattr(cfg, name)) for name in IDENTITY_FIELDS}}
+def run_identity(cfg: DetachedConfig, trainers: int | None = None) -> dict:
+    """What a resume may not change (:func:`hpcrl.ppo.trainer_checkpoint.run_identity`); the trainer
+    count is not part of it (``trainers`` is accepted and ignored, for older callers)."""
+    return trainer_checkpoint.run_identity(cfg)
 
 
 class Trainer:
@@ -61,6 +63,13 @@ class Trainer:
         self.makers = MakerLedger(ctx.rank, top, self._wires(), cfg.timeout_s, cfg.heartbeat_timeout_s,
                                   name=lambda rank, role: describe(ctx, rank, role))
         self.publisher = self._publisher() if ctx.rank == 0 else None
+        trainers = list(range(top.trainers))
+        self.checkpoints = TrainerCheckpoints(
+            cfg, ctx.rank, top.trainers, self.replica.model, self.replica.learner, ctx.device,
+            lambda name: barrier(ctx, barrier_name(name), ranks=trainers),
+            checkpoint.store_agree(ctx, ranks=trainers, name=RESTORE_AGREE), ctx.timeout)
+        if ctx.rank == 0 and _saves_artifacts(workload):  # e.g. the HF actor, streamed from the shards
+            self.checkpoints.after_commit = lambda path: export.save_artifacts(workload, path)
 
     @property
     def index(self) -> int:
@@ -228,26 +237,26 @@ class Trainer:
     def _restore(self) -> checkpoint.Restored | None:
         """The newest checkpoint every trainer can load (collective over the trainers; an unusable newer
         one is reported and skipped); None with ``--resume-missing fresh`` and nothing to resume."""
-        cfg, top = self.cfg, self.top
-        found = checkpoint.restore(cfg.run_dir, self.index, top.trainers, self.replica.strategy.restore_device,
-                                   identity=run_identity(cfg, top.trainers),
-                                   agree=checkpoint.store_agree(self.ctx, ranks=list(range(top.trainers)),
-                                                                name=RESTORE_AGREE))
+        cfg = self.cfg
+        found = self.checkpoints.restore(self.replica.strategy.restore_device)
         if found is None:
             checkpoint.fresh_or_refuse(cfg.run_dir, cfg.resume_missing, self.index == 0, "hpcrl.ppo")
         return found
 
     def _load(self, found: checkpoint.Restored) -> float:
-        learner_state, mine, replica = found.learner, found.rank_state, self.replica
-        replica.strategy.load_full_state(replica.learner, learner_state["model"], learner_state["learner"])
-        self.version = int(learner_state["version"])
-        replica.generator.set_state(mine["generator"])
+        """Model, optimizer and learner (resharded to this job's trainers and strategy), then this
+        trainer's generator and next credit (dealt by trainer_checkpoint's rule when the count changed)."""
+        self.version, env_steps, generator, credit = self.checkpoints.load(found, self.replica.strategy)
+        self.replica.generator.set_state(generator)
         # credits number the batches, and batch b is a fixed slice of a dataset workload's data
         # (Collector.assign): the first batch not trained on is the one to collect next
-        self.makers.next_credit = int(mine.get("next_credit", 0))
+        self.makers.next_credit = credit
+        if self.index == 0 and found.world_size != self.top.trainers:
+            print(f"hpcrl.ppo: resharded {found.world_size} -> {self.top.trainers} trainer(s) from {found.path} "
+                  f"(v{self.version}; credits continue at {credit})", flush=True)
         if self.version > 0:
             self._publish()  # makers start from the initial weights: bring them to the resumed version
-        return float(learner_state["env_steps"])
+        return env_steps
 
     def _write_config(self, run_dir: Path) -> None:
         cfg, top, planes, device = self.cfg, self.top, self.planes, self.ctx.device
@@ -263,24 +272,16 @@ class Trainer:
               f"{cfg.batches_per_step} batch(es) per trainer per step; {cfg.total_steps} steps"
               + (f"; resuming at v{self.version}" if self.version else ""), flush=True)
 
-    def _save(self, env_steps: float) -> Path | None:
-        trainers = list(range(self.top.trainers))
-        model_state, learner_state = self.replica.full_state()
-        learner = ({"model": model_state, "learner": learner_state, "version": self.version, "env_steps": env_steps}
-                   if self.index == 0 else None)
+    def _save(self, env_steps: float, wait: bool = False) -> Path | None:
+        """A checkpoint of this version, written in the background (``wait``: until committed)."""
         # outstanding credits are collected again after a resume
         mine = {"generator": self.replica.generator.get_state(), "next_credit": self.makers.first_untrained}
-        saved = checkpoint.save(self.cfg.run_dir, self.version, self.index, self.top.trainers, learner, mine,
-                                lambda name: barrier(self.ctx, barrier_name(name), ranks=trainers),
-                                identity=run_identity(self.cfg, self.top.trainers))
-        if self.index == 0:  # e.g. the HF actor with save_pretrained
-            self.workload.save_artifacts(model_state)
-        return saved
+        return self.checkpoints.save(self.version, env_steps, mine, wait=wait)
 
     def _finish(self, logger: RunLogger, tally: Tally, row: dict, reached: bool) -> dict:
         """Checkpoint, drain, close every stream; trainer 0 accounts for every sample and says how it ended."""
         consumed = tally.env_steps - tally.resumed_env_steps  # this job's makers produced only this job's samples
-        saved = self._save(tally.env_steps)
+        saved = self._save(tally.env_steps, wait=True)
         drained = self.makers.drain(between=self._follow_losses)
         used = {f"used/{m}": float(n) for m, n in enumerate(self.makers.used)}
         totals = reduce_metrics({"dropped_shutdown": drained, "dropped_stale": tally.dropped_stale, **used},
