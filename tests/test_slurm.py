@@ -287,7 +287,7 @@ def test_trainer_exit_status_in_words():
 # stand-ins for srun (records its environment, exits $FAKE_RC) and scontrol (records requeues).
 SCRIPT_ENV = {
     "fastsac.sbatch": dict(SLURM_JOB_ID="4321", SLURM_JOB_NODELIST="node1", SLURM_NTASKS="2",
-                           SLURM_NTASKS_PER_NODE="2"),
+                           SLURM_NTASKS_PER_NODE="2", SLURM_TASKS_PER_NODE="2", SLURM_JOB_NUM_NODES="1"),
     "detached_ppo_single.sbatch": dict(SLURM_JOB_ID="4321", SLURM_JOB_NODELIST="node[1-2]", SLURM_NTASKS="2"),
     "detached_ppo.sbatch": dict(SLURM_JOB_ID="4321", SLURM_HET_SIZE="2", SLURM_NTASKS_HET_GROUP_0="1",
                                 SLURM_NTASKS_HET_GROUP_1="2", SLURM_JOB_NODELIST_HET_GROUP_0="node2",
@@ -341,3 +341,33 @@ def test_scripts_exit_2_when_python_cannot_read_conventions(tmp_path, script):
     assert f"{script}: cannot read EXIT_STOPPED from hpcrl.conventions with PYTHON={tmp_path}/no-such-python" \
         in proc.stderr, proc.stderr
 
+
+
+# A requeued job resized with `scontrol update NumNodes=...` starts with SLURM_NTASKS from its submission
+# (checked on the local cluster: still 2 after a 2 -> 1 node update) and a fresh SLURM_TASKS_PER_NODE.
+def test_srun_gets_the_task_count_of_this_starts_allocation(tmp_path):
+    from hpcrl.launch.sbatch import ALLOC_TASKS_LINE
+
+    assert ALLOC_TASKS_LINE in (REPO / "slurm" / "fastsac.sbatch").read_text().splitlines()
+    assert ALLOC_TASKS_LINE in render(GOLDEN_REQUESTS["cpu_2tasks.sbatch"]).splitlines()
+    for tasks_per_node, stale, ntasks in (("1", "2", "1"), ("1(x2)", "1", "2")):  # shrunk, grown
+        proc, tmp = run_script(tmp_path / tasks_per_node, "fastsac.sbatch", SLURM_NTASKS=stale,
+                               SLURM_TASKS_PER_NODE=tasks_per_node, SLURM_NTASKS_PER_NODE="1")
+        assert proc.returncode == 0, proc.stderr
+        assert (srun_env(tmp)["SLURM_NTASKS"], srun_env(tmp)["SLURM_NPROCS"]) == (ntasks, ntasks)
+        assert f": {ntasks} rank(s) on 1 node(s)" in proc.stdout
+    for tasks_per_node, ntasks in (("2(x3),1", "7"), ("4,2(x2)", "8"), ("", "3")):  # "": keep SLURM_NTASKS
+        out = subprocess.run(["bash", "-uc", ALLOC_TASKS_LINE + '; echo "$SLURM_NTASKS"'], capture_output=True,
+                             text=True, env={"PATH": os.environ["PATH"], "SLURM_NTASKS": "3",
+                                             "SLURM_TASKS_PER_NODE": tasks_per_node})
+        assert out.stdout == ntasks + "\n", (tasks_per_node, out.stderr)
+
+
+def test_requeue_hold_requeues_held_and_a_bad_value_exits_2(tmp_path):
+    proc, tmp = run_script(tmp_path / "held", "fastsac.sbatch", FAKE_RC=str(EXIT_STOPPED), REQUEUE_HOLD="1")
+    assert proc.returncode == EXIT_STOPPED, proc.stderr
+    assert (tmp / "scontrol").read_text() == "requeuehold 4321\n"
+    assert "requeueing job 4321 held" in proc.stdout and "scontrol release 4321" in proc.stdout
+    proc, tmp = run_script(tmp_path / "bad", "fastsac.sbatch", REQUEUE_HOLD="yes")
+    assert proc.returncode == EXIT_BAD_CONFIG and not (tmp / "srun.env").exists()
+    assert proc.stderr == "fastsac.sbatch: REQUEUE_HOLD=yes: set it to 0 or 1\n"

@@ -25,6 +25,14 @@ def folder_path(request: JobRequest) -> Path:
 JOB_SECRET_LINE = ('export HPCRL_JOB_SECRET="${HPCRL_JOB_SECRET:-$(head -c 32 /dev/urandom | od -An -tx1 | '
                    "tr -d ' \\n')}\"")
 
+# The task count of this start's allocation, for srun (which reads SLURM_NTASKS as --ntasks) and the ranks.
+# sbatch stores SLURM_NTASKS in the job's environment at submission, so after `scontrol update` of a requeued
+# job's NumNodes it is stale; SLURM_TASKS_PER_NODE ("2(x3),1") is set anew at every start. Also in
+# slurm/fastsac.sbatch (tests/test_slurm.py checks the two agree).
+ALLOC_TASKS_LINE = ('ntasks=0; tpn=${SLURM_TASKS_PER_NODE:-}; for g in ${tpn//,/ }; do x=${g#*(x}; [ "$x" = "$g" ] '
+                    '&& x=1; ntasks=$(( ntasks + ${g%%(*} * ${x%)} )); done; '
+                    'if [ "$ntasks" -gt 0 ]; then export SLURM_NTASKS=$ntasks SLURM_NPROCS=$ntasks; fi')
+
 
 def slurm_parameters(request: JobRequest) -> dict[str, Any]:
     """``SlurmExecutor.update_parameters`` arguments: one srun task per rank (per GPU when GPUs are asked).
@@ -52,8 +60,9 @@ def slurm_parameters(request: JobRequest) -> dict[str, Any]:
         # scontrol requeue (submitit's checkpoint path) needs a requeueable job on clusters with JobRequeue=0
         "additional_parameters": {"requeue": True},
         # One secret per job attempt, made on the node (never in the submitit folder), in the tasks'
-        # environment only: the ranks sign the store keys they write with it (docs/trust.md).
-        "setup": [JOB_SECRET_LINE],
+        # environment only: the ranks sign the store keys they write with it (docs/trust.md). Then the
+        # task count of this start's allocation (a requeued job may have been resized, docs/elastic.md).
+        "setup": [JOB_SECRET_LINE, ALLOC_TASKS_LINE],
     }
     if request.gpus_per_node:
         params["gpus_per_node"] = request.gpus_per_node

@@ -36,10 +36,17 @@ class Submission:
         return self.job.job_id if self.job is not None else None
 
     def results(self) -> list[TrainerResult]:
-        """Wait for the job; one result per task (rank 0's carries the final metrics row). Raises when the
-        job failed or ended without results (cancelled, or stopped without a requeue)."""
+        """Wait for the job; one result per rank of the run that finished (rank 0's carries the final metrics
+        row). A job resized on requeue has as many as its last allocation's tasks, not its submission's.
+        Raises when the job failed or ended without results (cancelled, or stopped without a requeue)."""
         assert self.job is not None, "a dry run submitted nothing"
-        return self.job.results()
+        first = self.job.task(0).results()[0]
+        if first.world_size == self.job.num_tasks:
+            return self.job.results()
+        # resized: the tasks of the last start (submitit's Job knows the submission's count only)
+        folder = self.job.paths.folder
+        return [first] + [type(self.job)(folder, self.job.job_id, tasks=(k,)).results()[0]
+                          for k in range(1, first.world_size)]
 
     def summary(self) -> str:
         """Job id, run directory and log paths (what the CLI prints)."""

@@ -11,6 +11,8 @@ in task 0. It makes the trainer stop at its next agreed checkpoint, waits for it
 same task with ``--resume``; submitit stores that and requeues the job, whose rerun continues
 from the checkpoint in the same run directory (``%j`` in it is the job id, which a requeue keeps).
 A job Slurm requeues by itself (preemption, node failure: ``SLURM_RESTART_COUNT`` > 0) resumes too.
+The rerun's rank count is its own allocation's (a pending requeued job may be resized with ``scontrol
+update``; the batch script's setup recomputes ``SLURM_NTASKS``, and the trainer reshards its checkpoint).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class TrainerResult:
     run_dir: str
     final_metrics: dict | None
     """The last metrics.jsonl row (rank 0 only; the rows are already reduced over all ranks)."""
+    world_size: int = 1
+    """The ranks of the run that finished (a requeued job may have been resized since submission)."""
 
 
 class _Trainer:
@@ -116,7 +120,8 @@ class TrainerTask(Checkpointable):
         if code != 0:
             raise TrainerError(f"python -m {self.module} {describe_exit(code)} on rank {job.global_rank}; "
                                "its output is in this task's log")
-        return TrainerResult(job.global_rank, run_dir, _last_row(run_dir) if job.global_rank == 0 else None)
+        return TrainerResult(job.global_rank, run_dir, _last_row(run_dir) if job.global_rank == 0 else None,
+                             job.num_tasks)
 
     def checkpoint(self) -> DelayedSubmission:
         if self._trainer is not None:
