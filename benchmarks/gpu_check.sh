@@ -8,7 +8,8 @@
 #   5. run every entry point on the GPU, each to finite metrics: FastSAC pendulum (W = 1; with one GPU no
 #      NCCL group of two can exist) at the preset's size and at --num-envs 4096; detached PPO 1:1 with GPU
 #      trainer + GPU maker (they share the GPU: weights by gloo staged through host memory) and with GPU
-#      trainer + CPU maker; FastSAC with --amp fp16 (GradScaler on the GPU) and clipping; detached PPO on
+#      trainer + CPU maker; FastSAC with --amp fp16 (GradScaler on the GPU) and clipping; FastSAC resharded on
+#      resume onto the GPU (2 CPU ranks write the checkpoint, 1 GPU rank resumes it); detached PPO on
 #      the hf workload (a tiny Llama built here) with FSDP bf16 trainer + bf16 maker and with FSDP CPU
 #      offload (where transformers is installed); then play (and
 #      ONNX export where onnx/onnxruntime exist) on the trained policy. $OUT/gpu_check.json: exit code,
@@ -49,6 +50,14 @@ entry sac_compiled 180 "$PY" -m hpcrl.sac --preset pendulum --compile --total-en
 entry ppo_gpu_trainer_gpu_maker 90 "$PY" -m hpcrl.ppo --workload cartpole --makers 1 --trainers 1 --trainer-device cuda --maker-device cuda --total-steps 30
 entry ppo_gpu_trainer_cpu_maker 90 "$PY" -m hpcrl.ppo --workload cartpole --makers 1 --trainers 1 --trainer-device cuda --maker-device cpu --total-steps 30
 entry sac_amp_fp16_clipped 90 "$PY" -m hpcrl.sac --preset pendulum --amp fp16 --max-grad-norm 1 --total-env-steps 3200 --eval-episodes 2
+# Reshard on resume (docs/elastic.md): one GPU has no W' = 2, so 2 CPU ranks (gloo) write the checkpoint and one
+# GPU rank resumes it: envs and replay rings re-dealt 2 -> 1, every tensor mapped onto cuda:0. The entry fails
+# (rc 98) when the resume did not say it resharded.
+timeout 120 "$PY" -m hpcrl.sac --preset pendulum --nproc 2 --device cpu --threads 1 --total-env-steps 1600 \
+  --eval-episodes 0 --run-dir "$OUT/runs/sac_reshard_2cpu_to_1gpu" > "$OUT/runs/sac_reshard_2cpu.log" 2>&1 || \
+  echo "sac_reshard: the 2-rank CPU part failed (see $OUT/runs/sac_reshard_2cpu.log)"
+entry sac_reshard_2cpu_to_1gpu 90 "$PY" -m hpcrl.sac --preset pendulum --device cuda --resume --total-env-steps 3200 --eval-episodes 2
+grep -q "resharded 2 → 1 ranks" "$OUT/runs/sac_reshard_2cpu_to_1gpu.log" || runs[${#runs[@]}-1]="sac_reshard_2cpu_to_1gpu:98:0"
 if "$PY" -c "import transformers, tokenizers" 2>/dev/null; then  # RLHF on a tiny Llama built here (no network)
   PYTHONPATH=tests "$PY" -c "import hf_fixtures as F, pathlib as p; d = p.Path('$OUT/hf'); F.build_causal_lm(d / 'llama'); F.write_prompts(d / 'prompts.jsonl')" > /dev/null 2>&1
   HF=(--workload hf --hf.model "$OUT/hf/llama" --hf.prompts "$OUT/hf/prompts.jsonl" --hf.reward-fn hf_fixtures:target_fraction --hf.max-prompt-tokens 8 --hf.max-new-tokens 16 --makers 1 --trainers 1 --trainer-device cuda --maker-device cuda --total-steps 10)

@@ -293,7 +293,7 @@ SCRIPT_ENV = {
                                 SLURM_NTASKS_HET_GROUP_1="2", SLURM_JOB_NODELIST_HET_GROUP_0="node2",
                                 SLURM_JOB_NODELIST_HET_GROUP_1="node1"),
 }
-FAKE_SRUN = '#!/bin/bash\nenv > "$FAKE_DIR/srun.env"\nexit "${FAKE_RC:-0}"\n'
+FAKE_SRUN = '#!/bin/bash\nenv > "$FAKE_DIR/srun.env"\necho "$*" > "$FAKE_DIR/srun.args"\nexit "${FAKE_RC:-0}"\n'
 FAKE_SCONTROL = ('#!/bin/bash\nif [ "$1 $2" = "show hostnames" ]; then echo "${3%%,*}"; '
                  'else echo "$*" >> "$FAKE_DIR/scontrol"; fi\n')
 
@@ -356,6 +356,11 @@ def test_srun_gets_the_task_count_of_this_starts_allocation(tmp_path):
         assert proc.returncode == 0, proc.stderr
         assert (srun_env(tmp)["SLURM_NTASKS"], srun_env(tmp)["SLURM_NPROCS"]) == (ntasks, ntasks)
         assert f": {ntasks} rank(s) on 1 node(s)" in proc.stdout
+    # a resubmit (restart 0) at another size, RUN_DIR naming a run with checkpoints: it resumes
+    (tmp_path / "again" / "run" / "checkpoints").mkdir(parents=True)
+    proc, tmp = run_script(tmp_path / "again", "fastsac.sbatch", SLURM_TASKS_PER_NODE="1")
+    assert proc.returncode == 0 and (tmp / "srun.args").read_text().endswith(" --resume --resume-missing fresh\n")
+    assert srun_env(tmp)["SLURM_NTASKS"] == "1"
     for tasks_per_node, ntasks in (("2(x3),1", "7"), ("4,2(x2)", "8"), ("", "3")):  # "": keep SLURM_NTASKS
         out = subprocess.run(["bash", "-uc", ALLOC_TASKS_LINE + '; echo "$SLURM_NTASKS"'], capture_output=True,
                              text=True, env={"PATH": os.environ["PATH"], "SLURM_NTASKS": "3",

@@ -1,7 +1,8 @@
 """Elastic FastSAC on the local Slurm cluster: a job stopped by USR2 is resized while it waits in the queue
 (`scontrol update NumNodes=... NumTasks=...`) and resumes at the new rank count, the trainer resharding its
 checkpoint (docs/elastic.md). Through slurm/fastsac.sbatch (REQUEUE_HOLD=1: 2 nodes -> 1 -> 2) and through
-the submitit launcher (its plain requeue, held by hand: 2 nodes -> 1, the job's results then one rank's).
+the submitit launcher (its plain requeue, held by hand: 2 nodes -> 1, the job's results then one rank's;
+then a resubmit with --nodes 2 --resume training further: 1 -> 2).
 
 Both are extended (minutes: each start imports torch and rendezvouses under a shared host's load); the fast
 tier checks the batch scripts' task count and hold logic without a cluster (tests/test_slurm.py).
@@ -21,7 +22,10 @@ from hpcrl.launch import submit
 from test_slurm import REPO, TINY, cluster, job_env, job_fields, metrics, needs_slurm, wait_for  # noqa: F401
 
 TOTAL = 960  # env steps: 4 envs, a metrics row every 20, so 48 rows
-ARGS = [*TINY, "--total-env-steps", str(TOTAL), "--checkpoint-every", "20", "--keep-checkpoints", "100"]
+
+
+def trainer_args(total: int = TOTAL) -> list[str]:
+    return [*TINY, "--total-env-steps", str(total), "--checkpoint-every", "20", "--keep-checkpoints", "100"]
 
 
 def rows_after(run_dir: Path, n: int) -> bool:
@@ -51,9 +55,9 @@ def checkpoint_worlds(run_dir: Path) -> list[int]:
     return [json.loads(m.read_text())["world_size"] for m in manifests]
 
 
-def assert_continuous(run_dir: Path) -> None:
-    # every row once: stops land on a row, and a resume drops rows written after its checkpoint
-    assert [r["env_steps"] for r in metrics(run_dir)] == list(range(20, TOTAL + 1, 20))
+def assert_continuous(run_dir: Path, total: int = TOTAL) -> None:
+    # every row once: a resume drops rows written after its checkpoint
+    assert [r["env_steps"] for r in metrics(run_dir)] == list(range(20, total + 1, 20))
 
 
 @needs_slurm
@@ -63,7 +67,7 @@ def test_sbatch_job_resized_on_requeue_reshards_2_to_1_to_2_nodes(cluster, tmp_p
     run_dir = tmp_path / "run"
     cmd = ["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "--time=15",
            f"--output={tmp_path}/%j.out", f"--export=ALL,RUN_DIR={run_dir},REQUEUE_HOLD=1",
-           str(REPO / "slurm" / "fastsac.sbatch"), *ARGS]
+           str(REPO / "slurm" / "fastsac.sbatch"), *trainer_args()]
     job_id = subprocess.run(cmd, capture_output=True, text=True, env=job_env(), check=True).stdout.strip()
     log = tmp_path / f"{job_id}.out"
     seen = 0
@@ -89,10 +93,10 @@ def test_sbatch_job_resized_on_requeue_reshards_2_to_1_to_2_nodes(cluster, tmp_p
 
 @needs_slurm
 @pytest.mark.extended
-@pytest.mark.timeout(600)
-def test_submitit_job_resized_on_requeue_returns_the_last_runs_ranks(cluster, tmp_path, monkeypatch):
+@pytest.mark.timeout(900)
+def test_submitit_job_resized_on_requeue_then_resubmitted_on_more_nodes(cluster, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    sub = submit("sac", ARGS, nodes=2, time_min=15, run_dir=str(tmp_path / "run-%j"),
+    sub = submit("sac", trainer_args(), nodes=2, time_min=15, run_dir=str(tmp_path / "run-%j"),
                  folder=str(tmp_path / "logs" / "%j"))
     run_dir = Path(sub.run_dir)
     wait_for(lambda: rows_after(run_dir, 0), 300, "the first metrics row", poll_s=0.2)
@@ -109,3 +113,13 @@ def test_submitit_job_resized_on_requeue_returns_the_last_runs_ranks(cluster, tm
     assert "Requeued job" in log and "resharded 2 → 1 ranks: 4 envs per rank, batch 32 per rank" in log
     assert_continuous(run_dir)
     assert [w for w, _ in itertools.groupby(checkpoint_worlds(run_dir))] == [2, 1]
+
+    # a resubmit on other nodes: --nodes 2 --resume --run-dir <the run>, training further
+    again = submit("sac", trainer_args(TOTAL + 240), nodes=2, time_min=15, resume=True, run_dir=str(run_dir),
+                   folder=str(tmp_path / "logs" / "%j"))
+    results = again.results()
+    assert [(r.rank, r.world_size) for r in results] == [(0, 2), (1, 2)]
+    assert results[0].final_metrics["env_steps"] == TOTAL + 240
+    assert "resharded 1 → 2 ranks: 2 envs per rank, batch 16 per rank" in again.job.paths.stdout.read_text()
+    assert_continuous(run_dir, TOTAL + 240)
+    assert [w for w, _ in itertools.groupby(checkpoint_worlds(run_dir))] == [2, 1, 2]
