@@ -109,7 +109,8 @@ class Trainer:
                            progress_key="updates")
         tally = Tally(env_steps, resumed_env_steps=env_steps)
         self._grant((cfg.lag + 1) * cfg.batches_per_step)
-        row: dict = {}
+        # a job resumed at its budget runs no step: its closing row still says where the run is
+        row: dict = {"env_steps": float(env_steps), "updates": self.version, "policy_version": self.version}
         reached = False  # --target-return met (the same verdict on every trainer: the row is reduced)
         last = time.perf_counter()
         for _ in range(self.version, cfg.total_steps):
