@@ -10,6 +10,7 @@ import dataclasses
 import io
 import json
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,12 @@ REWARD = "hf_fixtures:target_fraction"
 @pytest.fixture(scope="module")
 def art(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("hfv")
-    return {"llama": F.build_causal_lm(d / "llama"), "prompts": F.write_prompts(d / "prompts.jsonl")}
+    varied = d / "varied.jsonl"  # prompts of 1 to 5 words: left padding that differs by row
+    rng = random.Random(4)
+    varied.write_text("".join(json.dumps({"prompt": " ".join(rng.choice(F.WORDS[2:]) for _ in range(1 + i % 5))})
+                              + "\n" for i in range(40)))
+    return {"llama": F.build_causal_lm(d / "llama"), "prompts": F.write_prompts(d / "prompts.jsonl"),
+            "varied": varied}
 
 
 def _wl(art, **kw) -> HFWorkload:
@@ -73,6 +79,29 @@ def test_micro_batches_equal_one_large_minibatch_on_a_transformer(art, algo):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-6)
         for k in ("policy_loss", "entropy", "grad_norm", "approx_kl"):
             assert params[micro, "stats"][k] == pytest.approx(params[None, "stats"][k], rel=1e-4, abs=1e-6), k
+
+
+@pytest.mark.parametrize("algo,micro", [("ppo", None), ("grpo", 3)])
+def test_trim_padding_is_the_padded_path(art, algo, micro):
+    """--ppo.trim-padding: each forward drops the columns that are padding in all its rows; the update
+    lands on the padded path's parameters and stats, and computes fewer padding positions."""
+    extra = dict(algo="grpo", group_size=2) if algo == "grpo" else {}
+    wl = _wl(art, prompts=str(art["varied"]), micro_batch_size=micro, **extra)
+    batch = _batches(wl, 1)
+    got = {}
+    for trim in (False, True):
+        cfg = dataclasses.replace(wl.default_config(), lr=3e-3, max_grad_norm=1e6, trim_padding=trim)
+        model, learner = _learner(wl, cfg)
+        stats = learner.update(batch, torch.Generator().manual_seed(5))
+        got[trim] = ([p.detach().clone() for p in learner.params], stats)
+    for a, b in zip(got[True][0], got[False][0]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-6)
+    for k in ("policy_loss", "entropy", "approx_kl", "grad_norm") + (("value_loss",) if algo == "ppo" else ()):
+        assert got[True][1][k] == pytest.approx(got[False][1][k], rel=1e-4, abs=1e-6), k
+    stats = got[True][1]
+    # prompts of 1-5 words left-padded to 8 tokens: every forward drops at least 2 leading columns
+    assert 0 <= stats["trimmed_padding_frac"] < stats["padding_frac"] < 1, stats
+    assert "padding_frac" not in got[False][1]
 
 
 def test_bad_micro_batch_size_and_group_baseline_without_groups(art):

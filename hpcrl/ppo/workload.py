@@ -74,6 +74,10 @@ class PPOConfig:
     """Updates the cosine takes from lr to its minimum (required with lr_schedule cosine)."""
     min_lr_ratio: float = 0.0
     """The cosine's final learning rate as a fraction of lr, in [0, 1]."""
+    trim_padding: bool = False
+    """hf: each training forward (minibatch or micro-batch) drops the token columns that are padding in
+    all of its sequences (prompt left-padding, response tail past its longest response): the same
+    numbers, less compute; one host read of the batch's lengths per update, one per forward on a GPU."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

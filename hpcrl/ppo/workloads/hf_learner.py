@@ -18,7 +18,7 @@ from ..losses import approx_kl, group_advantages, masked_mean, sequence_rewards_
 from ..update import Coefs, GradStep, Outputs, Plan, Samples, ppo_update, read_stats
 from ..workload import AdamLearner, PPOConfig
 from .hf_eval import evaluate
-from .hf_generate import token_logp
+from .hf_generate import position_ids, token_logp
 
 if TYPE_CHECKING:
     from .hf import HFActorCritic, HFWorkload
@@ -77,7 +77,11 @@ class HFLearner(AdamLearner):
         samples, rewards = self._samples(b)
         critic = samples.old_values is not None
 
+        trim = _Trim(attn, b["action_mask"], wl.max_prompt_tokens) if cfg.trim_padding else None
+
         def forward(idx: Tensor) -> Outputs:
+            if trim is not None:
+                return trim.forward(model, tokens, attn, response, idx, wl.temperature, critic)
             logits = model.action_logits(tokens[idx], attn[idx]).float() / wl.temperature
             logp_all = torch.log_softmax(logits, -1)
             logp = logp_all.gather(-1, response[idx].unsqueeze(-1)).squeeze(-1)
@@ -97,6 +101,8 @@ class HFLearner(AdamLearner):
             stats["kl_measure"] = self.kl_measure(stats["kl_to_ref"])
         out = read_stats(stats)  # the one host read: also waits for the update's device work
         tokens_done = out.pop("tokens")
+        if trim is not None:
+            out.update(trim.stats())
         measured = out.pop("kl_measure", out["kl_to_ref"])
         out.update(lr=lr, kl_coef=self.finish_update(measured, n * self.trainers()))
         out.update(sequences=float(n),
@@ -104,6 +110,53 @@ class HFLearner(AdamLearner):
         if wl.eval_every and self.updates % wl.eval_every == 0:  # every trainer: the same numbers
             out.update(evaluate(wl, model, self.updates))
         return out
+
+
+class _Trim:
+    """``cfg.trim_padding``: the training forward over only the columns some sequence of the piece
+    uses. Prompts are left-padded to ``P`` and responses right-padded to ``G``: a piece whose longest
+    prompt is ``P - lead`` tokens and longest response ``g`` runs on columns ``lead .. P + g``; its
+    outputs are padded back to ``G`` with zeros (weight 0: outside every mask). Exact: dropped keys
+    are masked out of attention, position ids count real tokens only, and the causal model's outputs
+    at kept positions never see the dropped tail. ``padding_frac`` / ``trimmed_padding_frac``: the
+    share of computed token positions that are padding, without and with the trim."""
+
+    def __init__(self, attn: Tensor, action_mask: Tensor, prompt_len: int) -> None:
+        self.P, self.G = prompt_len, action_mask.shape[1]
+        lengths = torch.stack([attn[:, :prompt_len].sum(-1), action_mask.sum(-1)]).long().cpu()  # one host read
+        self.lead = (prompt_len - lengths[0]).tolist()
+        self.resp = lengths[1].tolist()
+        self.real = float(lengths.sum())
+        self.full = 0
+        self.kept = 0
+
+    def forward(self, model: Any, tokens: Tensor, attn: Tensor, response: Tensor, idx: Tensor, temperature: float,
+                critic: bool) -> Outputs:
+        rows = idx.tolist()  # on a GPU: a sync per forward (the piece's shape is a host number)
+        lead = min(self.lead[i] for i in rows)
+        g = max(1, max(self.resp[i] for i in rows))
+        p = self.P - lead
+        self.full += len(rows) * (self.P + self.G)
+        self.kept += len(rows) * (p + g)
+        t, a = tokens[idx, lead:self.P + g], attn[idx, lead:self.P + g]
+        pos = position_ids(a)
+        # HFActorCritic.action_logits / values with the piece's own prompt length p
+        out = model.actor(input_ids=t, attention_mask=a.long(), position_ids=pos, use_cache=False,
+                          logits_to_keep=g + 1)
+        logp_all = torch.log_softmax(out.logits[:, :-1].float() / temperature, -1)
+        logp = logp_all.gather(-1, response[idx, :g].unsqueeze(-1)).squeeze(-1)
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        values = model.critic(t, a.long(), pos)[:, p - 1:-1].float() if critic else None
+        pad = lambda x: None if x is None else torch.nn.functional.pad(x, (0, self.G - g))  # noqa: E731
+        return Outputs(pad(logp), pad(entropy), pad(values))
+
+    def stats(self) -> dict[str, float]:
+        """Padding shares of this update's training forwards (``real`` tokens counted once per forward)."""
+        if not self.full:
+            return {}
+        epochs = self.full / (len(self.lead) * (self.P + self.G))  # forwards per sample
+        real = self.real * epochs
+        return {"padding_frac": 1.0 - real / self.full, "trimmed_padding_frac": 1.0 - real / self.kept}
 
 
 @torch.no_grad()
