@@ -230,3 +230,45 @@ def test_hf_resume_across_ddp_fsdp_and_trainer_counts(art, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "hpcrl.ppo.export", str(tmp_path / "nope"), "--out", str(out)],
                          capture_output=True, text=True, timeout=60, env=_env())
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+# ------------------------------------------------------------------------ the older gathered format
+
+
+def _to_old_format(path: Path, trainers: int) -> dict:
+    """Rewrite committed checkpoint ``path`` as the gathered format written before DCP (one learner.pt with
+    the full model and the optimizer's state_dict by parameter index; the trainer count in the identity)."""
+    full = read_full(path)
+    manifest = checkpoint.read_manifest(path)
+    names = list(full["model"])
+    groups = [dict(g) for g in full["optim"]["param_groups"]]
+    for g in groups:
+        g["params"] = [names.index(n) for n in g["params"]]
+    state = {i: {k: full["optim"][f"state.{n}.{k}"] for k in ("step", "exp_avg", "exp_avg_sq")}
+             for i, n in enumerate(names)}
+    learner = {"model": full["model"], "version": full["version"], "env_steps": full["env_steps"],
+               "learner": {"model": full["model"], "optimizer": {"state": state, "param_groups": groups},
+                           **full["learner"]}}
+    ranks = [checkpoint.load_h5(path / f"rank{r}.h5", 1) for r in range(manifest["world_size"])]
+    identity = {"trainers": trainers, **manifest["identity"]}
+    identity["hf"] = {k: v for k, v in identity["hf"].items() if k != "dtype"}  # before --hf.dtype existed
+    run = path.parent.parent
+    shutil.rmtree(checkpoint.checkpoint_root(run))
+    assert trainers == len(ranks) == 1  # one process writes it (its barriers are no-ops)
+    checkpoint.save(run, full["version"], 0, 1, learner, ranks[0], lambda name: None, identity=identity)
+    return full
+
+
+@pytest.mark.extended
+def test_an_older_gathered_checkpoint_resumes_at_another_trainer_count(tmp_path):
+    run = tmp_path / "run"
+    first = _ppo(*CARTPOLE, "--trainers", "1", "--total-steps", "2", "--run-dir", str(run))
+    assert first.returncode == 0, first.stderr[-3000:]
+    saved = _to_old_format(_newest(run), 1)
+    assert "model" in torch.load(_newest(run) / "learner.pt", weights_only=True)  # the old layout
+    again = _ppo(*CARTPOLE, "--trainers", "2", "--total-steps", "2", "--run-dir", str(run), "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resharded 1 -> 2 trainer(s)" in again.stdout, again.stdout
+    got = read_full(_newest(run))
+    assert checkpoint.read_manifest(_newest(run))["world_size"] == 2 and (_newest(run) / "dcp").is_dir()
+    assert _same_learner(saved, got) == 0.0

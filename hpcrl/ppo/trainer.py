@@ -283,6 +283,8 @@ class Trainer:
         """Checkpoint, drain, close every stream; trainer 0 accounts for every sample and says how it ended."""
         consumed = tally.env_steps - tally.resumed_env_steps  # this job's makers produced only this job's samples
         saved = self._save(tally.env_steps, wait=True)
+        if self.index == 0 and (line := self.checkpoints.timing_line()):
+            print(f"hpcrl.ppo: {line}", flush=True)
         drained = self.makers.drain(between=self._follow_losses)
         used = {f"used/{m}": float(n) for m, n in enumerate(self.makers.used)}
         totals = reduce_metrics({"dropped_shutdown": drained, "dropped_stale": tally.dropped_stale, **used},

@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -52,7 +53,7 @@ import torch.distributed as dist
 from hpcrl import checkpoint
 from hpcrl.checkpoint_manifest import LEARNER, CorruptCheckpoint, _check_file, rank_file
 from hpcrl.checkpoint_rows import METRICS, tail_rows
-from hpcrl.checkpoint_write import FORMAT_VERSION
+from hpcrl.checkpoint_write import FORMAT_VERSION, _fsync_dir
 from hpcrl.diskfault import DiskFault
 from hpcrl.h5io import load_h5
 
@@ -177,6 +178,16 @@ class TrainerCheckpoints:
         self._result: Path | None = None
         self._error: BaseException | None = None
         self.after_commit: Callable[[Path], None] | None = None  # trainer 0: e.g. the hf actor export
+        self.stage_s: list[float] = []  # per checkpoint: on the training thread (the copy)
+        self.write_s: list[float] = []  # per checkpoint: on the writer thread (shards, files, commit)
+
+    def timing_line(self) -> str:
+        """One line: how long checkpoints held the step (staging) and how long they took behind it."""
+        if not self.write_s:
+            return ""
+        ms = lambda xs: 1000.0 * sum(xs) / len(xs)  # noqa: E731
+        return (f"{len(self.write_s)} checkpoint(s): the step waited {ms(self.stage_s):.1f} ms each (staging "
+                f"copy), the writer thread took {ms(self.write_s):.1f} ms each (shards, checksums, commit)")
 
     # -- the state --------------------------------------------------------------------------------
     @property
@@ -218,11 +229,13 @@ class TrainerCheckpoints:
             cuda = self.device.type == "cuda"
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                         use_async_staging=False, use_non_blocking_copy=False))
+        t0 = time.perf_counter()
         staged = self._stager.stage(self.state_dict())  # a copy: the next update cannot change it
         learner = ({"format": FORMAT, "version": version, "env_steps": env_steps, "learner": self._learner_rest(),
                     "trainers": self.trainers} if self.rank == 0 else None)
         rows = tail_rows(Path(self.cfg.run_dir) / METRICS) if self.rank == 0 else None  # this step's rows
         group = self.group
+        self.stage_s.append(time.perf_counter() - t0)
 
         def write_dcp(tmp: Path) -> list[str]:
             import torch.distributed.checkpoint as dcp
@@ -233,13 +246,16 @@ class TrainerCheckpoints:
             except Exception as err:  # noqa: BLE001  (DCP gathers every rank's failure into one exception)
                 raise DiskFault(f"checkpoint shards in {tmp / DCP_DIR} not written: {type(err).__name__}: "
                                 f"{str(err).splitlines()[0] if str(err) else ''}") from None
+            _fsync_dir(tmp / DCP_DIR)
             return _dcp_files(tmp, self.rank)
 
         def run() -> None:
+            start = time.perf_counter()
             try:
                 self._result = checkpoint.save(self.cfg.run_dir, version, self.rank, self.trainers, learner,
                                                rank_state, self.barrier, identity=self.identity, extra=write_dcp,
                                                rows=rows)
+                self.write_s.append(time.perf_counter() - start)
                 if self.after_commit is not None:
                     self.after_commit(self._result)
             except BaseException as err:  # noqa: BLE001  (raised on the training thread at the next wait)
