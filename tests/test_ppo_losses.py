@@ -166,17 +166,22 @@ def test_micro_batches_equal_one_large_minibatch(critic, norm):
 
 
 def test_micro_batch_gradients_equal_the_minibatch_gradient():
-    """One minibatch, no step (lr 0): the accumulated gradient is the whole minibatch's, per parameter."""
+    """One minibatch, no step (lr 0): the accumulated gradient is the whole minibatch's, per parameter,
+    also with the pieces cut after ordering the samples by a key (lengths: ``piece_key``)."""
     grads = {}
-    for micro in (None, 2):
+    for micro, key in ((None, None), (2, None), (2, torch.tensor([3, 1, 2, 1, 0]))):
         params, samples, forward = _toy(5)
+        seen = []
         step = GradStep(torch.optim.SGD(params, lr=0.0), params, NoGradAverage(), max_grad_norm=1e6)
-        ppo_update(forward, samples, Coefs(clip=0.2), Plan(1, 1), step, torch.Generator().manual_seed(0),
-                   micro_batch_size=micro)
-        grads[micro] = [p.grad.clone() for p in params]
-    for a, b in zip(grads[2], grads[None]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
-    assert any(g.abs().max() > 0 for g in grads[None])
+        ppo_update(lambda idx: seen.append(idx.tolist()) or forward(idx), samples, Coefs(clip=0.2), Plan(1, 1), step,
+                   torch.Generator().manual_seed(0), micro_batch_size=micro, piece_key=key)
+        grads[micro, key is None] = [p.grad.clone() for p in params]
+        if key is not None:  # pieces of like keys: [4 (key 0), 1 or 3 (key 1)], [the other key-1 one, 2], [0]
+            assert [key[i].item() for piece in seen for i in piece] == [0, 1, 1, 2, 3]
+    for got in (grads[2, True], grads[2, False]):
+        for a, b in zip(got, grads[None, True]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert any(g.abs().max() > 0 for g in grads[None, True])
 
 
 # ------------------------------------------------------------------------------ bad values

@@ -172,7 +172,7 @@ def micro_batches(n: int, size: int | None) -> list[slice]:
 def ppo_update(forward: Callable[[Tensor], Outputs], samples: Samples, coefs: Coefs, plan: Plan, step: GradStep,
                generator: torch.Generator, stats_dtype: torch.dtype | None = None,
                logp_gap: bool = False, micro_batch_size: int | None = None,
-               loss_norm: LossNorm = "token") -> dict[str, Tensor]:
+               loss_norm: LossNorm = "token", piece_key: Tensor | None = None) -> dict[str, Tensor]:
     """Run ``plan`` over ``samples``: for each minibatch ``idx``, ``forward(idx)`` -> :func:`ppo_losses`
     -> ``step``. Returns each stat's mean over the minibatches as a device tensor (summed in
     ``stats_dtype``, default the stat's own), plus ``grad_norm``; with ``logp_gap`` also
@@ -182,7 +182,10 @@ def ppo_update(forward: Callable[[Tensor], Outputs], samples: Samples, coefs: Co
     ``micro_batch_size``: each minibatch runs as forward / backward passes over consecutive pieces
     of at most that many samples, their gradients accumulated before the one step; the loss weights
     (:func:`~hpcrl.ppo.losses.loss_weights` under ``loss_norm``) are the whole minibatch's, so the
-    step equals the one on the whole minibatch (to float rounding) whatever the pieces' sizes."""
+    step equals the one on the whole minibatch (to float rounding) whatever the pieces' sizes.
+    ``piece_key`` (``[n]``, e.g. sequence lengths): with micro-batches, each minibatch's samples are
+    ordered by it before they are cut into pieces (sequences of like length share a piece, so a
+    forward that trims padding trims more); a minibatch is a set, so this changes no number but rounding."""
     n = samples.behaviour_logp.shape[0]
     sums: dict[str, Tensor] = {}
     steps = 0
@@ -190,6 +193,8 @@ def ppo_update(forward: Callable[[Tensor], Outputs], samples: Samples, coefs: Co
     weighted = bool(micro_batch_size) or loss_norm != "token"
     for _ in range(plan.epochs):
         for idx in minibatch_indices(n, plan, generator, samples.behaviour_logp.device):
+            if piece_key is not None and micro_batch_size:
+                idx = idx[piece_key[idx].argsort(stable=True)]  # on the device: no host read
             mb = samples[idx]
             weights = None
             if weighted:

@@ -94,7 +94,7 @@ class HFLearner(AdamLearner):
         coefs = dataclasses.replace(Coefs.of(cfg), kl=self.kl_coef)
         stats = ppo_update(forward, samples, coefs, Plan(cfg.epochs, minibatches), step, generator,
                            stats_dtype=torch.float64, logp_gap=True, micro_batch_size=wl.micro_batch_size,
-                           loss_norm=cfg.loss_norm)
+                           loss_norm=cfg.loss_norm, piece_key=None if trim is None else trim.key)
         stats.update(_sequence_stats(samples, b["ref_logp"].float(), b["score"].float(), rewards),
                      maker_tokens_per_s=tps.mean(), tokens=attn.sum())
         if cfg.kl_target is not None:
@@ -127,6 +127,8 @@ class _Trim:
         self.lead = (prompt_len - lengths[0]).tolist()
         self.resp = lengths[1].tolist()
         self.real = float(lengths.sum())
+        # micro-batches of like lengths (response first, then prompt): their forwards trim the most
+        self.key = (action_mask.sum(-1).long() * (prompt_len + 1) + attn[:, :prompt_len].sum(-1).long())
         self.full = 0
         self.kept = 0
 
