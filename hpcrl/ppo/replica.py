@@ -3,6 +3,8 @@ workload's learner, the tensors published to the makers and the minibatch genera
 
 from __future__ import annotations
 
+import resource
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +16,32 @@ from .config import DetachedConfig
 from .strategy import Strategy
 from .workload import PPOConfig, Workload
 
-__all__ = ["Replica"]
+__all__ = ["Replica", "built_line", "peak_rss_mib"]
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set so far (``VmHWM``; ``ru_maxrss`` where /proc is missing), MiB."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def built_line(index: int, strategy: str, where: torch.device, model: torch.nn.Module) -> str:
+    """The line each trainer logs once its model is built: how it was loaded, the share of the
+    parameters it holds, its dtype(s) and the process's peak RSS so far."""
+    here = total = 0
+    dtypes = set()
+    for p in model.parameters():
+        total += p.numel()
+        here += p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+        dtypes.add(str(p.dtype).removeprefix("torch."))
+    how = "sharded load" if where.type == "meta" else "full build"
+    return (f"hpcrl.ppo trainer {index}: model built ({strategy}, {how}, {'/'.join(sorted(dtypes))}): "
+            f"{here / 1e6:.2f}M of {total / 1e6:.2f}M parameters here, peak RSS {peak_rss_mib():.0f} MiB")
 
 
 @dataclass
@@ -40,6 +67,7 @@ class Replica:
         model = workload.build_model(cfg.seed, where)
         strategy = Strategy(cfg.strategy, model, workload, plane, device, keep=index == 0, offload=cfg.offload,
                             dtype=cfg.trainer_dtype)
+        print(built_line(index, cfg.strategy, where, model), file=sys.stderr, flush=True)
         tensors = workload.publish_tensors(model)
         learner = workload.make_learner(model, ppo, strategy.grad_average)
         return cls(model, strategy, learner, tensors, torch.Generator().manual_seed(cfg.seed + 2 + 1000 * index))

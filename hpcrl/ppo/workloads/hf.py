@@ -354,7 +354,7 @@ class HFWorkload(HFOptions, Workload):
 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice
-                net = torch.ao.quantization.quantize_dynamic(net.cpu(), {nn.Linear}, dtype=torch.qint8)
+                net = torch.ao.quantization.quantize_dynamic(net.cpu().float(), {nn.Linear}, dtype=torch.qint8)
         net = net.eval().requires_grad_(False)
         model.__dict__["_maker_copy"] = (model.publishes, net)  # not a submodule: never published or checkpointed
         return net

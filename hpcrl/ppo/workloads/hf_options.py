@@ -70,10 +70,11 @@ class HFOptions:
     lora_alpha: float | None = None
     """LoRA alpha (default: the rank, i.e. scale 1)."""
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """Precision the trainers load the model in: auto = the checkpoint's stored dtype (config.json's
-    torch_dtype). Under --strategy fsdp the model is built on the meta device and each trainer
-    materialises only its shards; fp32 master weights live in the optimizer where the precision
-    policy needs them."""
+    """Dtype of the model's parameters (trainers' and makers' actor, critic, reference): auto = the stored
+    dtype (config.json's dtype / torch_dtype; fp32 when unset; fp16 is refused). bf16: weights, gradients and
+    Adam moments in bf16 and compute in bf16 (no fp32 copy). fp32 masters: --hf.dtype fp32, with
+    --trainer-dtype bf16 for bf16 compute under fsdp. Under --strategy fsdp the model is built on the meta
+    device and each trainer reads only its shards' rows of the weights files."""
     micro_batch_size: int | None = None
     """Sequences per forward / backward pass on a trainer; gradients are accumulated over the
     minibatch (equal to one pass over the whole minibatch). None: the whole minibatch at once."""
@@ -143,6 +144,8 @@ class HFOptions:
             given = "eval_every" if self.eval_every else "eval_prompts"
             self.fail(given, "given with " + ("--eval-prompts" if self.eval_every else "--eval-every N > 0"),
                       "pass both --eval-prompts PATH and --eval-every N, or neither")
+        if self.dtype not in ("auto", "fp32", "bf16"):
+            self.fail("dtype", "one of auto, fp32, bf16", "e.g. --dtype auto (the stored dtype) or --dtype fp32")
         if self.lora_alpha is not None and not (finite(self.lora_alpha) and self.lora_alpha > 0):
             self.fail("lora_alpha", "a finite number > 0", "e.g. --lora-alpha 16, or leave it unset (= rank)")
         if self.algo == "grpo":
