@@ -48,7 +48,7 @@ SYSTEMS = ("hpcrl-ppo", "hpcrl-grpo", "trl-grpo")
 CHOSEN: dict[str, dict[str, Any]] = {
     # measured on this task (docs/hf_learning.md): what each knob bought
     "hpcrl-ppo": {"lr": 1e-3, "kl_coef": 0.01, "clip": 0.2, "epochs": 2, "minibatches": 2, "temperature": 1.0},
-    "hpcrl-grpo": {"lr": 1e-3, "kl_coef": 0.01, "clip": 0.2, "epochs": 2, "minibatches": 2, "temperature": 1.0},
+    "hpcrl-grpo": {"lr": 1e-3, "kl_coef": 0.0, "clip": 0.2, "epochs": 2, "minibatches": 2, "temperature": 1.0},
     "trl-grpo": {"lr": 1e-3, "kl_coef": 0.0, "clip": 0.2, "epochs": 1, "minibatches": 1, "temperature": 1.0},
 }
 QUICK = {"steps": 12, "eval_every": 6, "pretrain_steps": 40, "prompts": 64}
@@ -125,6 +125,8 @@ def run_hpcrl(system: str, demo: Path, a: argparse.Namespace, hp: dict[str, Any]
     updates = [r for r in rows if "score" in r]
     curve, prev = [], 0
     for r in updates:
+        if curve and r["updates"] == curve[-1]["update"]:
+            continue  # the run's final row repeats the last update's
         curve.append({"update": r["updates"], "time_s": r["time"], "reward": r["reward"],
                       "tokens": r["env_steps"] - prev, "entropy": r.get("entropy")})
         prev = r["env_steps"]
@@ -240,6 +242,8 @@ def merge(a: argparse.Namespace) -> int:
     paths = sorted(p for pat in (a.merge or [str(a.out / "*-seed*.json")]) for p in glob.glob(pat))
     runs = [json.loads(Path(p).read_text()) for p in paths]
     runs = [r for r in runs if r.get("system") in SYSTEMS and r.get("curve")]
+    for r in runs:  # one point per update (older hpcrl JSONs kept the run's repeated final row)
+        r["curve"] = [c for i, c in enumerate(r["curve"]) if i == 0 or c["update"] != r["curve"][i - 1]["update"]]
     if not runs:
         fail(f"no run JSONs matched {a.merge or str(a.out / '*-seed*.json')}; run --system ... first")
     summary = summarise(runs)
@@ -305,8 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     demo = demo_dir(a.out, a.seed, a.sizes)
     run = run_trl(demo, a, hp) if a.system == "trl-grpo" else run_hpcrl(a.system, demo, a, hp)
     run.update(quick=a.quick, tag=a.tag, hyper=hp, loadavg_start=load_start, loadavg_end=os.getloadavg(),
-               budget={"steps": a.steps, "prompts_per_update": a.batch_size, "samples_per_prompt": a.group_size,
-                       "samples_per_update": a.batch_size * a.group_size, "max_new_tokens": a.max_new_tokens,
+               budget={"steps": a.steps, "samples_per_update": a.batch_size * a.group_size,
+                       # PPO: batch x group prompts, one sample each (the same samples per update)
+                       "prompts_per_update": a.batch_size * (a.group_size if a.system == "hpcrl-ppo" else 1),
+                       "samples_per_prompt": 1 if a.system == "hpcrl-ppo" else a.group_size, "max_new_tokens": a.max_new_tokens,
                        "eval_every": a.eval_every, **a.sizes}, cpu_count=os.cpu_count())
     path = a.out / f"{a.system}-seed{a.seed}{a.tag}.json"
     path.write_text(json.dumps(run, indent=1))
