@@ -2,7 +2,7 @@
 here (random-init Llama, 2 layers; tests/hf_fixtures.py): ``--micro-batch-size`` equals one large
 minibatch for ppo and grpo; the adaptive KL coefficient and the lr schedule's position resume exactly
 from the learner's state_dict; a reward function returning NaN or the wrong length exits 2 with one
-line (the ``extended`` CLI runs, which also show kl_coef and lr in metrics.jsonl)."""
+line (CLI runs, which also show kl_coef and lr in metrics.jsonl). All in the ``extended`` tier."""
 
 from __future__ import annotations
 
@@ -25,8 +25,10 @@ from hpcrl.config_check import ConfigError  # noqa: E402
 from hpcrl.ppo.losses import adaptive_kl_coef, lr_at  # noqa: E402
 from hpcrl.ppo.workloads.hf import HFWorkload  # noqa: E402
 
-PLUGIN = "hpcrl.ppo.workloads.hf:HFWorkload"
 REWARD = "hf_fixtures:target_fraction"
+# the extended tier: the module's model fixture alone takes ~15 s here (a tokenizer trained, a model saved);
+# the pure cases (hand-computed numbers, micro-batches on a toy) are tests/test_ppo_losses.py, fast tier
+pytestmark = pytest.mark.extended
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +193,6 @@ def _cli(art, tmp_path, reward: str, *extra: str, timeout: float = 300):
                       "--heartbeat-timeout-s", "5", "--timeout-s", "30", *extra], tmp_path, timeout)
 
 
-@pytest.mark.extended
 def test_cli_reward_nan_or_wrong_length_exits_2_with_one_line(art, tmp_path):
     for reward, want in (("test_ppo_hf_variants:always_nan", "returned non-finite scores (nan); return finite"),
                          ("test_ppo_hf_variants:one_too_many", "returned 3 scores for 2 responses")):
@@ -204,7 +205,6 @@ def test_cli_reward_nan_or_wrong_length_exits_2_with_one_line(art, tmp_path):
         assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
 
 
-@pytest.mark.extended
 def test_cli_reward_nan_mid_run_is_named(art, tmp_path):
     proc = _cli(art, tmp_path, "test_ppo_hf_variants:nan_on_second_call", "--total-steps", "4")
     last = [line for line in proc.stderr.splitlines() if line.startswith("hpcrl.ppo: error:")]
@@ -212,7 +212,6 @@ def test_cli_reward_nan_mid_run_is_named(art, tmp_path):
     assert "nan_on_second_call on batch 0" in last[-1] and "non-finite" in last[-1], last
 
 
-@pytest.mark.extended
 def test_cli_micro_batches_and_rows_show_lr_and_kl_coef(art, tmp_path):
     proc = _cli(art, tmp_path, REWARD, "--total-steps", "3", "--hf.micro-batch-size", "3", "--hf.algo", "grpo",
                 "--hf.group-size", "2", "--hf.batch-size", "4")
