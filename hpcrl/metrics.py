@@ -17,8 +17,9 @@ import shutil
 import sys
 import time
 from collections import deque
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Iterator, TextIO
 
 from hpcrl.checkpoint_rows import saved_rows
 from hpcrl.config_check import ConfigError
@@ -75,6 +76,20 @@ def _missing_rows(kept: list[str], saved: list[str], key: str) -> list[str]:
     last = json.loads(kept[-1])[key] if kept else -math.inf
     have = set(kept)
     return [line for line in saved if line not in have and json.loads(line)[key] >= last]
+
+
+@contextmanager
+def _umask_for(mode: int) -> Iterator[None]:
+    """Files created meanwhile get at most ``mode`` from their creation on (the umask narrowed, never
+    widened), for writers that open files by path themselves, as TensorBoard's does: no chmod after,
+    so no instant at the umask's wider mode. The umask is the process's: held only while rank 0 starts
+    its logger, when no other thread of it creates files."""
+    old = os.umask(0o777)
+    os.umask(old | (0o777 & ~mode))
+    try:
+        yield
+    finally:
+        os.umask(old)
 
 
 def finite_row(row: dict[str, Any]) -> dict[str, Any]:
@@ -135,9 +150,8 @@ class RunLogger:
                 # purge_step: TensorBoard hides the events of this step on from earlier writers of the
                 # directory (the replayed steps after a resume; everything of the previous run on a fresh start)
                 tb = make_dir(Path(run_dir) / "tb")
-                self._writer = SummaryWriter(str(tb), purge_step=resume_env_steps)
-                for event_file in tb.iterdir():  # the writer opens its file at once, under the umask
-                    os.chmod(event_file, file_mode())
+                with _umask_for(file_mode()):  # the writer creates its event file here, by path
+                    self._writer = SummaryWriter(str(tb), purge_step=resume_env_steps)
         if wandb_project:
             self._wandb = open_wandb(self.run_dir, wandb_project, wandb_mode, wandb_config or {},
                                      resume=bool(resume_env_steps))

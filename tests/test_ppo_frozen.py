@@ -19,8 +19,7 @@ import pytest
 pytestmark = pytest.mark.timeout(90)
 
 HEARTBEAT_S = 3.0
-ARGS = ["--workload", "cartpole", "--makers", "2", "--trainers", "1", "--heartbeat-timeout-s", str(HEARTBEAT_S),
-        "--timeout-s", "60"]
+ARGS = ["--workload", "cartpole", "--makers", "2", "--heartbeat-timeout-s", str(HEARTBEAT_S), "--timeout-s", "60"]
 
 
 def _free_port() -> int:
@@ -29,17 +28,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(run: Path, steps: int) -> list[subprocess.Popen]:
-    """Independent processes, torchrun-style variables (ranks 0 trainer, 1-2 makers): a frozen maker is
-    then the test's to end, and each process's exit code is its own."""
-    port, procs = _free_port(), []
-    for rank in range(3):
+def _launch(run: Path, steps: int, trainers: int = 1, args: list[str] = ARGS) -> list[subprocess.Popen]:
+    """Independent processes, torchrun-style variables (ranks 0 trainer, 1-2 makers; with ``trainers=2``,
+    ranks 0-1 trainers, 2-3 makers): a frozen maker is then the test's to end, and each process's exit
+    code is its own."""
+    port, procs, world = _free_port(), [], trainers + 2
+    for rank in range(world):
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "RANK": str(rank),
-               "WORLD_SIZE": "3", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, "-m", "hpcrl.ppo", *ARGS, "--total-steps", str(steps),
-                                       "--run-dir", str(run)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+               "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, "-m", "hpcrl.ppo", *args, "--trainers", str(trainers),
+                                       "--total-steps", str(steps), "--run-dir", str(run)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
 
 
@@ -119,3 +119,31 @@ def test_a_maker_frozen_for_10_s_is_dropped_trained_around_and_leaves_when_woken
     assert final["policy_version"] == 300
     _check_accounts(final)
     assert "to the 1 live maker(s)" in out, out[-2000:]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fault", ["freeze", "kill"])
+def test_a_maker_lost_after_trainer_0_drained_is_dropped_not_waited_for(tmp_path, fault):
+    """The soak's end-of-run hang (seed 597737): 2 makers : 2 trainers, maker 1 feeds trainer 1 only, and is
+    frozen (or killed) once the last update's row is out. Trainer 0 has drained its own maker, so it
+    learns of the loss only in its end phase (or from trainer 1's drop): it used to wait --timeout-s
+    for the maker's done mark and fail. Now the maker is dropped within the heartbeat timeout, by both
+    trainers, and counted; the run ends rc 0 with every sample accounted for."""
+    run, steps = tmp_path / "run", 20
+    procs = _launch(run, steps, trainers=2)
+    lost = procs[3]  # maker 1
+    try:
+        _wait_rows(run, steps, procs, timeout=180)  # the last update's row: the trainers are in their end phase
+        lost.send_signal(signal.SIGSTOP if fault == "freeze" else signal.SIGKILL)
+        t0 = time.monotonic()
+        ends = [p.communicate(timeout=45) for p in procs[:3]]
+        elapsed = time.monotonic() - t0
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs[:3], ends):
+        assert p.returncode == 0, err[-3000:]
+    assert elapsed < HEARTBEAT_S + 20, elapsed  # was --timeout-s (60 s), then exit 1
+    final = _rows(run)[-1]
+    assert final["policy_version"] == steps
+    _check_accounts(final)

@@ -35,7 +35,10 @@ The parent supervises like an agent:
   :data:`~hpcrl.comm.spawn_errors.CONFIG_ERRORS`) come back as :class:`SpawnConfigError` carrying the rank's one-line
   message, so entry points exit 2 without a traceback however many ranks hit it.
 - **Expendable ranks** (``expendable=``) may fail without stopping the others (detached PPO's
-  makers): their failure is a warning line on stderr, and part of the error if the run fails.
+  makers): their failure is a warning line on stderr, and part of the error if the run fails. Once
+  the others finished, one still running gets a grace period to leave on its own, except one that is
+  stopped (state ``T``: SIGSTOP, it cannot act on anything) or that the run dropped
+  (:func:`record_dropped`, e.g. a frozen maker): those are stopped at once.
 """
 
 from __future__ import annotations
@@ -62,18 +65,19 @@ from hpcrl import rundir
 
 from .scratch import make_scratch_dir
 from .secret import SECRET_ENV, new_secret
-from .spawn_child import STOP_SIGNALS, run_child
+from .spawn_child import _SCRATCH, STOP_SIGNALS, run_child, write_atomic
 from .spawn_errors import (CONFIG_ERRORS, DATA_ERRORS, SpawnConfigError, SpawnDataError, SpawnError, is_config_error,
                            is_data_error)
 from .spawn_exits import _Exits, _read_error, _signame
 from .stop import INTERRUPT_ENV
 
 __all__ = ["CONFIG_ERRORS", "DATA_ERRORS", "FORWARD_SIGNALS", "SpawnConfigError", "SpawnDataError", "SpawnError",
-           "is_config_error", "is_data_error", "spawn"]
+           "is_config_error", "is_data_error", "record_dropped", "spawn"]
 
 _KILL_GRACE_S = 3.0  # SIGTERM -> SIGKILL when spawn stops ranks itself
 _EXPENDABLE_GRACE_S = 30.0  # expendable ranks still running this long after the others finished are stopped
 _INTERRUPTED = "interrupted"  # a file in the scratch dir: the SIGTERMs the ranks get are a forwarded Ctrl-C
+_LOOK_S = 0.25  # how often the expendable ranks still running after the others finished are looked at
 
 FORWARD_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)
 """What :func:`spawn` forwards to its ranks by default (SIGINT as SIGTERM)."""
@@ -151,6 +155,60 @@ def _stop(procs: list, ranks: Collection[int], exits: _Exits | None = None) -> N
     for p in procs:
         if p.pid:
             p.join()
+
+
+def record_dropped(rank: int) -> None:
+    """Inside a spawned rank: the run dropped ``rank`` (an expendable rank, e.g. a maker that froze past
+    the heartbeat timeout), so once the others finished the parent stops it at once instead of granting
+    it the grace period. Outside :func:`spawn`, nothing."""
+    if not _SCRATCH:
+        return
+    try:
+        write_atomic(Path(_SCRATCH[0], _dropped_name(rank)), b"")
+    except OSError:  # the parent then grants it the grace period: slower, no worse
+        pass
+
+
+def _dropped_name(rank: int) -> str:
+    return f"dropped-{int(rank)}"
+
+
+def _is_stopped(pid: int | None) -> bool:
+    """``pid`` is in state T (stopped by SIGSTOP / SIGTSTP): it acts on nothing until SIGCONT (Linux;
+    elsewhere False). A tracer's stop (``t``, a debugger) is left alone."""
+    if not pid:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
+def _stop_unwanted(job: "_Job", expendable: frozenset[int]) -> None:
+    """After the essential ranks finished: stop at once the expendable ranks that are stopped (SIGKILL: a
+    stopped process never acts on SIGTERM) or that the run dropped (SIGTERM, then SIGKILL)."""
+    assert job.tmp is not None
+    frozen = [r for r in job.running & expendable if _is_stopped(job.procs[r].pid)]
+    dropped = [r for r in job.running & expendable
+               if r not in frozen and Path(job.tmp, _dropped_name(r)).exists()]
+    job.running.difference_update(frozen + dropped)  # first: the signal forwarder must not signal them any more
+    for r in frozen:
+        _kill_frozen(job.procs[r])
+    for r in dropped:
+        if job.procs[r].exitcode is None and job.procs[r].is_alive():
+            job.procs[r].terminate()
+    if job.exits is not None:
+        job.exits.stopped.update(frozen + dropped)
+    deadline = time.monotonic() + _KILL_GRACE_S
+    for r in dropped:
+        job.procs[r].join(max(0.0, deadline - time.monotonic()))
+        if job.procs[r].is_alive():
+            job.procs[r].kill()
+    for r in frozen + dropped:
+        job.procs[r].join()
+    if frozen or dropped:
+        why = [f"rank {r} is stopped (SIGSTOP)" for r in frozen] + [f"rank {r} was dropped by the run" for r in dropped]
+        _warn(f"expendable {', '.join(why)}; the others finished: stopped at once")
 
 
 def _kill_frozen(proc) -> None:
@@ -330,8 +388,14 @@ def _supervise(job: _Job, expendable: frozenset[int], deadline: float | None, ti
     while running:
         if grace_end is None and essential and not (essential & running):
             grace_end = time.monotonic() + _EXPENDABLE_GRACE_S
+        if grace_end is not None:
+            _stop_unwanted(job, expendable)
+            if not running:
+                break
         ends = [t for t in (deadline, grace_end) if t is not None]
         remaining = None if not ends else max(0.0, min(ends) - time.monotonic())
+        if grace_end is not None:  # look again soon: a rank may freeze, or be dropped, meanwhile
+            remaining = min(_LOOK_S, remaining if remaining is not None else _LOOK_S)
         ready = multiprocessing.connection.wait([procs[r].sentinel for r in running], remaining)
         if not ready:
             if deadline is not None and time.monotonic() >= deadline:

@@ -228,7 +228,11 @@ class Maker:
                 raise PeerLost(f"maker {self.index}: no weights v{min_version} from "
                                f"{describe(self.ctx, 0, 'trainer')} within {self.cfg.timeout_s:.0f} s")
 
-    def _check_trainers(self, waiting_for: str) -> None:
+    def _check_trainers(self, waiting_for: str, finished_ok: bool = False) -> bool:
+        """Raise if this maker must stop (dropped; the run finished; a trainer or the store lost). With
+        ``finished_ok`` a finished run returns True instead: waiting for a credit, it is the STOP credit
+        on its way (trainer 0 marks the run finished just before sending it), and the maker ends as at
+        STOP, closing its streams, rather than leave them open for the trainers to time out on."""
         try:
             dropped, finished = bounded(lambda: (self.status.dropped(self.index), self.status.finished()),
                                         self.cfg.heartbeat_timeout_s)
@@ -236,6 +240,8 @@ class Maker:
                 raise Dropped(f"maker {self.index}: the trainers dropped this maker (its heartbeat stalled for more "
                               f"than {self.cfg.heartbeat_timeout_s:g} s, e.g. while frozen); its rollouts were "
                               "given to the others, so it stops here")
+            if finished and finished_ok:
+                return True
             if finished:
                 raise Dropped(f"maker {self.index}: the run finished while this maker waited for {waiting_for}; "
                               "stopping")
@@ -249,6 +255,7 @@ class Maker:
             names = ", ".join(describe(self.ctx, r, "trainer") for r in dead)
             raise PeerLost(f"maker {self.index}: {names} stopped responding (no heartbeat for "
                            f"{self.cfg.heartbeat_timeout_s:.0f} s) while waiting for {waiting_for}")
+        return False
 
     def _next_credit(self) -> Credit | None:
         deadline = time.monotonic() + self.cfg.timeout_s
@@ -256,7 +263,8 @@ class Maker:
             try:
                 item = self._credit_q.get(timeout=0.5)
             except queue.Empty:
-                self._check_trainers("a credit")
+                if self._check_trainers("a credit", finished_ok=True):
+                    return None  # as at STOP
                 if time.monotonic() > deadline:
                     raise PeerLost(f"maker {self.index}: no credit from any trainer within {self.cfg.timeout_s:.0f} s")
                 continue

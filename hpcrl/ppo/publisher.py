@@ -4,6 +4,13 @@ A one-slot mailbox, not a queue: a busy publisher must not pile up model copies 
 only the newest version matters. The main thread posts snapshots and tells the publisher which
 makers are live; the thread keeps the makers it could not reach and its error for the main thread
 to collect (:meth:`Publisher.unreachable`, :meth:`Publisher.check`).
+
+The end of the stream is never held by one maker: once it is posted, a broadcast still waiting (the
+last version's, or the end marker's own) gives up after :data:`END_WAIT_S` and the end goes
+point-to-point to each maker. At that point every live maker sits idle in the header's receive (the
+drain has collected their last rollouts), so a broadcast that has not completed is one a maker froze
+or died in, which the trainer may learn only after its heartbeat timeout, or (after the drain) not
+at all in time for the publisher.
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ from .channels import WeightChannel
 from .events import Events, WeightsPublished
 from .liveness import PeerLost
 
-__all__ = ["Publisher"]
+__all__ = ["END_WAIT_S", "Publisher"]
+
+END_WAIT_S = 2.0  # how long a broadcast may still wait once the end of the stream is posted
 
 
 class Publisher:
@@ -33,6 +42,8 @@ class Publisher:
         self._unreachable: list[int] = []  # maker ranks a publish could not reach, not yet collected
         self.error: BaseException | None = None
         self.publish_ms = float("nan")
+        self._end_at: float | None = None  # when the end of the stream was posted (monotonic)
+        self._since = 0.0  # when the thread's current delivery began
         self._thread = threading.Thread(target=self._loop, name="weights-out", daemon=True)
 
     def start(self) -> None:
@@ -61,6 +72,7 @@ class Publisher:
 
     def end(self) -> None:
         """The end of the stream, after the last version."""
+        self._end_at = time.monotonic()
         self._put(None)
 
     def unreachable(self) -> list[int]:
@@ -70,7 +82,12 @@ class Publisher:
         return found
 
     def _alive(self) -> bool:
-        return len(self._live) == self._makers
+        """Whether a broadcast may go on waiting: every maker live, and the end not posted for more than
+        END_WAIT_S of this delivery."""
+        if len(self._live) != self._makers:
+            return False
+        end = self._end_at
+        return end is None or time.monotonic() - max(end, self._since) < END_WAIT_S
 
     def _put(self, item) -> None:
         with self._mail:
@@ -85,6 +102,7 @@ class Publisher:
             with self._mail:
                 self._mail.wait_for(lambda: bool(self._mailbox))
                 item = self._mailbox.pop()
+            self._since = time.monotonic()
             if item is None:
                 self.weights.end(self._live, self._alive)
                 return
@@ -102,7 +120,7 @@ class Publisher:
         seconds = time.perf_counter() - t0
         self.publish_ms = seconds * 1000
         self._lose(failed)
-        if self.weights.transport != before:
+        if self.weights.transport != before and self._end_at is None:  # at the end: nobody needs the news
             print(f"hpcrl.ppo: the weight broadcast to the makers could not complete at v{version} (a maker is "
                   f"lost or hangs); weights go {self.weights.transport} to the {len(self._live)} live maker(s) "
                   "from now on", flush=True)
