@@ -9,6 +9,12 @@
   memory (``CPUOffloadPolicy``). ``bf16``: FSDP mixed precision (bf16 parameters in compute, fp32
   gradient reduction, fp32 master weights and Adam).
 
+Under fsdp a workload that can (``builds_on_meta``: the hf workload) builds its model with the parameters
+on the ``meta`` device; after ``fully_shard`` each trainer allocates only its shards (``to_empty``; the
+buffers, built for real, are kept) and the workload's ``materialize(model)`` fills them (the hf
+workload: each trainer reads its own dim-0 rows of the weights files). No trainer holds the whole
+model at any point; other workloads are built in host memory and cut by ``fully_shard``.
+
 Both run on the trainers' device plane (NCCL on GPUs, gloo on CPU). The rest of the trainer sees the
 same three things under either strategy:
 
