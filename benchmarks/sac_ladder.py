@@ -15,6 +15,14 @@ is ``policy_frequency`` updates (one actor step among them). Repeats of all rung
 absolute figures. Under load the process CPU time per update (``cpu_update_s``) is the steadier
 measure on one thread: it does not count the time the process waited for a core. The JSON follows
 benchmarks/schema.py.
+
+``--world`` adds the W = 1 vs W = 2 rung (the default eager flat path, 1 thread per process, the same
+global batch): W = 1 at the full batch and at half of it (what each of 2 ranks computes) timed
+interleaved in this process before and after a 2-process job (hpcrl.comm.spawn, gloo) in which each
+rank times the update on its half with and without --overlap-grad-average, interleaved. Beside it the
+alpha-beta prediction: t(W=2) = t(half batch, W=1) + the critic and 1/policy_frequency of the actor
+all-reduce from the all_reduce/ring fit in results/cost_model.json (gloo, this machine), and the
+ideal-split one t(W=1)/2 + that communication.
 """
 
 from __future__ import annotations
@@ -94,17 +102,127 @@ def bench_size(name: str, repeats: int, min_repeat_s: float, batch: int | None) 
     }
 
 
+def _agent(name: str, batch: int, plane: Plane, **flags) -> tuple[FastSAC, Callable[[], None], Any]:
+    cfg = preset(name, batch_size=batch, **flags)
+    obs_dim, action_dim = SIZES[name]
+    torch.manual_seed(0)
+    agent = FastSAC(cfg, obs_dim, action_dim, -torch.ones(action_dim), torch.ones(action_dim), CPU, plane=plane)
+    data, noise = fixed_batch(batch, obs_dim, action_dim)
+
+    def call() -> None:
+        for _ in range(cfg.policy_frequency):
+            agent.update(data, noise)
+    return agent, call, cfg
+
+
+def world_rank(name: str, global_batch: int, repeats: int, inner: int) -> dict[str, Any]:
+    """One of 2 ranks: seconds per update on its half of the global batch, plain and overlapped, interleaved."""
+    import time
+
+    from hpcrl.comm import init_distributed
+
+    torch.set_num_threads(1)
+    ctx = init_distributed(timeout_s=300)
+    calls = {}
+    for overlap in (False, True):
+        _, call, cfg = _agent(name, global_batch // ctx.world_size, ctx.device_plane, overlap_grad_average=overlap)
+        call()
+        calls["overlap" if overlap else "plain"] = call
+    wall: dict[str, list[float]] = {k: [] for k in calls}
+    cpu: dict[str, list[float]] = {k: [] for k in calls}
+    for _ in range(repeats):
+        for key, call in calls.items():
+            w0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(inner):
+                call()
+            wall[key].append((time.perf_counter() - w0) / inner / cfg.policy_frequency)
+            cpu[key].append((time.process_time() - c0) / inner / cfg.policy_frequency)
+    return {"wall": wall, "cpu": cpu}
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
+
+
+def alpha_beta_fit() -> dict[str, float] | None:
+    path = Path(__file__).resolve().parent / "results" / "cost_model.json"
+    if not path.exists():
+        return None
+    fit = json_load(path)["results"]["fits"]["all_reduce/ring"]
+    return {"alpha_s": fit["alpha_s"], "beta_s_per_B": fit["beta_s_per_B"], "source": str(path.name)}
+
+
+def json_load(path: Path) -> dict:
+    import json
+
+    return json.loads(path.read_text())
+
+
+def bench_world(name: str, repeats: int, min_repeat_s: float, batch: int | None) -> dict[str, Any]:
+    from benchmarks import cost_model as cm
+    from hpcrl.comm import spawn
+
+    cfg = preset(name, **({} if batch is None else {"batch_size": batch}))
+    B = cfg.batch_size
+    local = Plane.local("device")
+    full, half = _agent(name, B, local)[1], _agent(name, B // 2, local)[1]
+    sandwich = []
+    load = [loadavg()]
+    for phase in ("before", "after"):
+        t = measure_group({"w1_full": full, "w1_half": half}, CPU, warmup=2, repeats=max(3, repeats // 2),
+                          min_repeat_s=min_repeat_s, max_inner=200)
+        sandwich.append({k: {"wall": v["median_s"] / cfg.policy_frequency, "cpu": v["cpu_median_s"] / cfg.policy_frequency}
+                         for k, v in t.items()})
+        if phase == "before":
+            per = sandwich[0]["w1_full"]["wall"] * cfg.policy_frequency
+            inner = max(1, min(200, int(min_repeat_s / max(per, 1e-6))))
+            ranks = spawn(world_rank, 2, args=(name, B, repeats, inner), timeout_s=3000)
+            load.append(loadavg())
+    w1 = {k: _median([s[k]["wall"] for s in sandwich]) for k in ("w1_full", "w1_half")}
+    w1_cpu = {k: _median([s[k]["cpu"] for s in sandwich]) for k in ("w1_full", "w1_half")}
+    w2 = {k: max(_median(r["wall"][k]) for r in ranks) for k in ("plain", "overlap")}
+    w2_cpu = {k: max(_median(r["cpu"][k]) for r in ranks) for k in ("plain", "overlap")}
+    agent = _agent(name, 8, local)[0]
+    critic_b = sum(b.numel() * b.element_size() for b in agent._flat_critic.grad_buffers.values())
+    actor_b = sum(b.numel() * b.element_size() for b in agent._flat_actor.grad_buffers.values())
+    fit = alpha_beta_fit()
+    model = None
+    if fit is not None:
+        comm = (cm.model_time("all_reduce", "ring", 2, critic_b, fit["alpha_s"], fit["beta_s_per_B"])
+                + cm.model_time("all_reduce", "ring", 2, actor_b, fit["alpha_s"], fit["beta_s_per_B"]) / cfg.policy_frequency)
+        model = {**fit, "critic_bytes": critic_b, "actor_bytes": actor_b, "comm_s": comm,
+                 "w2_pred_s": w1["w1_half"] + comm, "w2_pred_ideal_split_s": w1["w1_full"] / 2 + comm,
+                 "measured_dp_overhead_s": w2["plain"] - w1["w1_half"],
+                 "dp_overhead_vs_model": (w2["plain"] - w1["w1_half"]) / comm}
+    return {"global_batch": B, "w1_update_s": w1["w1_full"], "w1_half_batch_update_s": w1["w1_half"],
+            "w2_update_s": w2["plain"], "w2_overlap_update_s": w2["overlap"],
+            "w2_vs_w1": w2["plain"] / w1["w1_full"], "w2_overlap_vs_w1": w2["overlap"] / w1["w1_full"],
+            "cpu_update_s": {**w1_cpu, "w2_plain": w2_cpu["plain"], "w2_overlap": w2_cpu["overlap"]},
+            "sandwich": sandwich, "ranks": ranks, "alpha_beta": model, "loadavg": load + [loadavg()],
+            "threads_per_rank": 1, "note": "W=2 runs 2 processes on the machine's cores; W=1 one process"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("--quick", action="store_true", help="few, short repeats; halfcheetah at batch 1024")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--sizes", default="pendulum,halfcheetah", help="comma-separated presets to run")
+    ap.add_argument("--world", action="store_true", help="add the W = 1 vs W = 2 rung (2 processes)")
+    ap.add_argument("--no-rungs", action="store_true", help="skip the single-process rungs (with --world)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     repeats, min_repeat_s = (3, 0.05) if args.quick else (9, 0.3)
     default = "sac_ladder_quick.json" if args.quick else "sac_ladder.json"
     out_path = args.json or Path(__file__).resolve().parent / "results" / default
-    sizes = {"pendulum": bench_size("pendulum", repeats, min_repeat_s, None),
-             "halfcheetah": bench_size("halfcheetah", repeats, min_repeat_s, 1024 if args.quick else None)}
+    names = [n.strip() for n in args.sizes.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SIZES]
+    if unknown:
+        print(f"sac_ladder: --sizes {','.join(unknown)}: choose from {','.join(SIZES)}", file=sys.stderr)
+        return 2
+    qbatch = {"halfcheetah": 1024 if args.quick else None}
+    sizes = {} if args.no_rungs else {n: bench_size(n, repeats, min_repeat_s, qbatch.get(n)) for n in names}
+    world = {n: bench_world(n, repeats, min_repeat_s, qbatch.get(n)) for n in names} if args.world else {}
     rows = [[name, rung, fmt_time(r["update_s"]), f"{r['updates_per_s']:.1f}", f"{r['speedup_vs_per_head']:.2f}x",
              fmt_time(r["cpu_update_s"]), f"{r['cpu_speedup_vs_per_head']:.2f}x", f"{r['cpu_frac']:.2f}"] for name, size in sizes.items() for rung, r in size["rungs"].items()]
     print_table("FastSAC.update, 1 thread, rungs interleaved (median)",
@@ -115,15 +233,24 @@ def main() -> int:
     figures.update({f"{name}_speedup_batched_flat": schema.figure(size["rungs"]["batched_flat"]["speedup_vs_per_head"],
                                                                   "x", True) for name, size in sizes.items()})
     # compiled vs the default eager path (flat), by wall and by process CPU time (the steadier under load)
+    for name, w in world.items():
+        print(f"{name}: W=1 {fmt_time(w['w1_update_s'])}, W=1 half batch {fmt_time(w['w1_half_batch_update_s'])}, "
+              f"W=2 {fmt_time(w['w2_update_s'])} ({w['w2_vs_w1']:.2f}x of W=1), W=2 overlapped "
+              f"{fmt_time(w['w2_overlap_update_s'])} ({w['w2_overlap_vs_w1']:.2f}x)"
+              + (f"; alpha-beta W=2 {fmt_time(w['alpha_beta']['w2_pred_s'])}" if w["alpha_beta"] else ""))
+        figures[f"{name}_w2_vs_w1"] = schema.figure(w["w2_vs_w1"], "x", False)
+        figures[f"{name}_w2_overlap_vs_w1"] = schema.figure(w["w2_overlap_vs_w1"], "x", False)
+        if w["alpha_beta"]:
+            figures[f"{name}_w2_vs_alpha_beta"] = schema.figure(w["w2_update_s"] / w["alpha_beta"]["w2_pred_s"], "x", False)
     for name, size in sizes.items():
         r = size["rungs"]
         figures[f"{name}_compiled_vs_flat"] = schema.figure(r["flat"]["update_s"] / r["compiled"]["update_s"], "x", True)
         figures[f"{name}_compiled_vs_flat_cpu"] = schema.figure(r["flat"]["cpu_update_s"] / r["compiled"]["cpu_update_s"],
                                                                "x", True)
         figures[f"{name}_compile_s"] = schema.figure(r["compiled"]["compile_s"], "s", False)
-    config = {"quick": args.quick, "repeats": repeats, "min_repeat_s": min_repeat_s, "threads": 1,
+    config = {"quick": args.quick, "sizes": names, "world": args.world, "repeats": repeats, "min_repeat_s": min_repeat_s, "threads": 1,
               "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
-    results = {"machine": machine_info(CPU, 1), "sizes": sizes,
+    results = {"machine": machine_info(CPU, 1), "sizes": sizes, "world": world,
                "note": "ratios are what counts: the machine may be shared (see loadavg and cpu_frac)"}
     path = write_json(out_path, schema.make("sac_ladder", schema.header("cpu", 1, config), figures, results))
     print(f"\nwrote {path}")

@@ -39,11 +39,11 @@ def rows(x, rank: int, world: int):
     return x[rank * per:(rank + 1) * per]
 
 
-def run_updates(mode: str, rank: int = 0, world: int = 1, ctx=None) -> dict:
+def run_updates(mode: str, rank: int = 0, world: int = 1, ctx=None, **overrides) -> dict:
     """K updates on this rank's share of each global batch; returns grads of update 0 and final state."""
     torch.manual_seed(0)
     plane = ctx.device_plane if ctx is not None else Plane.local("device")
-    agent = FastSAC(small_config(mode), OBS, ACT, -torch.ones(ACT), torch.ones(ACT), torch.device("cpu"), plane=plane)
+    agent = FastSAC(dataclasses.replace(small_config(mode), **overrides), OBS, ACT, -torch.ones(ACT), torch.ones(ACT), torch.device("cpu"), plane=plane)
     first_grads: dict[str, torch.Tensor] = {}
     real_step = agent.critic_opt.step
 
@@ -75,6 +75,38 @@ def run_updates(mode: str, rank: int = 0, world: int = 1, ctx=None) -> dict:
 def dp_rank(modes: list[str]) -> dict:
     ctx = init_distributed(timeout_s=60)
     return {mode: run_updates(mode, ctx.rank, ctx.world_size, ctx) for mode in modes}
+
+
+def overlap_rank() -> dict:
+    """FastSAC on 2 ranks with and without --overlap-grad-average (flat buffers and view mode), and a bare
+    GradAverager cut into small buckets: its overlapped all-reduce against the plain one."""
+    from hpcrl.comm import GradAverager
+    from hpcrl.sac.flat import FlatParams
+
+    ctx = init_distributed(timeout_s=60)
+    out = {f"{mode}_{ov}": run_updates(mode, ctx.rank, ctx.world_size, ctx, overlap_grad_average=ov)
+           for mode in ("flat", "view") for ov in (False, True)}
+    torch.manual_seed(ctx.rank)  # different data per rank
+    x = torch.randn(16, 8)
+    grads, started = {}, 0
+    for ov in (False, True):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.SiLU(), torch.nn.Linear(64, 64), torch.nn.SiLU(),
+                                  torch.nn.Linear(64, 3))
+        flat = FlatParams(list(net.parameters()))
+        avg = GradAverager(net.parameters(), "flat", plane=ctx.device_plane, grad_buffers=flat.grad_buffers.values(),
+                           overlap=ov, bucket_bytes=512)
+        for _ in range(2):  # the second round checks the buckets re-arm
+            avg.zero_grad()
+            net(x).square().sum().backward()
+            if ov:
+                started = sum(piece.work is not None for piece in avg._pieces)
+                out["pieces"] = len(avg._pieces)
+            avg.all_reduce()
+        grads[ov] = flat.grad_buffers[torch.float32].clone()
+    out["bare"] = grads
+    out["started_in_backward"] = started
+    return out
 
 
 # -- the training recipe (critic obs, fp16 + scaler, clipping, shared state) -----------------------------

@@ -25,6 +25,14 @@ Modes (all give the same numbers; exactly for power-of-two world sizes):
   through the wrapper are averaged: evaluate the module unwrapped (``.module``) elsewhere. Without
   ``wrap()``, ddp mode reduces every parameter with the flat collective.
 
+Overlap (``overlap=True``, flat/view modes with grads viewing a buffer): the buffer is cut into buckets
+of about ``bucket_bytes`` (consecutive parameters, in reverse parameter order: backward's order), each
+parameter's post-accumulate-grad hook counts its bucket down, and a full bucket's all-reduce starts
+asynchronously while backward goes on; :meth:`all_reduce` starts what is left and waits for all of them
+before the step. Buckets start strictly in their fixed order (a ready bucket waits for the ones before
+it), so every rank issues the same collectives in the same order. The sums are elementwise, the scale
+the same one multiply: the result is bitwise the non-overlapped one.
+
 Gradients that are None on a rank count as zeros: after :meth:`all_reduce` every parameter has a
 gradient (the average) on every rank, so every optimizer steps the same parameters. The collective
 has the same shape on all ranks regardless. With world size 1 nothing is communicated or touched.
@@ -33,6 +41,7 @@ Parameters of several dtypes (fp32 + bf16) get one buffer, hence one collective,
 
 from __future__ import annotations
 
+import datetime
 import inspect
 import warnings
 from dataclasses import dataclass, field
@@ -58,6 +67,37 @@ class _Bucket:
     params: list[nn.Parameter]
     buffer: torch.Tensor
     views: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class _Piece:
+    """A contiguous span of a bucket's buffer covering consecutive parameters: one overlapped all-reduce."""
+
+    params: list[nn.Parameter]
+    span: torch.Tensor
+    views: dict[int, torch.Tensor]
+    pending: int = 0
+    work: Any = None
+
+
+def _cut_pieces(buckets: list[_Bucket], bucket_bytes: int) -> list[_Piece]:
+    """Each bucket's parameters, last first (backward's order), cut into spans of >= ``bucket_bytes``
+    (the last one smaller); a span runs from its first parameter's view to its last's, gaps included."""
+    pieces = []
+    for bucket in buckets:
+        base = bucket.buffer.data_ptr()
+        size = bucket.buffer.element_size()
+        order = list(zip(bucket.params, bucket.views))[::-1]
+        group: list = []
+        for k, (p, v) in enumerate(order):
+            group.append((p, v))
+            if sum(v.numel() for _, v in group) * size >= bucket_bytes or k == len(order) - 1:
+                starts = [(v.data_ptr() - base) // size for _, v in group]
+                lo, hi = min(starts), max(s + v.numel() for s, (_, v) in zip(starts, group))
+                pieces.append(_Piece([q for q, _ in group], bucket.buffer[lo:hi], {id(q): w for q, w in group},
+                                     pending=len(group)))
+                group = []
+    return pieces
 
 
 def _make_buckets(params: list[nn.Parameter], view: bool) -> list[_Bucket]:
@@ -118,6 +158,9 @@ class GradAverager:
         plane: Plane,
         ddp_kwargs: dict[str, Any] | None = None,
         grad_buffers: Iterable[torch.Tensor] | None = None,
+        overlap: bool = False,
+        bucket_bytes: int = 1 << 18,
+        timeout_s: float = 300.0,
     ):
         if mode not in ("flat", "view", "ddp"):
             raise ValueError(f"GradAverager mode must be 'flat', 'view' or 'ddp', not {mode!r}")
@@ -151,6 +194,16 @@ class GradAverager:
         self._view = mode == "view" or grad_buffers is not None
         self._buckets = (_make_buckets(self.params, view=self._view) if grad_buffers is None
                          else _given_buckets(self.params, list(grad_buffers)))
+        if overlap and not self._view:
+            raise ValueError("GradAverager: overlap needs gradients viewing a flat buffer (view mode or grad_buffers)")
+        self.overlap = overlap and self.world_size > 1
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._pieces: list[_Piece] = []
+        if self.overlap:
+            self._pieces = _cut_pieces(self._buckets, bucket_bytes)
+            for i, piece in enumerate(self._pieces):
+                for p in piece.params:
+                    p.register_post_accumulate_grad_hook(self._ready_hook(i))
 
     def wrap(self, module: nn.Module) -> nn.Module:
         """``DistributedDataParallel(module)`` in ddp mode with world size > 1, else ``module``."""
@@ -175,8 +228,12 @@ class GradAverager:
         return nn.parallel.DistributedDataParallel(module, process_group=self.group, **options)
 
     def all_reduce(self) -> None:
-        """Replace every gradient by its mean over the ranks of the group (one collective per dtype)."""
+        """Replace every gradient by its mean over the ranks of the group (one collective per dtype; with
+        overlap, one per bucket, most of them already running)."""
         if self.world_size == 1:
+            return
+        if self.overlap:
+            self._finish_overlap()
             return
         for bucket in self._buckets:
             if self._view:
@@ -195,6 +252,50 @@ class GradAverager:
         if not self._view:
             for p in self.params:
                 p.grad = None
+
+    # -- overlap
+
+    def _ready_hook(self, index: int):
+        def hook(p: torch.Tensor) -> None:
+            piece = self._pieces[index]
+            view = piece.views[id(p)]
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():  # detached by set_to_none
+                view.copy_(p.grad)
+                p.grad = view
+            piece.pending -= 1
+            self._start_ready()
+        return hook
+
+    def _start_ready(self, force: bool = False) -> None:
+        """Start the buckets that are full (all, with ``force``), in order, stopping at the first that is not."""
+        for piece in self._pieces:
+            if piece.work is not None:
+                continue
+            if piece.pending > 0 and not force:
+                return
+            piece.work = dist.all_reduce(piece.span, op=dist.ReduceOp.AVG if self._avg_op else dist.ReduceOp.SUM,
+                                         group=self.group, async_op=True)
+
+    def _finish_overlap(self) -> None:
+        for piece in self._pieces:  # gradients replaced outside backward (no hook ran): re-attach them
+            for p in piece.params:
+                view = piece.views[id(p)]
+                if piece.work is None and p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                    p.grad = view
+        self._start_ready(force=True)
+        for i, piece in enumerate(self._pieces):
+            try:
+                piece.work.wait(self._timeout)
+            except Exception as e:  # gloo names no peer: say which collective and how long
+                raise RuntimeError(f"GradAverager: bucket {i} of {len(self._pieces)} all-reduce did not complete "
+                                   f"within {self._timeout.total_seconds():.0f} s on {self.plane} (a peer rank "
+                                   f"stopped or skipped an update): {e}") from e
+            piece.work = None
+            piece.pending = len(piece.params)
+        if not self._avg_op:
+            for bucket in self._buckets:
+                bucket.buffer.mul_(1.0 / self.world_size)
 
     def _reduce_flat(self, bucket: _Bucket) -> None:
         grads = []

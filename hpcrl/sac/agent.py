@@ -140,9 +140,12 @@ class FastSAC(nn.Module):
             critic_buffers = self._flat_critic.grad_buffers.values()
             actor_buffers = self._flat_actor.grad_buffers.values()
         # One collective per optimizer update: critic + log-alpha together, the actor alone.
+        overlap = dict(overlap=bool(getattr(self.cfg, "overlap_grad_average", False)) and (self.flat or mode == "view")
+                       and not getattr(self.cfg, "compile", False),  # captured: gradients come out of one graph
+                       timeout_s=float(getattr(self.cfg, "timeout_s", 300.0)))
         self.critic_average = GradAverager([*critic_params, self.log_alpha], mode, plane=plane,
-                                           grad_buffers=critic_buffers)
-        self.actor_average = GradAverager(actor_params, mode, plane=plane, grad_buffers=actor_buffers)
+                                           grad_buffers=critic_buffers, **overlap)
+        self.actor_average = GradAverager(actor_params, mode, plane=plane, grad_buffers=actor_buffers, **overlap)
 
     @property
     def alpha(self) -> torch.Tensor:

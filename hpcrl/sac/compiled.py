@@ -1,26 +1,31 @@
-"""``--compile``: FastSAC's whole update step captured by ``torch.compile``, in four graphs between the
-two gradient all-reduces (the named break points, which stay eager collectives on the device plane):
+"""``--compile``: FastSAC's whole update step captured by ``torch.compile`` as pure functions of the flat
+buffers (hpcrl/sac/functional.py): ``torch.func.grad`` w.r.t. each model's flat buffer (one gradient
+tensor, no autograd engine at update time), the fused AdamW/Adam kernels of the eager optimizers on
+their own state, Polyak one lerp. On one rank the whole update is one graph (two variants: with and
+without the actor step). With W > 1 ranks it is cut at the two gradient all-reduces, which stay eager
+collectives on the device plane (the named break points)::
 
-    critic_loss   target (no grad) + online critic forward + critic and alpha losses; its backward is
-                  AOT-compiled by inductor and runs when the eager ``.backward()`` is called
+    critic_grad               target (no grad) + critic and alpha losses + their gradient -> grad buffer
     -- GradAverager.all_reduce (critic + log-alpha) --
-    critic_step   grad norm (clip) -> fused AdamW (critic) + Adam (alpha) -> zero the grad buffer -> Polyak
-    actor_loss    actor forward through the (frozen) critic; backward AOT-compiled as above
+    critic_step[+actor_grad]  clip -> AdamW (critic) + Adam (alpha) -> zero the grad buffer -> Polyak
+                              [-> actor loss through the stepped critic + its gradient -> grad buffer]
     -- GradAverager.all_reduce (actor) --
-    actor_step    grad norm (clip) -> fused AdamW (actor) -> zero the grad buffer
+    actor_step                clip -> AdamW (actor) -> zero the grad buffer
 
 Same arithmetic in the same order as :meth:`FastSAC.update` (the eager path), so the two agree to float
 rounding (inductor fuses elementwise ops; tests/test_sac_compile.py states the tolerance). Every graph
 has static shapes and reads nothing back to the host, so on CUDA it runs as a CUDA graph
 (``mode="reduce-overhead"``). Compiled code is cached on disk by inductor (``TORCHINDUCTOR_CACHE_DIR``,
 else its default under /tmp), so a second run on the same machine skips most of the one-time cost that
-:attr:`CompiledUpdate.compile_s` reports.
+:attr:`CompiledUpdate.compile_s` reports. Gradients are computed inside a graph, so the bucketed overlap
+of the all-reduce with backward (``--overlap-grad-average``) does not apply here: the collective waits
+for the whole gradient graph.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -28,7 +33,7 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 from hpcrl.config_check import ConfigError
 
-from . import losses
+from .functional import Functional, adam_state
 
 if TYPE_CHECKING:
     from hpcrl.replay import Batch
@@ -45,6 +50,35 @@ def supported(agent: "FastSAC") -> str | None:
     return None
 
 
+class Bufs(NamedTuple):
+    critic: torch.Tensor  # critic + log-alpha parameters
+    actor: torch.Tensor
+    target: torch.Tensor
+
+
+class Grads(NamedTuple):
+    critic: torch.Tensor
+    actor: torch.Tensor
+
+
+class States(NamedTuple):  # (exp_avg, exp_avg_sq, step) of each optimizer's one flat parameter
+    critic: tuple
+    actor: tuple
+    alpha: tuple
+
+
+class Data(NamedTuple):
+    q_obs: torch.Tensor
+    action: torch.Tensor
+    reward: torch.Tensor
+    next_obs: torch.Tensor
+    q_next_obs: torch.Tensor
+    discount: torch.Tensor
+    obs: torch.Tensor
+    next_eps: torch.Tensor
+    actor_eps: torch.Tensor
+
+
 class CompiledUpdate:
     """The captured update of one :class:`FastSAC` (same parameters, optimizers and averagers)."""
 
@@ -53,112 +87,84 @@ class CompiledUpdate:
         if reason is not None:
             raise ConfigError(reason)
         self.agent = agent
+        self.fn = Functional(agent)
+        dtype = torch.float32
+        if {*agent._flat_critic.buffers, *agent._flat_actor.buffers, *agent._flat_target.buffers} != {dtype}:
+            raise ConfigError("--compile needs fp32 parameters")
+        self.bufs = Bufs(agent._flat_critic.buffers[dtype], agent._flat_actor.buffers[dtype],
+                         agent._flat_target.buffers[dtype])
+        self.grads = Grads(agent._flat_critic.grad_buffers[dtype], agent._flat_actor.grad_buffers[dtype])
         cuda = agent.log_alpha.device.type == "cuda"
-        compile_ = dict(dynamic=False, mode="reduce-overhead" if cuda else None)
-        self._critic_loss = torch.compile(self._critic_loss_eager, fullgraph=True, **compile_)
-        self._actor_loss = torch.compile(self._actor_loss_eager, fullgraph=True, **compile_)
-        # Optimizer.step breaks the graph on purpose around its body (torch/optim/optimizer.py, so
-        # that AOT sees a no-grad graph): a step is three graphs, norm | step | zero + Polyak.
-        self._critic_step = torch.compile(self._critic_step_eager, **compile_)
-        self._actor_step = torch.compile(self._actor_step_eager, **compile_)
-        if cuda:  # buffers the step graphs mutate keep their addresses: CUDA graphs may capture them
-            for flat in (agent._flat_critic, agent._flat_actor, agent._flat_target):
-                for buffer in (*flat.buffers.values(), *flat.grad_buffers.values()):
-                    torch._dynamo.mark_static_address(buffer)
+        compile_ = dict(dynamic=False, fullgraph=True, mode="reduce-overhead" if cuda else None)
+        # one rank: nothing to average, the whole update is one graph
+        self.local = agent.critic_average.world_size == 1 and agent.actor_average.world_size == 1
+        if self.local:
+            self._whole = torch.compile(self._whole_eager, **compile_)
+        else:
+            self._critic_grad = torch.compile(self.fn.critic_grad, **compile_)
+            self._critic_step = torch.compile(self._critic_step_eager, **compile_)
+            self._actor_step = torch.compile(self.fn.actor_step, **compile_)
+        if cuda:  # buffers the graphs mutate keep their addresses: CUDA graphs may capture them
+            for t in (*self.bufs, *self.grads):
+                torch._dynamo.mark_static_address(t)
         # A CUDA graph's outputs are overwritten by its next replay; the loop keeps metrics across updates.
         self._keep = (lambda t: t.detach().clone()) if cuda else (lambda t: t.detach())
-        self.compile_s = 0.0  # wall seconds of the first critic and first actor update (compilation)
-        self._warm = {"critic": False, "actor": False}
+        self.compile_s = 0.0  # wall seconds of the first update without and with the actor step (compilation)
+        self._warm = {False: False, True: False}
+
+    def _states(self) -> States:
+        """The optimizers' state tensors, read each update (a resume replaces them)."""
+        agent = self.agent
+        return States(adam_state(agent.critic_opt), adam_state(agent.actor_opt), adam_state(agent.alpha_opt))
 
     def update(self, batch: "Batch", noise: "UpdateNoise") -> dict[str, torch.Tensor]:
         """What :meth:`FastSAC.update` does, captured."""
         agent = self.agent
         actor_due = (agent.counters.critic_steps + 1) % agent.cfg.policy_frequency == 0
         start = time.perf_counter()
-        critic_loss, alpha_loss = self._critic_loss(batch.q_obs, batch.action, batch.reward, batch.next_obs,
-                                                    batch.q_next_obs, batch.discount, noise.next_eps)
-        (critic_loss + alpha_loss).backward()
-        agent.critic_average.all_reduce()
-        keep = self._keep
-        out = {"critic_loss": keep(critic_loss), "alpha_loss": keep(alpha_loss), "critic_grad_norm": keep(self._critic_step())}
+        data = Data(batch.q_obs, batch.action, batch.reward, batch.next_obs, batch.q_next_obs, batch.discount,
+                    batch.obs, noise.next_eps, noise.actor_eps)
+        states = self._states()
+        if self.local:
+            out = self._whole(self.bufs, self.grads, states, data, actor_due)
+        else:
+            critic_loss, alpha_loss, alpha = self._critic_grad(self.bufs, self.grads, data)
+            agent.critic_average.all_reduce()
+            out = self._critic_step(self.bufs, self.grads, states, data, alpha, actor_due)
+            out.update(critic_loss=critic_loss, alpha_loss=alpha_loss)
+            if actor_due:
+                agent.actor_average.all_reduce()
+                out["actor_grad_norm"] = self._actor_step(self.bufs, self.grads, states)
         agent.counters.critic_steps += 1
-        self._count_compile("critic", start)
-        if actor_due:
-            start = time.perf_counter()
-            agent.critic.requires_grad_(False)  # as eager: no critic weight gradients in the actor's backward
-            try:
-                loss, entropy = self._actor_loss(batch.obs, noise.actor_eps, batch.q_obs)
-                loss.backward()
-            finally:
-                agent.critic.requires_grad_(True)
-            agent.actor_average.all_reduce()
-            out["actor_loss"], out["entropy"], out["actor_grad_norm"] = keep(loss), keep(entropy), keep(self._actor_step())
-            agent.counters.actor_steps += 1
-            self._count_compile("actor", start)
-        return out
+        agent.counters.actor_steps += int(actor_due)
+        self._count_compile(actor_due, start)
+        return {k: self._keep(v) for k, v in out.items()}
 
-    def _count_compile(self, part: str, start: float) -> None:
-        """Add a first call's wall time to :attr:`compile_s`; once every part ran, report it (one line, rank 0)."""
-        if self._warm[part]:
+    def _count_compile(self, actor_due: bool, start: float) -> None:
+        """Add a first call's wall time to :attr:`compile_s`; once both variants ran, report it (one line, rank 0)."""
+        if self._warm[actor_due]:
             return
-        self._warm[part] = True
+        self._warm[actor_due] = True
         self.compile_s += time.perf_counter() - start
         if all(self._warm.values()) and (not dist.is_initialized() or dist.get_rank() == 0):
             print(f"hpcrl.sac: --compile: update compiled in {self.compile_s:.1f} s "
                   f"(inductor cache {cache_dir()})", flush=True)
 
-    # -- the captured graphs: plain functions of tensors, the modules and optimizers read from the agent
+    # -- the captured graphs: compositions of hpcrl/sac/functional.py's pieces
 
-    def _critic_loss_eager(self, q_obs, action, reward, next_obs, q_next_obs, discount, next_eps):
-        agent = self.agent
-        alpha = agent.log_alpha.exp().detach()
-        with torch.no_grad(), agent._autocast:
-            next_action, next_log_prob = agent.actor.sample(next_obs, next_eps)
-            next_log_prob = next_log_prob.float()
-            target_logits = agent.critic_target(q_next_obs, next_action)
-            soft = losses.soft_reward(reward, discount, alpha, next_log_prob)
-            target = losses.categorical_projection(torch.softmax(target_logits.float(), -1), soft, discount,
-                                                   agent.critic.support)
-        with agent._autocast:
-            logits = agent.critic(q_obs, action)
-        return (losses.critic_loss(logits, target),
-                losses.alpha_loss(agent.log_alpha, next_log_prob, agent.target_entropy))
+    def _whole_eager(self, bufs, grads, states, data, actor_due: bool) -> dict:
+        fn = self.fn
+        critic_loss, alpha_loss, alpha = fn.critic_grad(bufs, grads, data)
+        out = {"critic_loss": critic_loss, "alpha_loss": alpha_loss,
+               "critic_grad_norm": fn.critic_step(bufs, grads, states)}
+        if actor_due:
+            out["actor_loss"], out["entropy"] = fn.actor_grad(bufs, grads, data, alpha)
+            out["actor_grad_norm"] = fn.actor_step(bufs, grads, states)
+        return out
 
-    def _critic_step_eager(self) -> torch.Tensor:
-        agent = self.agent
-        opts = [agent.critic_opt, agent.alpha_opt] if agent.cfg.autotune_alpha else [agent.critic_opt]
-        norm = self._clip_and_step(opts, agent._online_params)
-        _zero(agent._flat_critic.grad_buffers.values())
-        torch._foreach_lerp_(agent._target_params, agent._online_params, agent.cfg.tau)
-        return norm
-
-    def _actor_loss_eager(self, obs, eps, q_obs):
-        agent = self.agent
-        alpha = agent.log_alpha.exp().detach()
-        with agent._autocast:
-            action, log_prob = agent.actor.sample(obs, eps)
-            q = agent.critic.q_value(agent.critic(q_obs, action))
-        loss = losses.actor_loss(log_prob.float(), q, alpha)
-        return loss, -log_prob.detach().float().mean()
-
-    def _actor_step_eager(self) -> torch.Tensor:
-        agent = self.agent
-        norm = self._clip_and_step([agent.actor_opt], agent._actor_params)
-        _zero(agent._flat_actor.grad_buffers.values())
-        return norm
-
-    def _clip_and_step(self, opts: list[torch.optim.Optimizer], params: list[torch.Tensor]) -> torch.Tensor:
-        grads = [p.grad for p in params]
-        if self.agent.max_grad_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.agent.max_grad_norm, foreach=True)
-        else:
-            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        for opt in opts:
-            opt.step()
-        return norm.detach()
-
-
-def _zero(buffers) -> None:
-    """What ``GradAverager.zero_grad`` does in view mode: backward accumulated into the buffer in place."""
-    for buffer in buffers:
-        buffer.zero_()
+    def _critic_step_eager(self, bufs, grads, states, data, alpha, actor_due: bool) -> dict:
+        fn = self.fn
+        out = {"critic_grad_norm": fn.critic_step(bufs, grads, states)}
+        if actor_due:
+            out["actor_loss"], out["entropy"] = fn.actor_grad(bufs, grads, data, alpha)
+        return out

@@ -117,6 +117,10 @@ class SACConfig:
     """target entropy = -ratio * action_dim (any finite value)."""
     grad_average: GradAverageMode = "flat"
     """How gradients are all-reduced: "flat" (one fused buffer), "view" (per-parameter views), "ddp"."""
+    overlap_grad_average: bool = False
+    """Start the gradient all-reduce bucket by bucket during backward (post-accumulate-grad hooks, async,
+    waited before the step); same numbers bitwise. Needs --grad-average flat|view; no effect under --compile
+    (its gradients come out of one graph) or on one rank."""
     flat_params: bool = True
     """Keep each model's parameters and gradients in one flat buffer (one optimizer step, Polyak update and
     all-reduce per buffer); False = per-parameter tensors. --grad-average ddp always uses per-parameter."""
@@ -245,6 +249,10 @@ class SACConfig:
         c.real("target_entropy_ratio", hint="target entropy = -ratio * action_dim")
         c.choice("grad_average", get_args(GradAverageMode).__contains__, ", ".join(get_args(GradAverageMode)))
         c.boolean("flat_params")
+        c.boolean("overlap_grad_average")
+        if self.overlap_grad_average and (self.grad_average == "ddp" or (self.grad_average == "flat" and not self.flat_params)):
+            c.fail("overlap_grad_average", "used with gradients in a flat buffer",
+                   "use --flat-params (the default) or --grad-average view, or drop --overlap-grad-average")
         c.boolean("batched_critic")
         c.boolean("bf16")
         c.choice("amp", get_args(AmpMode).__contains__, ", ".join(get_args(AmpMode)))
