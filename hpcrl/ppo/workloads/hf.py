@@ -37,7 +37,12 @@ Roles (the same split as :mod:`hpcrl.ppo.workloads.lm`):
   actor with ``save_pretrained`` (LoRA merged into a copy) plus the tokenizer to ``DIR/actor`` at
   every checkpoint and at the end (:meth:`HFWorkload.save_artifacts`, from the checkpoint's state).
 * **trainer strategies** (``--strategy ddp|fsdp``, :mod:`hpcrl.ppo.strategy`): FSDP2 units are the
-  decoder layers of actor and critic, then actor and critic (:meth:`HFWorkload.shard_units`).
+  decoder layers of actor and critic, then actor and critic (:meth:`HFWorkload.shard_units`). Under
+  fsdp the trainers build the model on ``meta`` and each reads only its own rows of the weights files
+  (:mod:`.hf_shards`, :meth:`HFWorkload.materialize`): per-trainer host memory for the model falls as 1/N.
+* **dtype** (``--dtype auto|fp32|bf16``): the parameters' dtype everywhere (trainers, makers' actor,
+  reference); auto = the stored one. Parameters no file holds (LoRA adapters, value head) come from the
+  seed and their name (:func:`~.hf_shards.fresh_value`): the same under ddp and fsdp, on every rank.
 * **records**: a dataset line is a record with any fields (``answer``, ``tests``, ``meta``) and a prompt
   under ``--prompt-key`` or chat ``messages`` (through the tokenizer's chat template). The records stay
   on the makers (only tokens travel); a reward function whose first parameter is ``records`` gets
