@@ -188,6 +188,28 @@ class PPOOptions:
     steps' worth; 0 = constant); in [0, 10000000]."""
     adam_eps: float | None = None
     """Vector-env workloads: Adam epsilon (default 1e-5); in (0, 1]."""
+    advantage: Literal["grpo", "dr-grpo", "rloo"] | None = None
+    """--hf.algo grpo's group baseline: grpo = (score - mean) / std, dr-grpo = score - mean, rloo = score - mean
+    of the group's other samples (default grpo)."""
+    loss_norm: Literal["token", "sequence", "dr-grpo"] | None = None
+    """Token losses over a minibatch: token = mean over its valid tokens (default), sequence = per-sequence mean
+    then over sequences, dr-grpo = sum / (sequences x max response tokens), length-unbiased."""
+    kl_target: float | None = None
+    """Adaptive KL controller (Ziegler et al. 2019): target KL to the reference per sequence in nats (e.g. 6);
+    unset: --ppo.kl-coef stays fixed. Token workloads (hf, lm)."""
+    kl_horizon: int | None = None
+    """Adaptive KL horizon in sequences (default 10000)."""
+    warmup_updates: int | None = None
+    """Updates of linear learning-rate warm-up (default 0)."""
+    lr_schedule: Literal["constant", "cosine"] | None = None
+    """After warm-up: constant (default) or cosine to --ppo.min-lr-ratio x lr over --ppo.decay-updates."""
+    decay_updates: int | None = None
+    """Updates the cosine takes from lr to its minimum (e.g. --total-steps); required with cosine."""
+    min_lr_ratio: float | None = None
+    """The cosine's final lr as a fraction of --ppo.lr (default 0); in [0, 1]."""
+    trim_padding: bool | None = None
+    """--workload hf: each training forward skips the token columns that are padding in all its sequences
+    (same numbers, less compute; with --hf.micro-batch-size, pieces of like lengths)."""
 
     def check(self) -> None:
         c = GroupCheck(self, "ppo")
@@ -207,6 +229,14 @@ class PPOOptions:
         c.optional_real("kl_coef", 0.0, 100.0, example=0.02)
         c.optional_integer("anneal_updates", 0, 10_000_000, "0 = no annealing", 0)
         c.optional_real("adam_eps", 0.0, 1.0, lo_open=True, example=1e-5)
+        c.optional_real("kl_target", 0.0, 1e6, lo_open=True, example=6.0)
+        c.optional_integer("kl_horizon", 1, 1 << 40, "sequences", 10_000)
+        c.optional_integer("warmup_updates", 0, 1 << 40, "updates", 10)
+        c.optional_integer("decay_updates", 1, 1 << 40, "updates", 1000)
+        c.optional_real("min_lr_ratio", 0.0, 1.0, example=0.1)
+        if self.trim_padding is not None and not isinstance(self.trim_padding, bool):
+            c.fail("trim_padding", "True or False", "e.g. --ppo.trim-padding True, or leave it unset")
+        # the combinations (cosine without --ppo.decay-updates, ...): PPOConfig's check_variants
 
     def overrides(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(PPOConfig fields, PPOConfig.extra entries) the user set; ``inf`` -> None (off) for the two caps."""
