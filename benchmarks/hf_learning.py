@@ -214,22 +214,25 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     colours = {"hpcrl-ppo": "tab:blue", "hpcrl-grpo": "tab:green", "trl-grpo": "tab:red"}
-    fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    ax = axes.ravel()
     seen: set[str] = set()
     for r in sorted(runs, key=lambda r: (r["system"], r["seed"])):
         c = colours.get(r["system"], "k")
         label = None if r["system"] in seen else r["system"]
         seen.add(r["system"])
-        u = [x["update"] for x in r["curve"]]
         avg = moving([x["reward"] for x in r["curve"]], 10)
-        ax[0].plot(u, avg, color=c, alpha=0.8, label=label)
+        ax[0].plot([x["update"] for x in r["curve"]], avg, color=c, alpha=0.8, label=label)
         ax[1].plot([e["update"] for e in r["eval"]], [e["eval_pass_rate"] for e in r["eval"]], "o-", color=c,
                    alpha=0.8, label=label)
         ax[2].plot([x["time_s"] for x in r["curve"]], avg, color=c, alpha=0.8, label=label)
+        ax[3].plot([e["time_s"] for e in r["eval"]], [e["eval_pass_rate"] for e in r["eval"]], "o-", color=c,
+                   alpha=0.8, label=label)
+    wall = "training wall time, s (2-core VM, shared)"
     ax[0].set(xlabel="updates", ylabel="sampled reward (10-update mean)", title="reward vs updates")
     ax[1].set(xlabel="updates", ylabel="held-out greedy pass rate", title="eval pass rate vs updates", ylim=(0, 1.02))
-    ax[2].set(xlabel="training wall time, s (this 2-core VM, shared)", ylabel="sampled reward (10-update mean)",
-              title="reward vs wall time")
+    ax[2].set(xlabel=wall, ylabel="sampled reward (10-update mean)", title="reward vs wall time")
+    ax[3].set(xlabel=wall, ylabel="held-out greedy pass rate", title="eval pass rate vs wall time", ylim=(0, 1.02))
     for a in ax:
         a.grid(alpha=0.3)
         a.legend(loc="lower right")
