@@ -240,8 +240,8 @@ def _to_old_format(path: Path, trainers: int) -> dict:
     the full model and the optimizer's state_dict by parameter index; the trainer count in the identity)."""
     full = read_full(path)
     manifest = checkpoint.read_manifest(path)
-    names = list(full["model"])
-    groups = [dict(g) for g in full["optim"]["param_groups"]]
+    groups = [dict(g) for g in full["param_groups"]]
+    names = [n for g in groups for n in g["params"]]  # the optimizer's order: its indices
     for g in groups:
         g["params"] = [names.index(n) for n in g["params"]]
     state = {i: {k: full["optim"][f"state.{n}.{k}"] for k in ("step", "exp_avg", "exp_avg_sq")}

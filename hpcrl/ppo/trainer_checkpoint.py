@@ -371,19 +371,24 @@ def read_full(path: str | Path, keys: Callable[[str], bool] | None = None) -> di
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+
     reader = dcp.FileSystemReader(str(path / DCP_DIR))
+    metadata = reader.read_metadata()
     flat: dict[str, Any] = {}
-    for key, md in reader.read_metadata().state_dict_metadata.items():
+    for key, md in metadata.state_dict_metadata.items():
         if keys is not None and not keys(key):
             continue
-        if isinstance(md, TensorStorageMetadata):
-            flat[key] = torch.empty(md.size, dtype=md.properties.dtype)
-    nested: dict[str, Any] = {}
-    for key, tensor in flat.items():
-        nested[key] = tensor
-    dcp.load(nested, storage_reader=reader, no_dist=True)
+        # tensors into buffers of their full size; other entries (the optimizer's param groups) replaced
+        flat[key] = torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
+    dcp.load(flat, storage_reader=reader, no_dist=True)
     out: dict[str, Any] = {"model": {}, "optim": {}, **{k: meta[k] for k in ("version", "env_steps", "learner")}}
-    for key, tensor in nested.items():
-        top, _, rest = key.partition(".")
-        out.setdefault(top, {})[rest] = tensor
+    groups = {k: v for k, v in flat.items() if k.startswith("optim.param_groups.")}
+    for key, value in flat.items():
+        if key not in groups:
+            top, _, rest = key.partition(".")
+            out.setdefault(top, {})[rest] = value
+    if groups:  # as the optimizer's state_dict has them (parameters named by FQN)
+        mapping = {k: v for k, v in (metadata.planner_data or {}).items() if k in groups}
+        out["param_groups"] = unflatten_state_dict(groups, mapping)["optim"]["param_groups"]
     return out
