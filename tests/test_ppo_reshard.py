@@ -219,8 +219,9 @@ def test_hf_resume_across_ddp_fsdp_and_trainer_counts(art, tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "exported"
+    here = str(Path(__file__).resolve().parent)  # the run's reward function (hf_fixtures) is importable
     proc = subprocess.run([sys.executable, "-m", "hpcrl.ppo.export", str(run), "--out", str(out)], capture_output=True,
-                          text=True, timeout=120, env=_env())
+                          text=True, timeout=120, env={**_env(), "PYTHONPATH": here, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     actor = AutoModelForCausalLM.from_pretrained(out)
     model = {k.removeprefix("actor."): v for k, v in saved["model"].items() if k.startswith("actor.")}

@@ -23,6 +23,7 @@ import torch
 import tyro
 
 from hpcrl import checkpoint
+from hpcrl.config_check import ConfigError
 from hpcrl.rundir import RunDirError
 
 from .trainer_checkpoint import read_full
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = tyro.cli(ExportArgs, args=argv, prog="python -m hpcrl.ppo.export")
     try:
         out = export(args.run_dir, args.out, args.step)
-    except RunDirError as err:
+    except (RunDirError, ConfigError) as err:
         print(f"hpcrl.ppo.export: {err}", file=sys.stderr, flush=True)
         return 2
     print(f"hpcrl.ppo.export: wrote {out} (AutoModelForCausalLM.from_pretrained loads it)", flush=True)

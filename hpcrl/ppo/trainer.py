@@ -29,7 +29,7 @@ from .makers import MakerLedger, MakerWires
 from .publisher import Publisher
 from .rows import MAKER_TIME, STEP_SUMS, Tally, add_stats, closing_row, step_metrics
 from .replica import Replica
-from . import export, trainer_checkpoint
+from . import trainer_checkpoint
 from .trainer_checkpoint import TrainerCheckpoints
 from .topology import Topology
 from .wire import RESTORE_AGREE, barrier_name
@@ -69,7 +69,9 @@ class Trainer:
             lambda name: barrier(ctx, barrier_name(name), ranks=trainers),
             checkpoint.store_agree(ctx, ranks=trainers, name=RESTORE_AGREE), ctx.timeout)
         if ctx.rank == 0 and _saves_artifacts(workload):  # e.g. the HF actor, streamed from the shards
-            self.checkpoints.after_commit = lambda path: export.save_artifacts(workload, path)
+            from .export import save_artifacts
+
+            self.checkpoints.after_commit = lambda path: save_artifacts(workload, path)
 
     @property
     def index(self) -> int:
