@@ -181,22 +181,29 @@ def time_to(run: dict[str, Any], target: float, k: int = 10) -> float | None:
 
 
 def summarise(runs: list[dict[str, Any]], k: int = 10) -> dict[str, Any]:
+    """Per system (medians over seeds), and the time each run takes to reach TRL's final reward on
+    the same seed (the same model and prompts: seeds differ in difficulty)."""
     by: dict[str, list[dict[str, Any]]] = {}
     for r in runs:
         by.setdefault(r["system"], []).append(r)
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
-    trl = by.get("trl-grpo", [])
-    target = med([final_reward(r, k) for r in trl])
-    out: dict[str, Any] = {"target": {"what": f"TRL's final reward (mean of its last {k} updates, median over seeds)",
-                                      "reward": target}}
+    finals: dict[int, list[float]] = {}
+    for r in by.get("trl-grpo", []):
+        finals.setdefault(r["seed"], []).append(final_reward(r, k))
+    targets = {seed: statistics.median(v) for seed, v in finals.items()}
+    out: dict[str, Any] = {"target": {"what": f"TRL's final reward (mean of its last {k} updates) on the same seed",
+                                      "reward_by_seed": {str(s): v for s, v in sorted(targets.items())}}}
     for system, rs in sorted(by.items()):
-        times = [time_to(r, target, k) for r in rs] if target is not None else []
+        rs = sorted(rs, key=lambda r: r["seed"])
+        times = [time_to(r, targets[r["seed"]], k) if r["seed"] in targets else None for r in rs]
         out[system] = {
-            "seeds": sorted(r["seed"] for r in rs),
+            "seeds": [r["seed"] for r in rs],
             "reward_first": med([sum(x["reward"] for x in r["curve"][:5]) / len(r["curve"][:5]) for r in rs]),
             "reward_last": med([final_reward(r, k) for r in rs]),
+            "reward_last_by_seed": [final_reward(r, k) for r in rs],
             "eval_pass_first": med([r["eval"][0]["eval_pass_rate"] for r in rs if r["eval"]]),
             "eval_pass_last": med([r["eval"][-1]["eval_pass_rate"] for r in rs if r["eval"]]),
+            "eval_pass_last_by_seed": [r["eval"][-1]["eval_pass_rate"] if r["eval"] else None for r in rs],
             "eval_reward_last": med([r["eval"][-1]["eval_reward"] for r in rs if r["eval"]]),
             "tokens_per_s": med([r["tokens_per_s"] for r in rs]),
             "train_s": med([r["train_s"] for r in rs]),
@@ -204,6 +211,22 @@ def summarise(runs: list[dict[str, Any]], k: int = 10) -> dict[str, Any]:
             "time_to_target_s": times, "time_to_target_s_median": med([t for t in times if t is not None]),
             "reached_target": sum(t is not None for t in times),
         }
+    # interleaved pairs (same seed, same --tag: run one after the other): TRL's time over hpcrl GRPO's
+    grpo = {(r["seed"], r.get("tag", "")): r for r in by.get("hpcrl-grpo", [])}
+    pairs = []
+    for r in by.get("trl-grpo", []):
+        h = grpo.get((r["seed"], r.get("tag", "")))
+        if h is None:
+            continue
+        t_trl, t_h = time_to(r, targets[r["seed"]], k), time_to(h, targets[r["seed"]], k)
+        pairs.append({"seed": r["seed"], "tag": r.get("tag", ""), "trl_s": t_trl, "hpcrl_grpo_s": t_h,
+                      "trl_over_hpcrl": t_trl / t_h if t_trl and t_h else None,
+                      "tokens_per_s_hpcrl_over_trl": h["tokens_per_s"] / r["tokens_per_s"],
+                      "loadavg_1min": [h.get("loadavg_start", [None])[0], r.get("loadavg_start", [None])[0]]})
+    ratios = [p["trl_over_hpcrl"] for p in pairs if p["trl_over_hpcrl"] is not None]
+    out["pairs"] = {"what": "time to TRL's final reward, TRL / hpcrl GRPO, per interleaved pair", "pairs": pairs,
+                    "median_trl_over_hpcrl": med(ratios),
+                    "median_tokens_per_s_hpcrl_over_trl": med([p["tokens_per_s_hpcrl_over_trl"] for p in pairs])}
     return out
 
 
@@ -263,6 +286,9 @@ def merge(a: argparse.Namespace) -> int:
                   f"{s['eval_pass_first']} -> {s['eval_pass_last']}, {s['tokens_per_s']:.0f} tokens/s, train "
                   f"{s['train_s']:.1f} s, process {s['process_wall_s']:.1f} s, time to TRL's final reward "
                   f"{s['time_to_target_s']}")
+    pr = summary["pairs"]
+    print(f"pairs (TRL / hpcrl GRPO time to TRL's final reward): {[p['trl_over_hpcrl'] for p in pr['pairs']]}, "
+          f"median {pr['median_trl_over_hpcrl']}; tokens/s hpcrl / TRL median {pr['median_tokens_per_s_hpcrl_over_trl']}")
     print(f"hf_learning: wrote {out} and {out.with_suffix('.png')}")
     return 0
 

@@ -36,10 +36,12 @@ def test_summary_times_each_system_to_trls_final_reward():
     fast = _run("hpcrl-grpo", 0, [0.1, 0.3, 0.9, 0.9, 0.9], dt=2.0)  # 2-mean reaches 0.5 at update 3 (0.6)
     never = _run("hpcrl-ppo", 0, [0.1] * 5, dt=1.0)
     s = H.summarise([trl, fast, never], k=2)
-    assert s["target"]["reward"] == pytest.approx(0.5)
+    assert s["target"]["reward_by_seed"] == {"0": pytest.approx(0.5)}
     assert s["hpcrl-grpo"]["time_to_target_s"] == [pytest.approx(6.0)]
     assert s["hpcrl-ppo"]["time_to_target_s"] == [None] and s["hpcrl-ppo"]["reached_target"] == 0
     assert s["trl-grpo"]["time_to_target_s"] == [pytest.approx(12.0)]  # its 2-mean first hits 0.5 at update 12
+    [pair] = s["pairs"]["pairs"]  # the same seed and tag: TRL took 12 s, hpcrl GRPO 6 s
+    assert pair["trl_over_hpcrl"] == pytest.approx(2.0) and s["pairs"]["median_trl_over_hpcrl"] == pytest.approx(2.0)
     assert s["hpcrl-grpo"]["reward_last"] == pytest.approx(0.9) and s["hpcrl-grpo"]["eval_pass_last"] == 0.5
 
 
