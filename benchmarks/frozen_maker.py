@@ -10,6 +10,10 @@ end). Throughput = env steps / s from the metrics rows' ``env_steps`` and ``time
 window in both: from row 5 to the last row; in the frozen run that window holds the detection (up
 to the heartbeat timeout) and the rest of the run on the live maker alone. Target: frozen >= 40 % of
 healthy.
+
+``--spawned N`` (printed, not written): N runs under local spawn (``python -m hpcrl.ppo`` starting its
+ranks), maker 1 frozen for good: seconds from the freeze to its drop, the longest gap between updates
+after the freeze, and seconds from the trainer's last line to the parent's exit.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -87,12 +92,62 @@ def one_run(steps: int, freeze: bool) -> dict:
             "policy_version": rows[-1].get("policy_version")}
 
 
+def spawned_run(steps: int) -> dict:
+    """``python -m hpcrl.ppo`` spawning its 3 ranks, maker 1 frozen for good at row FROM_ROW: seconds from
+    the freeze to the drop (the trainer's point-to-point line), the longest gap between two updates after
+    the freeze, and seconds from the trainer's last line to the parent's exit."""
+    from tests.test_spawn import _ranks_of
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp) / "run"
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hpcrl.ppo", "--workload", "cartpole", "--makers", "2", "--trainers", "1",
+             "--heartbeat-timeout-s", str(HEARTBEAT_S), "--timeout-s", "60", "--total-steps", str(steps),
+             "--run-dir", str(run)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True)
+        lines: list[tuple[float, str]] = []
+        readers = [threading.Thread(target=lambda f=f: lines.extend((time.monotonic(), x) for x in f), daemon=True)
+                   for f in (proc.stdout, proc.stderr)]
+        for r in readers:
+            r.start()
+        try:
+            while len(_rows(run)) < FROM_ROW:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"exited {proc.returncode}: {''.join(x for _, x in lines)[-2000:]}")
+                time.sleep(0.01)
+            os.kill(_ranks_of(proc.pid)[2], signal.SIGSTOP)
+            frozen_at, at_row = time.monotonic(), len(_rows(run))
+            proc.wait(timeout=300)
+            exited = time.monotonic()
+            for r in readers:
+                r.join(timeout=10)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        rows = [r for r in _rows(run) if "samples_produced" not in r]
+    drop = next((t for t, x in lines if "weights go point-to-point" in x), float("nan"))
+    done = next((t for t, x in lines if x.startswith("hpcrl: done in")), float("nan"))
+    times = [r["time"] for r in rows[at_row - 1:]]
+    return {"rc": proc.returncode, "freeze_to_drop_s": drop - frozen_at,
+            "longest_update_gap_after_freeze_s": max(b - a for a, b in zip(times, times[1:])),
+            "median_update_gap_s": statistics.median(b - a for a, b in zip(times, times[1:])),
+            "parent_exit_after_done_s": exited - done}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--spawned", type=int, default=0, metavar="N",
+                    help="instead: N runs under local spawn, maker 1 frozen for good (see spawned_run)")
     ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "frozen_maker.json"))
     args = ap.parse_args()
+    if args.spawned:
+        for _ in range(args.spawned):
+            print(json.dumps(spawned_run(args.steps)), flush=True)
+        return
     runs = []
     for _ in range(args.pairs):
         for freeze in (False, True):

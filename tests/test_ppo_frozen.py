@@ -11,10 +11,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -28,7 +31,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(run: Path, steps: int, trainers: int = 1, args: list[str] = ARGS) -> list[subprocess.Popen]:
+def _launch(run: Path, steps: int, trainers: int = 1, args: list[str] = ARGS,
+            extra_env: dict[str, str] | None = None) -> list[subprocess.Popen]:
     """Independent processes, torchrun-style variables (ranks 0 trainer, 1-2 makers; with ``trainers=2``,
     ranks 0-1 trainers, 2-3 makers): a frozen maker is then the test's to end, and each process's exit
     code is its own."""
@@ -36,7 +40,7 @@ def _launch(run: Path, steps: int, trainers: int = 1, args: list[str] = ARGS) ->
     for rank in range(world):
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "RANK": str(rank),
                "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", **(extra_env or {})}
         procs.append(subprocess.Popen([sys.executable, "-m", "hpcrl.ppo", *args, "--trainers", str(trainers),
                                        "--total-steps", str(steps), "--run-dir", str(run)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -147,3 +151,68 @@ def test_a_maker_lost_after_trainer_0_drained_is_dropped_not_waited_for(tmp_path
     final = _rows(run)[-1]
     assert final["policy_version"] == steps
     _check_accounts(final)
+
+
+@pytest.mark.timeout(300)
+def test_under_local_spawn_a_maker_frozen_for_good_does_not_hold_the_parent(tmp_path):
+    """``python -m hpcrl.ppo`` spawning its ranks: once the trainer finished, the parent stops the frozen,
+    dropped maker at once (it used to grant it a 30 s grace, then SIGTERM it to no effect, then SIGKILL)."""
+    from test_spawn import _ranks_of
+
+    run = tmp_path / "run"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.ppo", *ARGS, "--trainers", "1", "--total-steps", "40",
+                             "--run-dir", str(run)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in proc.stderr),
+                              daemon=True)
+    reader.start()
+    try:
+        _wait_rows(run, 5, [proc], timeout=180)
+        os.kill(_ranks_of(proc.pid)[2], signal.SIGSTOP)  # rank 2: maker 1, for good
+        proc.wait(timeout=120)
+        exited = time.monotonic()
+        reader.join(timeout=10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    err = "".join(line for _, line in lines)
+    assert proc.returncode == 0, err[-3000:]
+    done = next(t for t, line in lines if line.startswith("hpcrl: done in"))
+    assert "expendable rank 2 is stopped (SIGSTOP) and was dropped by the run: stopped at once" in err, err[-2000:]
+    assert exited - done < 20, exited - done  # the grace was 30 s (then 3 s more for a SIGTERM it cannot act on)
+    final = _rows(run)[-1]
+    assert final["policy_version"] == 40
+    _check_accounts(final)
+
+
+FRAMES = ("frame #", "Exception raised from", "c10::", "Traceback", "[W", "[E", "terminate called")
+
+
+@pytest.mark.timeout(300)
+def test_store_host_killed_makers_say_one_line_and_keep_cxx_frames_in_their_logs(tmp_path):
+    """Trainer 0 (it hosts the rendezvous store) SIGKILLed, torchrun-style: each maker exits 1 at once with
+    one line on its terminal naming the lost store host (first and last: nothing else); what torch's C++
+    side writes (c10d warnings with their frames) goes to RUN_DIR/logs/rank<N>.log."""
+    run = tmp_path / "run"
+    procs = _launch(run, 300, extra_env={"HPCRL_JOB_SECRET": "ab" * 32})  # a secret: no unauthenticated warning
+    try:
+        _wait_rows(run, 5, procs, timeout=180)
+        procs[0].send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        ends = [p.communicate(timeout=60) for p in procs[1:]]
+        elapsed = time.monotonic() - t0
+    finally:
+        for p in procs:
+            p.kill()
+    assert elapsed < HEARTBEAT_S + 10, elapsed
+    for m, (p, (out, err)) in enumerate(zip(procs[1:], ends)):
+        assert p.returncode == 1, err[-2000:]
+        lines = [line for line in (out + err).splitlines() if line.strip()]
+        assert len(lines) == 1, lines  # the reason is the first line and the last
+        assert lines[0].startswith(f"hpcrl.ppo: error: maker {m}: lost the rendezvous store hosted by trainer rank 0"), \
+            lines
+        assert not any(f in out + err for f in FRAMES), out + err
+        assert (run / "logs" / f"rank{m + 1}.log").is_file()  # where the native side's lines went

@@ -3,8 +3,12 @@ one), on real processes with ``--nproc``: half across a 2-maker : 2-trainer deta
 across a 2-rank FastSAC run, each continued with ``--resume`` after every event that stops it.
 
 * PPO events: a maker frozen (SIGSTOP) past the heartbeat timeout then woken, a maker SIGKILLed (both:
-  dropped and counted, the run goes on, the woken one leaves with exit 0), SIGTERM to the parent
-  (checkpoint, exit 75). Every job ends 0 or 75 and its closing row accounts for every sample.
+  dropped and counted, the run goes on; the frozen one is SIGKILLed by the parent once dropped, or
+  leaves on its own if woken first), SIGTERM to the parent
+  (checkpoint, exit 75). Every job ends 0 or 75 (within 120 s of its event: a maker lost in the end
+  phase once held trainer 0 for --timeout-s, seed 597737) and its closing row accounts for every
+  sample; a maker fault sent after the last update's row may land after that maker finished, and then
+  need not count as lost.
 * FastSAC events: a rank frozen (every other rank exits 1 naming it within the heartbeat timeout), a
   rank SIGKILLed (exit 1), SIGTERM to the parent (exit 75). After each, ``--resume`` continues; the
   final run finishes and its rows are consistent (env steps strictly increasing, ending at the total).
@@ -58,7 +62,7 @@ def _start(module: str, args: list[str], tmp: Path) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def _wait_rows(run: Path, n: int, proc: subprocess.Popen, timeout: float = 60) -> bool:
+def _wait_rows(run: Path, n: int, proc: subprocess.Popen, timeout: float = 180) -> bool:
     """True once ``run`` has ``n`` rows; False if the job ended first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -76,18 +80,24 @@ def _ppo_job(rng: random.Random, run: Path, tmp: Path, resume: bool, budget: int
             "--heartbeat-timeout-s", str(HEARTBEAT_S), "--checkpoint-every", "10", "--run-dir", str(run)]
     proc = _start("hpcrl.ppo", args + (["--resume"] if resume else []), tmp)
     done: list[str] = []
+    late = 0  # maker faults sent once the last update's row was out: the maker may have finished already
     try:
         if budget and _wait_rows(run, len(_rows(run)) + rng.randint(2, 6), proc):
             makers = _ranks_of(proc.pid)[2:]  # ranks 2, 3
+            at_end = bool(_rows(run)) and _rows(run)[-1]["updates"] >= 100
             kind = rng.choice(["freeze", "kill", "sigterm"])
             if kind == "freeze":
                 os.kill(makers[rng.randrange(2)], signal.SIGSTOP)
                 time.sleep(HEARTBEAT_S + rng.uniform(1.5, 3.0))  # past the timeout: dropped
                 for pid in makers:
-                    os.kill(pid, signal.SIGCONT)  # woken: it must leave on its own
+                    try:
+                        os.kill(pid, signal.SIGCONT)  # woken: it must leave on its own
+                    except ProcessLookupError:  # the parent stopped it already: frozen, and dropped
+                        pass
             elif kind == "kill":
                 os.kill(makers[rng.randrange(2)], signal.SIGKILL)
             done.append(kind)
+            late += kind != "sigterm" and at_end
             if kind != "sigterm" and len(done) < budget and rng.random() < 0.5:
                 time.sleep(HEARTBEAT_S + rng.uniform(1.0, 2.0))  # the fault is counted before the stop
                 done.append("sigterm")
@@ -100,7 +110,8 @@ def _ppo_job(rng: random.Random, run: Path, tmp: Path, resume: bool, budget: int
     final = _rows(run)[-1]
     assert final["samples_produced"] == (final["samples_consumed"] + final["dropped_stale"]
                                          + final["dropped_shutdown"] + final["lost_in_flight"]), (done, final)
-    assert final["makers_lost"] == sum(k in ("freeze", "kill") for k in done), (done, final, out[-2000:])
+    faults = sum(k in ("freeze", "kill") for k in done)
+    assert faults - late <= final["makers_lost"] <= faults, (done, late, final, out[-2000:])
     return proc.returncode, done
 
 
@@ -142,10 +153,6 @@ def _count(events: list, role: str) -> int:
     return sum(e[0] == role for e in events)
 
 
-@pytest.mark.xfail(strict=False, raises=subprocess.TimeoutExpired,
-                   reason="known, open (seen in 1 of 4 soak runs): a 2:2 PPO job whose weight broadcast of the last version "
-                          "timed out (weights fell back to point-to-point to both makers) waited past 120 s at its "
-                          "end (soak seed 597737 in CI; the same seed passed when replayed)")
 def test_soak_20_random_faults_across_ppo_and_fastsac(tmp_path):
     rng = _rng()
     t0 = time.monotonic()

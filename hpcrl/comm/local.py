@@ -38,7 +38,8 @@ The parent supervises like an agent:
   makers): their failure is a warning line on stderr, and part of the error if the run fails. Once
   the others finished, one still running gets a grace period to leave on its own, except one that is
   stopped (state ``T``: SIGSTOP, it cannot act on anything) or that the run dropped
-  (:func:`record_dropped`, e.g. a frozen maker): those are stopped at once.
+  (:func:`record_dropped`, e.g. a frozen maker): those are stopped at once; one both stopped and
+  dropped is SIGKILLed as soon as both are seen, mid-run (woken, it would only leave).
 """
 
 from __future__ import annotations
@@ -184,13 +185,16 @@ def _is_stopped(pid: int | None) -> bool:
         return False
 
 
-def _stop_unwanted(job: "_Job", expendable: frozenset[int]) -> None:
-    """After the essential ranks finished: stop at once the expendable ranks that are stopped (SIGKILL: a
-    stopped process never acts on SIGTERM) or that the run dropped (SIGTERM, then SIGKILL)."""
+def _stop_unwanted(job: "_Job", expendable: frozenset[int], finished: bool) -> None:
+    """Stop at once the expendable ranks nobody waits for: one that is stopped (state T) and that the run
+    dropped, at any time (SIGKILL: a stopped process never acts on SIGTERM; woken, it would only leave,
+    and until it is gone its peers' connections to it hold their own exits); once the essential ranks
+    ``finished``, any stopped one (SIGKILL) and any dropped one (SIGTERM, then SIGKILL)."""
     assert job.tmp is not None
-    frozen = [r for r in job.running & expendable if _is_stopped(job.procs[r].pid)]
-    dropped = [r for r in job.running & expendable
-               if r not in frozen and Path(job.tmp, _dropped_name(r)).exists()]
+    candidates = job.running & expendable
+    marked = {r for r in candidates if Path(job.tmp, _dropped_name(r)).exists()}
+    frozen = [r for r in candidates if (finished or r in marked) and _is_stopped(job.procs[r].pid)]
+    dropped = [r for r in marked if r not in frozen] if finished else []
     job.running.difference_update(frozen + dropped)  # first: the signal forwarder must not signal them any more
     for r in frozen:
         _kill_frozen(job.procs[r])
@@ -207,8 +211,9 @@ def _stop_unwanted(job: "_Job", expendable: frozenset[int]) -> None:
     for r in frozen + dropped:
         job.procs[r].join()
     if frozen or dropped:
-        why = [f"rank {r} is stopped (SIGSTOP)" for r in frozen] + [f"rank {r} was dropped by the run" for r in dropped]
-        _warn(f"expendable {', '.join(why)}; the others finished: stopped at once")
+        why = ([f"rank {r} is stopped (SIGSTOP)" + (" and was dropped by the run" if r in marked else "")
+                for r in frozen] + [f"rank {r} was dropped by the run" for r in dropped])
+        _warn(f"expendable {', '.join(why)}" + ("; the others finished" if finished else "") + ": stopped at once")
 
 
 def _kill_frozen(proc) -> None:
@@ -388,13 +393,13 @@ def _supervise(job: _Job, expendable: frozenset[int], deadline: float | None, ti
     while running:
         if grace_end is None and essential and not (essential & running):
             grace_end = time.monotonic() + _EXPENDABLE_GRACE_S
-        if grace_end is not None:
-            _stop_unwanted(job, expendable)
+        if expendable & running:
+            _stop_unwanted(job, expendable, finished=grace_end is not None)
             if not running:
                 break
         ends = [t for t in (deadline, grace_end) if t is not None]
         remaining = None if not ends else max(0.0, min(ends) - time.monotonic())
-        if grace_end is not None:  # look again soon: a rank may freeze, or be dropped, meanwhile
+        if expendable & running:  # look again soon: a rank may freeze, or be dropped, meanwhile
             remaining = min(_LOOK_S, remaining if remaining is not None else _LOOK_S)
         ready = multiprocessing.connection.wait([procs[r].sentinel for r in running], remaining)
         if not ready:
