@@ -126,7 +126,7 @@ def test_a_maker_frozen_for_10_s_is_dropped_trained_around_and_leaves_when_woken
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("fault", ["freeze", "kill"])
+@pytest.mark.parametrize("fault", ["freeze", pytest.param("kill", marks=pytest.mark.extended)])
 def test_a_maker_lost_after_trainer_0_drained_is_dropped_not_waited_for(tmp_path, fault):
     """The soak's end-of-run hang (seed 597737): 2 makers : 2 trainers, maker 1 feeds trainer 1 only, and is
     frozen (or killed) once the last update's row is out. Trainer 0 has drained its own maker, so it
@@ -153,6 +153,7 @@ def test_a_maker_lost_after_trainer_0_drained_is_dropped_not_waited_for(tmp_path
     _check_accounts(final)
 
 
+@pytest.mark.extended
 @pytest.mark.timeout(300)
 def test_under_local_spawn_a_maker_frozen_for_good_does_not_hold_the_parent(tmp_path):
     """``python -m hpcrl.ppo`` spawning its ranks: once the trainer finished, the parent stops the frozen,
