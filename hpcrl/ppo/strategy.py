@@ -132,6 +132,21 @@ def gather_flat(tensors: list[Tensor], plane: Plane, bucket_numel: int, keep: bo
     return out
 
 
+def fixed_mmap_threshold(nbytes: int = 1 << 20) -> bool:
+    """Fix glibc's mmap threshold at ``nbytes`` (``mallopt(M_MMAP_THRESHOLD)``); False where it is not
+    glibc. Why: glibc raises its threshold to the size of each freed mmapped chunk (up to 32 MiB), so
+    after the first step FSDP's per-unit gathered parameters and unsharded gradients come from the heap
+    and stay resident once freed: a trainer's peak became the sum over the units (measured: no fall with
+    N at all, benchmarks/hf_memory.py) instead of its shards plus one unit. With a fixed threshold they
+    stay mmapped and go back to the system when FSDP frees them."""
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL(None).mallopt(-3, int(nbytes)))  # -3: M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 class ShardedGrads:
     """What a learner calls on the gradients under fsdp: FSDP has already averaged them (reduce-scatter
     in backward), so ``all_reduce`` is a no-op; ``clip_grad_norm_`` adds the shards' squared norms on the
@@ -182,6 +197,7 @@ class Strategy:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         units = workload.shard_units(model)  # the default refuses: a workload that runs under ddp only
+        fixed_mmap_threshold()  # per-unit buffers returned when freed (see there)
         if self.plane.group is None:
             raise ValueError(f"--strategy fsdp needs the trainers' device plane as a process group ({self.plane})")
         if self.device.type == "cuda":  # the mesh's device is the current one: FSDP moves each unit there

@@ -2,18 +2,19 @@
 ``meta`` device, let FSDP2 shard the empty model, then fill each trainer's dim-0 rows straight from the
 weights files. No trainer ever holds the full model: peak host memory is its shards plus one slice.
 
-Why every rank reads its own slices (``safe_open(...).get_slice``) rather than rank 0 reading the whole
+Why every rank reads its own slices (as ``safe_open(...).get_slice`` would, with plain reads) rather than rank 0 reading the whole
 state dict and broadcasting it (``set_model_state_dict(..., broadcast_from_rank0=True)``): rank 0 would
 hold the full model (the point of the exercise is that none does), the broadcast sends N-1 model copies
 over the trainers' plane, and every rank waits on one reader. With slices, each rank reads only its
-bytes (the files are memory-mapped: untouched rows are never paged in), no collective is needed, and the
+bytes (only those: no memory map of the whole file), no collective is needed, and the
 result is bit-for-bit the stored values converted to the parameter dtype, as ``from_pretrained`` gives.
 
 * :func:`params_on_meta` — parameters on ``meta``, buffers real (as ``accelerate.init_empty_weights``
   with ``include_buffers=False``): non-persistent buffers such as rotary ``inv_freq`` are computed by
   the modules' own constructors / transformers' ``_init_weights``, not left empty;
 * :class:`WeightFiles` — where each stored tensor lives (``model.safetensors``, a sharded index, or a
-  ``pytorch_model.bin`` memory-mapped) and :meth:`WeightFiles.rows` to read rows of one;
+  ``pytorch_model.bin`` memory-mapped) and :meth:`WeightFiles.rows` to read rows of one
+  (:class:`SafetensorsRows`: plain reads of exactly those bytes, no memory map);
 * :func:`sources` — which stored key fills each parameter of a bare transformers model (the causal LM's
   own names, or a trunk's with the ``base_model_prefix`` added or removed; tied parameters once);
 * :func:`fresh_value` — the one deterministic init of the parameters no file holds (LoRA adapters,
@@ -99,9 +100,7 @@ class WeightFiles:
     def _handle(self, file: Path) -> Any:
         if file not in self._open:
             if file.suffix == ".safetensors":
-                from safetensors import safe_open
-
-                self._open[file] = safe_open(str(file), framework="pt", device="cpu")
+                self._open[file] = SafetensorsRows(file)
             else:  # memory-mapped: slicing pages in only the rows read
                 self._open[file] = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
         return self._open[file]
@@ -116,25 +115,57 @@ class WeightFiles:
     def keys(self) -> list[str]:
         return list(self._where)
 
-    def shape(self, key: str) -> tuple[int, ...]:
-        handle = self._handle(self._where[key])
-        if isinstance(handle, dict):
-            return tuple(handle[key].shape)
-        return tuple(handle.get_slice(key).get_shape())
-
     def rows(self, key: str, start: int, stop: int) -> Tensor:
         """Rows ``start:stop`` of dim 0 of the stored tensor ``key`` (a 0-dim tensor whole), as stored."""
         handle = self._handle(self._where[key])
         if isinstance(handle, dict):
             t = handle[key]
             return t.clone() if t.dim() == 0 else t[start:stop].clone()
-        part = handle.get_slice(key)
-        if len(part.get_shape()) == 0:
-            return handle.get_tensor(key)
-        return part[start:stop]
+        return handle.rows(key, start, stop)
 
     def close(self) -> None:
-        self._open.clear()  # safetensors handles and mmapped bin files unmap when dropped
+        for handle in self._open.values():
+            if isinstance(handle, SafetensorsRows):
+                handle.close()
+        self._open.clear()  # mmapped bin files unmap when dropped
+
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+class SafetensorsRows:
+    """One ``.safetensors`` file read row range by row range with plain reads (``readinto`` of exactly
+    those bytes): no memory map, so neither the file's pages nor its size count against this process
+    (a mapping of the whole file would, under RLIMIT_DATA / RLIMIT_AS). The format: an 8-byte
+    little-endian header length, a JSON header ``{name: {dtype, shape, data_offsets}}``, the data."""
+
+    def __init__(self, file: Path) -> None:
+        self.file = open(file, "rb")
+        n = int.from_bytes(self.file.read(8), "little")
+        self.header = {k: v for k, v in json.loads(self.file.read(n)).items() if k != "__metadata__"}
+        self.base = 8 + n
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def rows(self, key: str, start: int, stop: int) -> Tensor:
+        meta = self.header[key]
+        dtype, shape = _ST_DTYPES[meta["dtype"]], list(meta["shape"])
+        begin, _ = meta["data_offsets"]
+        if not shape:
+            start, stop = 0, 1
+        row_bytes = math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size() if shape else \
+            torch.empty((), dtype=dtype).element_size()
+        out = torch.empty([stop - start, *shape[1:]] if shape else [], dtype=dtype)
+        if out.numel():
+            self.file.seek(self.base + begin + start * row_bytes)
+            self.file.readinto(memoryview(out.view(-1).view(torch.uint8).numpy()))
+        return out
+
+    def close(self) -> None:
+        self.file.close()
 
 
 def sources(net: nn.Module, files: WeightFiles) -> list[tuple[nn.Module, str, str]]:
