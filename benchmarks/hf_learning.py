@@ -273,11 +273,17 @@ def merge(a: argparse.Namespace) -> int:
     if not runs:
         fail(f"no run JSONs matched {a.merge or str(a.out / '*-seed*.json')}; run --system ... first")
     summary = summarise(runs)
+    for r in runs:  # 4 significant decimals keep the merged file small (hundreds of points per run)
+        for pts in (r["curve"], r["eval"]):
+            for p in pts:
+                p.update({k: round(v, 4) for k, v in p.items() if isinstance(v, float)})
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": "hf_learning", "quick": any(r.get("quick") for r in runs), "summary": summary,
                "runs": runs, "sources": paths}
-    out.write_text(json.dumps(payload, indent=1))
+    head = json.dumps({k: v for k, v in payload.items() if k != "runs"}, indent=1)
+    body = ",\n".join(json.dumps(r, separators=(",", ":")) for r in runs)  # one line per run
+    out.write_text(head[:-2] + ',\n "runs": [\n' + body + "\n ]\n}\n")
     plot(runs, out.with_suffix(".png"))
     for system in SYSTEMS:
         s = summary.get(system)
