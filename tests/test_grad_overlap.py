@@ -12,7 +12,8 @@ from hpcrl.comm import spawn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sac_workers  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
+# 2 spawned ranks and 4 FastSAC runs: ~2 min on this loaded machine, so the extended tier.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, pytest.mark.extended]
 
 
 @pytest.fixture(scope="module")
