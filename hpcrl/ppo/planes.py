@@ -1,7 +1,8 @@
 """The process groups (planes) of a detached-PPO world, decided identically on every rank.
 
-* trainers: a host plane (metrics, stop agreement) and a device plane (gradient all-reduce; NCCL when
-  the trainers are on GPUs, each on its own);
+* trainers: a host plane (metrics, stop agreement), a device plane (gradient all-reduce; NCCL when
+  the trainers are on GPUs, each on its own) and a checkpoint plane (gloo: the checkpoint writer
+  thread's DCP collectives, apart from the training thread's);
 * weights: trainer 0 + every maker. NCCL when all of them are on CUDA and no two share a GPU
   (NCCL refuses two ranks of one communicator on one device — e.g. one node, one GPU, a trainer and a
   maker on it); otherwise gloo, with the weights staged through host memory;
@@ -36,6 +37,8 @@ class RolePlanes:
     trainer_device: Plane
     weights: Plane
     """Trainer 0 + makers; a device plane (NCCL) or a host plane (gloo, CPU staging)."""
+    checkpoint: Plane
+    """The trainers; a host plane only the checkpoint writer thread uses (DCP save and load)."""
 
 
 Placement = tuple[str, str, str]  # (host, device, GPU UUID or "")
@@ -95,7 +98,8 @@ def make_role_planes(ctx: DistContext, top: Topology) -> RolePlanes:
     # gloo weights travel as host tensors: the plane that carries them is a host plane
     weights = new_plane("device" if backend == "nccl" else "host", weight_ranks, ctx.rank, ctx.device, backend,
                         IDLE_TIMEOUT, eager=True)
-    return RolePlanes(exchange, t_host, t_device, weights)
+    checkpoint = new_plane("host", trainer_ranks, ctx.rank, ctx.device, "gloo", ctx.timeout)
+    return RolePlanes(exchange, t_host, t_device, weights, checkpoint)
 
 
 def staging_note(planes: RolePlanes, device: torch.device) -> str:

@@ -67,7 +67,7 @@ class Trainer:
         self.checkpoints = TrainerCheckpoints(
             cfg, ctx.rank, top.trainers, self.replica.model, self.replica.learner, ctx.device,
             lambda name: barrier(ctx, barrier_name(name), ranks=trainers),
-            checkpoint.store_agree(ctx, ranks=trainers, name=RESTORE_AGREE), ctx.timeout)
+            checkpoint.store_agree(ctx, ranks=trainers, name=RESTORE_AGREE), planes.checkpoint.group)
         if ctx.rank == 0 and _saves_artifacts(workload):  # e.g. the HF actor, streamed from the shards
             from .export import save_artifacts
 

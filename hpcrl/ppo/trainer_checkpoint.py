@@ -14,7 +14,7 @@ Layout of ``checkpoints/step_<N>/`` (committed by :func:`hpcrl.checkpoint.save`)
 
 Writing (:meth:`TrainerCheckpoints.save`): the step stages a CPU copy of the trainer's state dict
 (DCP's ``DefaultStager``; pinned memory on GPUs) and returns; a writer thread writes the DCP shards
-(a collective of the writer threads over their own gloo group, so it never interleaves with the
+(a collective of the writer threads over the trainers' checkpoint plane, so it never interleaves with the
 training loop's collectives), the rank file, then the manifest and the rename. A kill at any moment
 leaves the previous committed checkpoint intact: nothing is pruned before a commit. One write is in
 flight at a time: the next checkpoint, and the end of the run, wait for it; a write failure (a
@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from hpcrl import checkpoint
 from hpcrl.checkpoint_manifest import LEARNER, CorruptCheckpoint, _check_file, rank_file
@@ -132,25 +131,6 @@ def deal_rank_state(states: dict[int, dict[str, Any]], old: int, new: int, rank:
     return generator, math.ceil(end / new)
 
 
-def _trainer_group(trainers: int, timeout: Any) -> Any:
-    """A gloo group over trainers ``0..T-1`` that only they create (``use_local_synchronization``).
-    torch names such a group by a hash of its ranks and of how many groups this process holds, which
-    differs between trainer 0 (a member of the weights plane) and the others; the name is fixed here
-    instead. The clean fix is a checkpoint plane made with the others (hpcrl/ppo/planes.py)."""
-    from torch.distributed import distributed_c10d as c10d
-
-    original = c10d._process_group_name
-
-    def name(ranks: list[int], use_hashed_name: bool) -> Any:
-        return f"hpcrl_ppo_checkpoint_{len(ranks)}" if use_hashed_name else original(ranks, use_hashed_name)
-
-    c10d._process_group_name = name
-    try:
-        return dist.new_group(list(range(trainers)), backend="gloo", timeout=timeout, use_local_synchronization=True)
-    finally:
-        c10d._process_group_name = original
-
-
 def _dcp_files(tmp: Path, rank: int) -> list[str]:
     names = sorted(f"{DCP_DIR}/{p.name}" for p in (tmp / DCP_DIR).glob(f"__{rank}_*"))
     if rank == 0:
@@ -168,11 +148,10 @@ class TrainerCheckpoints:
 
     def __init__(self, cfg: Any, rank: int, trainers: int, model: torch.nn.Module, learner: Any,
                  device: torch.device, barrier: Callable[[str], None], agree: checkpoint.Agree,
-                 timeout: Any) -> None:
+                 group: Any) -> None:
         self.cfg, self.rank, self.trainers, self.model, self.learner = cfg, rank, trainers, model, learner
-        self.device, self.barrier, self.agree, self.timeout = device, barrier, agree, timeout
+        self.device, self.barrier, self.agree, self.group = device, barrier, agree, group
         self.identity, self.upgrade = run_identity(cfg), upgrade_identity(cfg)
-        self._group: Any = None
         self._stager: Any = None
         self._thread: threading.Thread | None = None
         self._result: Path | None = None
@@ -190,13 +169,6 @@ class TrainerCheckpoints:
                 f"copy), the writer thread took {ms(self.write_s):.1f} ms each (shards, checksums, commit)")
 
     # -- the state --------------------------------------------------------------------------------
-    @property
-    def group(self) -> Any:
-        """The writer threads' own gloo group over the trainers (created by the trainers only)."""
-        if self._group is None:
-            self._group = _trainer_group(self.trainers, self.timeout)
-        return self._group
-
     def _optimizer(self) -> torch.optim.Optimizer | None:
         return getattr(self.learner, "optimizer", None)
 
