@@ -82,5 +82,5 @@ def test_quick_runs_and_merge_write_curves_and_a_png(tmp_path):
                           env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     d = json.loads(out.read_text())
-    assert d["quick"] is True and sorted(d["summary"]) == sorted(systems + ["target"])
+    assert d["quick"] is True and sorted(d["summary"]) == sorted(systems + ["target", "pairs"])
     assert out.with_suffix(".png").stat().st_size > 10_000

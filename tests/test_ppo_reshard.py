@@ -81,6 +81,22 @@ def test_rank_state_is_dealt_by_the_stated_rule():
     assert torch.equal(a, b) and not torch.equal(a, gens[0]["generator"])
 
 
+def test_credits_trained_ahead_survive_the_rank_file_and_count_in_a_reshard(tmp_path):
+    from hpcrl.h5io import load_h5, save_h5
+    # trainer 1 handed out credits 6 and 8 ahead of its oldest outstanding one (5): written as its rank
+    # file writes them, read back as a resume reads them
+    states = {}
+    for r, (credit, ahead) in enumerate([(5, []), (5, [6, 8])]):
+        save_h5(tmp_path / f"rank{r}.h5", {"generator": torch.Generator().manual_seed(r).get_state(),
+                                           "next_credit": credit,
+                                           "taken_ahead": torch.tensor(ahead, dtype=torch.int64)})
+        states[r] = load_h5(tmp_path / f"rank{r}.h5")
+    gen, credit, ahead = deal_rank_state(states, 2, 2, 1, 0, 7)
+    assert (credit, ahead) == (5, [6, 8])  # the ledger then never grants 6 and 8 (test_ppo_handout)
+    # 2 -> 1: batch 2*8 + 1 = 17 was trained, so the single trainer starts at batch 18 (and skips nothing ahead)
+    assert deal_rank_state(states, 2, 1, 0, 0, 7)[1:] == (18, [])
+
+
 # ------------------------------------------------------------------------- cartpole: 2 -> 1 -> 3 trainers
 
 

@@ -202,11 +202,31 @@ class DetachedConfig:
                                   f"{' / '.join(family)}, not --workload {self.workload}; drop it, or pass "
                                   f"--workload {family[0]}"
                                   + ("; a plugin workload takes its own flags (its constructor's)" if plugin else ""))
+        self._check_variants()
         if self.plugin_args and not plugin:
             raise ConfigError(f"unrecognized option(s) {' '.join(self.plugin_args)} for --workload {self.workload}"
                               f"{_perhaps(self.plugin_args)}: "
                               "only a package.module:Class workload takes flags of its own; see python -m hpcrl.ppo "
                               "--help for the --env.*, --lm.*, --hf.* and --ppo.* options")
+
+    def _check_variants(self) -> None:
+        """The --ppo.* loss variants a workload's learner would refuse after its model is built: refused
+        here, before any rank starts (the learners keep their own check for workloads built in code)."""
+        ppo, workload = self.ppo, self.workload
+        if workload in VECTOR_WORKLOADS:
+            for flag, given in (("advantage", ppo.advantage), ("kl-target", ppo.kl_target)):
+                if given is not None:
+                    raise ConfigError(f"--ppo.{flag} {given}: applies to the token workloads (--workload hf / "
+                                      f"lm), not a vector env (GAE advantages, no reference model); drop it")
+            if ppo.anneal_updates and (ppo.lr_schedule not in (None, "constant") or ppo.warmup_updates):
+                raise ConfigError("--ppo.anneal-updates with --ppo.lr-schedule / --ppo.warmup-updates: two "
+                                  "learning-rate schedules; keep one, e.g. --ppo.anneal-updates 0 for warm-up / cosine")
+        elif workload in LM_WORKLOADS and ppo.advantage not in (None, "grpo"):
+            raise ConfigError(f"--ppo.advantage {ppo.advantage}: a group baseline needs groups of samples per prompt "
+                              "(--workload hf --hf.algo grpo); --workload lm uses GAE with its critic; drop it")
+        elif workload in HF_WORKLOADS and ppo.advantage not in (None, "grpo") and self.hf.algo != "grpo":
+            raise ConfigError(f"--ppo.advantage {ppo.advantage}: a group baseline needs --hf.algo grpo (samples per "
+                              "prompt); drop it, or pass --hf.algo grpo")
 
     def bucket_numel(self, dtype: torch.dtype) -> int:
         """Elements of ``dtype`` per weight bucket (``bucket_mb``)."""

@@ -249,11 +249,11 @@ class Trainer:
     def _load(self, found: checkpoint.Restored) -> float:
         """Model, optimizer and learner (resharded to this job's trainers and strategy), then this
         trainer's generator and next credit (dealt by trainer_checkpoint's rule when the count changed)."""
-        self.version, env_steps, generator, credit = self.checkpoints.load(found, self.replica.strategy)
+        self.version, env_steps, generator, credit, ahead = self.checkpoints.load(found, self.replica.strategy)
         self.replica.generator.set_state(generator)
         # credits number the batches, and batch b is a fixed slice of a dataset workload's data
         # (Collector.assign): the first batch not trained on is the one to collect next
-        self.makers.next_credit = credit
+        self.makers.resume(credit, ahead)
         if self.index == 0 and found.world_size != self.top.trainers:
             print(f"hpcrl.ppo: resharded {found.world_size} -> {self.top.trainers} trainer(s) from {found.path} "
                   f"(v{self.version}; credits continue at {credit})", flush=True)
@@ -278,7 +278,8 @@ class Trainer:
     def _save(self, env_steps: float, wait: bool = False) -> Path | None:
         """A checkpoint of this version, written in the background (``wait``: until committed)."""
         # outstanding credits are collected again after a resume
-        mine = {"generator": self.replica.generator.get_state(), "next_credit": self.makers.first_untrained}
+        mine = {"generator": self.replica.generator.get_state(), "next_credit": self.makers.first_untrained,
+                "taken_ahead": torch.tensor(self.makers.taken_ahead, dtype=torch.int64)}
         return self.checkpoints.save(self.version, env_steps, mine, wait=wait)
 
     def _finish(self, logger: RunLogger, tally: Tally, row: dict, reached: bool) -> dict:

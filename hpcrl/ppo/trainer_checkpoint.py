@@ -10,7 +10,8 @@ Layout of ``checkpoints/step_<N>/`` (committed by :func:`hpcrl.checkpoint.save`)
 * ``learner.pt`` (trainer 0) — small: format tag, version, env steps, the learner's state other
   than its optimizer (e.g. the update counter). A ``learner.pt`` holding ``"model"`` is the older
   gathered format; it still resumes (:meth:`TrainerCheckpoints.load`).
-* ``rank<t>.h5`` (every trainer) — the per-trainer state: minibatch generator, ``next_credit``.
+* ``rank<t>.h5`` (every trainer) — the per-trainer state: minibatch generator, ``next_credit``,
+  ``taken_ahead`` (credits after it whose batches were trained already).
 
 Writing (:meth:`TrainerCheckpoints.save`): the step stages a CPU copy of the trainer's state dict
 (DCP's ``DefaultStager``; pinned memory on GPUs) and returns; a writer thread writes the DCP shards
@@ -34,8 +35,9 @@ optimizer and update counter are the run's, exactly):
 * ``next_credit``: credit c of trainer t is batch ``c T + t`` (:meth:`Collector.assign`). At the same
   count each trainer continues at its own first untrained credit (exact: what an uninterrupted run
   collects next). At another count T' every new trainer starts at credit ``ceil(B / T')``, B one
-  past the highest batch number trained: no batch is trained twice; fewer than T' (plus the old
-  trainers' spread) batch numbers are skipped.
+  past the highest batch number trained (``taken_ahead`` included): no batch is trained twice; fewer
+  than T' (plus the old trainers' spread) batch numbers are skipped. At the same count ``taken_ahead``
+  is never granted again.
 """
 
 from __future__ import annotations
@@ -117,18 +119,24 @@ def checkpoint_normal(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def deal_rank_state(states: dict[int, dict[str, Any]], old: int, new: int, rank: int, seed: int,
-                    version: int) -> tuple[torch.Tensor, int]:
-    """(generator state, next credit) of trainer ``rank`` of ``new`` from the rank files of the
-    ``old`` trainers that wrote a checkpoint (see the module docstring for the rule)."""
+                    version: int) -> tuple[torch.Tensor, int, list[int]]:
+    """(generator state, next credit, credits trained ahead of it) of trainer ``rank`` of ``new`` from
+    the rank files of the ``old`` trainers that wrote a checkpoint (see the module docstring)."""
     if rank < old:
         generator = states[rank]["generator"]
     else:
         generator = torch.Generator().manual_seed(seed + 2 + 1000 * rank + 7919 * version).get_state()
     credits = {r: int(states[r].get("next_credit", 0)) for r in range(old)}
+    ahead = {r: _ints(states[r].get("taken_ahead")) for r in range(old)}
     if old == new:
-        return generator, credits[rank]
-    end = max([(c - 1) * old + r + 1 for r, c in credits.items() if c > 0], default=0)
-    return generator, math.ceil(end / new)
+        return generator, credits[rank], ahead[rank]
+    trained = [c for r, c in credits.items() if c > 0 for c in [(c - 1) * old + r + 1]]
+    trained += [c * old + r + 1 for r, cs in ahead.items() for c in cs]
+    return generator, math.ceil(max(trained, default=0) / new), []
+
+
+def _ints(value: Any) -> list[int]:
+    return [] if value is None else [int(v) for v in torch.as_tensor(value).reshape(-1).tolist()]
 
 
 def _dcp_files(tmp: Path, rank: int) -> list[str]:
@@ -277,18 +285,18 @@ class TrainerCheckpoints:
         return checkpoint.restore(self.cfg.run_dir, self.rank, self.trainers, device, identity=self.identity,
                                   agree=self.agree, reshard=True, upgrade=self.upgrade, loader=self._loader)
 
-    def load(self, found: checkpoint.Restored, strategy: Any) -> tuple[int, float, torch.Tensor, int]:
+    def load(self, found: checkpoint.Restored, strategy: Any) -> tuple[int, float, torch.Tensor, int, list[int]]:
         """Load ``found`` into the model and the learner (collective over the trainers); returns
-        (version, env steps, this trainer's generator state, its next credit)."""
+        (version, env steps, this trainer's generator state, its next credit, credits taken ahead)."""
         meta = found.learner
         version = int(meta["version"])
-        generator, credit = deal_rank_state(found.rank_states or {}, found.world_size, self.trainers, self.rank,
+        generator, credit, ahead = deal_rank_state(found.rank_states or {}, found.world_size, self.trainers, self.rank,
                                             int(self.cfg.seed), version)
         if not _is_dcp(meta):  # the older format: full tensors on every trainer
             learner_state = meta["learner"]
             model_state = {k: v.to(strategy.restore_device) for k, v in meta["model"].items()}
             strategy.load_full_state(self.learner, model_state, _to(learner_state, strategy.restore_device))
-            return version, float(meta["env_steps"]), generator, credit
+            return version, float(meta["env_steps"]), generator, credit, ahead
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
@@ -310,7 +318,7 @@ class TrainerCheckpoints:
             set_model_state_dict(self.model, state["model"])
         else:
             set_state_dict(self.model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        return version, float(meta["env_steps"]), generator, credit
+        return version, float(meta["env_steps"]), generator, credit, ahead
 
     def close(self) -> None:
         try:

@@ -144,6 +144,10 @@ class HFOptions:
             given = "eval_every" if self.eval_every else "eval_prompts"
             self.fail(given, "given with " + ("--eval-prompts" if self.eval_every else "--eval-every N > 0"),
                       "pass both --eval-prompts PATH and --eval-every N, or neither")
+        m = self.micro_batch_size
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or not 1 <= m <= 1 << 20):
+            self.fail("micro_batch_size", "an integer >= 1 (sequences per forward / backward pass)",
+                      "e.g. --micro-batch-size 4, or leave it unset (the whole minibatch)")
         if self.dtype not in ("auto", "fp32", "bf16"):
             self.fail("dtype", "one of auto, fp32, bf16", "e.g. --dtype auto (the stored dtype) or --dtype fp32")
         if self.lora_alpha is not None and not (finite(self.lora_alpha) and self.lora_alpha > 0):
