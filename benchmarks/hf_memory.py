@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cap-trainers", type=int, default=4, help="trainers of the capped runs")
     ap.add_argument("--cap-frac", type=float, default=0.6,
                     help="the cap: this fraction of the fp32 model's size, above each rank's own start")
+    ap.add_argument("--cap-only", action="store_true", help="only the capped runs (full and sharded, LoRA)")
     args = ap.parse_args(argv)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: {args.layers} layers x hidden {args.hidden}: {params / 1e6:.1f}M parameters, "
               f"{model_mib:.0f} MiB fp32", flush=True)
         # sharded at every N; the references: ddp at N = 1 and the full-build path at the largest N
-        plan = ([("sharded", n, 0, None) for n in args.trainers] + [("ddp", 1, 0, None)]
+        plan = ([] if args.cap_only else [("sharded", n, 0, None) for n in args.trainers] + [("ddp", 1, 0, None)]
                 + [("full", max(args.trainers), 0, None)])
         if not args.quick:  # LoRA: the optimizer state is the adapters', so the cap is about the weights
             cap = args.cap_frac * model_mib

@@ -18,19 +18,30 @@ def compiled_config(compile: bool):
     return dataclasses.replace(small_config("flat"), compile=compile)
 
 
-def run(compile: bool, updates: int = UPDATES, rank: int = 0, world: int = 1, ctx=None) -> dict:
-    """``updates`` updates on this rank's rows of each global batch; the final state and the outputs of
-    the last update."""
+def run(compile: bool, updates: int = UPDATES, rank: int = 0, world: int = 1, ctx=None,
+        early: int = 2, warm: int = 5) -> dict:
+    """``updates`` updates on this rank's rows of each global batch; the final state, the outputs of the
+    last update, the state after ``early`` updates (``"early"``) and Dynamo's frame / graph counts after
+    ``warm`` updates and at the end (``"dynamo"``: equal when nothing recompiled after warm-up)."""
+    from torch._dynamo.utils import counters
+
     torch.manual_seed(0)
     plane = ctx.device_plane if ctx is not None else Plane.local("device")
     agent = FastSAC(compiled_config(compile), OBS, ACT, -torch.ones(ACT), torch.ones(ACT), torch.device("cpu"),
                     plane=plane)
-    outs = []
+    outs, early_state, dynamo = [], None, []
+    count = lambda: (counters["frames"]["total"], counters["stats"]["unique_graphs"])  # noqa: E731
     for step in range(updates):
         batch, noise = global_data(step)
         outs.append(agent.update(Batch(*[None if t is None else rows(t, rank, world) for t in batch]),
                                  UpdateNoise(*[rows(t, rank, world) for t in noise])))
-    return state(agent, outs)
+        if step + 1 == early:
+            early_state = state(agent, [])
+        if step + 1 == warm:
+            dynamo.append(count())
+    dynamo.append(count())
+    return {**state(agent, outs), "early": early_state, "dynamo": dynamo,
+            "compile_s": agent._compiled.compile_s if compile else 0.0}
 
 
 def state(agent: FastSAC, outs: list[dict]) -> dict:
