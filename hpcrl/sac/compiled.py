@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 from hpcrl.config_check import ConfigError
 
@@ -147,6 +146,8 @@ class CompiledUpdate:
         self._warm[actor_due] = True
         self.compile_s += time.perf_counter() - start
         if all(self._warm.values()) and (not dist.is_initialized() or dist.get_rank() == 0):
+            from torch._inductor.runtime.cache_dir_utils import cache_dir  # inductor: ~1 s to import, --compile only
+
             print(f"hpcrl.sac: --compile: update compiled in {self.compile_s:.1f} s "
                   f"(inductor cache {cache_dir()})", flush=True)
 
