@@ -163,7 +163,8 @@ def test_fsdp_gives_the_ddp_update_and_resumes(art, tmp_path):
 
 @pytest.mark.slow
 def test_fsdp_offload_lora_and_bf16_train(art, tmp_path):
-    common = ["--makers", "1", "--trainers", "2", "--lag", "1", "--total-steps", "2",
+    # one update each: every comparison below is of update 1 (its row, then the checkpoint it ends with)
+    common = ["--makers", "1", "--trainers", "2", "--lag", "1", "--total-steps", "1",
               "--hf.batch-size", "16"]  # batches are fixed by their number (prompts and sampling seed)
     runs = {"plain": ["--strategy", "fsdp"],
             "off": ["--strategy", "fsdp", "--offload", "--hf.gradient-checkpointing"],

@@ -200,7 +200,7 @@ def _hf(art, run: Path, *extra: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.extended
 def test_hf_resume_across_ddp_fsdp_and_trainer_counts(art, tmp_path):
-    common = ["--makers", "2", "--trainers", "2"]
+    common = ["--makers", "1", "--trainers", "2"]
     ddp = _hf(art, tmp_path / "ddp", *common, "--total-steps", "2")
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     want = read_full(_newest(tmp_path / "ddp"))
