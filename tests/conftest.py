@@ -10,9 +10,10 @@ os.environ.setdefault("HPCRL_STRICT_PLANES", "1")
 
 
 def pytest_collection_modifyitems(config, items):
-    # Under pytest-xdist (`-n 2 --dist loadgroup`, the README's command) a module's tests share one
-    # worker, so its module fixtures (multi-rank runs several tests assert on) run once; the modules
-    # that submit to the local Slurm cluster share one worker too (its 2 nodes hold one test's jobs).
+    # Under pytest-xdist (`-n 2 --dist loadgroup`; the README's command stays serial: on 2 cores the
+    # tests are CPU-bound and -n 2 measured no faster) a module's tests share one worker, so its module
+    # fixtures (multi-rank runs several tests assert on) run once; the modules that submit to the local
+    # Slurm cluster share one worker too (its 2 nodes hold one test's jobs).
     for item in items:
         module = item.module.__name__.rpartition(".")[2]
         item.add_marker(pytest.mark.xdist_group("slurm" if module.startswith("test_slurm") else module))
