@@ -243,7 +243,7 @@ def test_play_and_export_on_a_ppo_run_say_so_in_one_line(ppo_run, tmp_path):
         proc = cli(module, *args)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, (module, args, proc.stderr[-2000:])
-        assert "a PPO run (--workload cartpole), not a FastSAC run" in lines[0] and "learner.pt" in lines[0], lines
+        assert "a PPO run (--workload cartpole), not a FastSAC run" in lines[0] and "read_full" in lines[0], lines
         assert "--which" not in lines[0]  # no suggestion that leads to another error
     assert not (tmp_path / "x.onnx").exists()
 

@@ -185,7 +185,8 @@ def refuse_ppo_run(run_dir: Path, cfg: dict | None = None) -> None:
         use = (f"its actor is the transformers directory {actor} (AutoModelForCausalLM.from_pretrained"
                + (")" if actor.is_dir() else "; written at the run's first checkpoint)"))
     else:
-        use = f"its PPO weights are in {checkpoint.checkpoint_root(run_dir)}/step_N/learner.pt"
+        use = (f"its PPO weights are the checkpoints in {checkpoint.checkpoint_root(run_dir)} (DCP shards: "
+               "hpcrl.ppo.trainer_checkpoint.read_full(step_dir) gives full tensors)")
     raise PolicyError(f"{run_dir}: a PPO run (--workload {workload}), not a FastSAC run; play and export read "
                       f"FastSAC runs (python -m hpcrl.sac) only; {use}")
 
