@@ -10,7 +10,8 @@
 #      trainer + GPU maker (they share the GPU: weights by gloo staged through host memory) and with GPU
 #      trainer + CPU maker; FastSAC with --amp fp16 (GradScaler on the GPU) and clipping; FastSAC resharded on
 #      resume onto the GPU (2 CPU ranks write the checkpoint, 1 GPU rank resumes it); detached PPO on
-#      the hf workload (a tiny Llama built here) with FSDP bf16 trainer + bf16 maker and with FSDP CPU
+#      the hf workload (a tiny Llama built here) with FSDP bf16 trainer + bf16 maker, a DCP checkpoint of
+#      CUDA shards resumed under ddp, and with FSDP CPU
 #      offload (where transformers is installed); then play (and
 #      ONNX export where onnx/onnxruntime exist) on the trained policy. $OUT/gpu_check.json: exit code,
 #      wall time and last metrics row of each.
@@ -63,6 +64,14 @@ if "$PY" -c "import transformers, tokenizers" 2>/dev/null; then  # RLHF on a tin
   HF=(--workload hf --hf.model "$OUT/hf/llama" --hf.prompts "$OUT/hf/prompts.jsonl" --hf.reward-fn hf_fixtures:target_fraction --hf.max-prompt-tokens 8 --hf.max-new-tokens 16 --makers 1 --trainers 1 --trainer-device cuda --maker-device cuda --total-steps 10)
   PYTHONPATH=tests entry ppo_hf_fsdp_bf16 120 "$PY" -m hpcrl.ppo "${HF[@]}" --strategy fsdp --trainer-dtype bf16 --hf.maker-dtype bf16
   PYTHONPATH=tests entry ppo_hf_fsdp_offload 120 "$PY" -m hpcrl.ppo "${HF[@]}" --strategy fsdp --offload
+  # DCP checkpoints from CUDA shards (staged to host, written by the writer thread), then a resume that
+  # loads them back onto the GPU under ddp (a strategy change; one GPU has no second trainer): rc 98
+  # when the resume did not continue from the checkpoint
+  PYTHONPATH=tests timeout 120 "$PY" -m hpcrl.ppo "${HF[@]}" --strategy fsdp --checkpoint-every 2 --total-steps 4 \
+    --run-dir "$OUT/runs/ppo_hf_dcp_fsdp_to_ddp" > "$OUT/runs/ppo_hf_dcp_fsdp.log" 2>&1 || \
+    echo "ppo_hf_dcp: the fsdp part failed (see $OUT/runs/ppo_hf_dcp_fsdp.log)"
+  PYTHONPATH=tests entry ppo_hf_dcp_fsdp_to_ddp 120 "$PY" -m hpcrl.ppo "${HF[@]}" --strategy ddp --resume --total-steps 6
+  grep -q "resuming at v4" "$OUT/runs/ppo_hf_dcp_fsdp_to_ddp.log" || runs[${#runs[@]}-1]="ppo_hf_dcp_fsdp_to_ddp:98:0"
 fi
 echo "== tools on the trained policy (play on the GPU; ONNX export where onnx/onnxruntime are installed)"
 tools=()
