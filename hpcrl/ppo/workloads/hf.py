@@ -9,10 +9,11 @@ Until ``--workload hf`` is registered, run it as a plugin (its flags are :class:
 Roles (the same split as :mod:`hpcrl.ppo.workloads.lm`):
 
 * **makers** hold the actor (receiving its weights), a frozen reference copy loaded from ``--model``
-  and the reward model / function. Per experience batch: ``batch_size`` prompts from the dataset
-  (:mod:`.hf_prompts`; ``group_size`` samples each with GRPO), left-padded; ``generate`` with the
-  KV cache (:mod:`.hf_generate`); one full forward of actor and reference over prompt + response for
-  ``behaviour_logp`` / ``ref_logp`` of the sampled tokens (tempered by ``--temperature``); the score
+  (not with ``--ref-on trainers``) and the reward model / function. Per experience batch:
+  ``batch_size`` prompts from the dataset (:mod:`.hf_prompts`; ``group_size`` samples each with
+  GRPO), left-padded; ``generate`` with the KV cache (:mod:`.hf_generate`); one full forward of actor
+  and reference over prompt + response for ``behaviour_logp`` / ``ref_logp`` of the sampled tokens
+  (tempered by ``--temperature``); the score
   (one number per sequence). Everything has fixed shapes: prompts padded to ``max_prompt_tokens``,
   responses to ``max_new_tokens``, with real ``attention_mask`` / ``action_mask``.
 * **trainers**: token-level PPO — per-token KL penalty to the reference (k1 / k3) plus the score at
@@ -21,6 +22,14 @@ Roles (the same split as :mod:`hpcrl.ppo.workloads.lm`):
   ``eps_clip`` / ``value_clip`` are ``--ppo.clip-coef`` / ``--ppo.value-clip-coef``). ``--algo grpo``:
   no critic; ``group_size`` samples per prompt; advantage = (score - group mean) / (group std + eps)
   on every response token; the KL to the reference as a k3 loss term (``kl_coef``).
+* **reference on trainers** (``--ref-on trainers``): makers hold the actor alone and send no
+  ``ref_logp``; each trainer computes it for every received batch before the PPO epochs
+  (:meth:`HFLearner.reference_logp <.hf_learner.HFLearner.reference_logp>`), tempered as the makers do,
+  with a frozen reference held as the actor is: under fsdp built on ``meta``, one FSDP unit per decoder
+  layer, its rows read from the weights files (1/N per trainer; ``--trainer-dtype bf16`` computes it
+  in bf16 as the actor); under ddp a full copy; with LoRA the actor's base with the adapters disabled
+  (no second model). Not the makers' LoRA path: their layers hold merged weights, which peft's
+  ``disable_adapter`` would unmerge by subtraction (not the stored ``W0`` bit for bit).
 * **LoRA** (``--lora-rank R``, needs peft): adapters on every linear layer of actor and critic
   backbones; only they (and the value head) are trained; only the actor's adapters are published.
   Makers merge (:meth:`HFWorkload.after_publish`): each adapted weight is rebuilt as ``W0 + s B A`` from a
@@ -84,11 +93,15 @@ __all__ = ["HFActorCritic", "HFCollector", "HFLearner", "HFOptions", "HFWorkload
 
 
 class HFActorCritic(nn.Module):
-    """Actor (a transformers causal LM, maybe peft-wrapped) + optional critic (:class:`ValueModel`)."""
+    """Actor (a transformers causal LM, maybe peft-wrapped) + optional critic (:class:`ValueModel`), and
+    on trainers under ``--ref-on trainers`` the frozen ``reference`` (not a submodule: never trained,
+    checkpointed or published, so a checkpoint is the same under either ``--ref-on``)."""
 
-    def __init__(self, actor: nn.Module, critic: nn.Module | None, prompt_len: int, temperature: float) -> None:
+    def __init__(self, actor: nn.Module, critic: nn.Module | None, prompt_len: int, temperature: float,
+                 reference: nn.Module | None = None) -> None:
         super().__init__()
         self.actor, self.critic = actor, critic
+        self.__dict__["reference"] = reference
         self.prompt_len, self.temperature = prompt_len, temperature
         self.publishes = 0
 
@@ -223,19 +236,24 @@ class HFWorkload(HFOptions, Workload):
     def build_model(self, seed: int, device: torch.device | str = "cpu", critic: bool = True) -> HFActorCritic:
         """Pretrained weights by path in ``--dtype`` (identical on every rank); the parameters no file
         holds (value head, LoRA adapters) from the seed (:func:`~.hf_shards.fresh_value`).
-        ``critic=False``: the actor alone (what a maker needs). ``device="meta"``: nothing is read or
-        allocated: the weights files are named on the model, for :meth:`materialize` after sharding."""
+        ``critic=False``: the actor alone (what a maker needs). ``--ref-on trainers`` without LoRA: the
+        trainers' model also holds the frozen reference (:meth:`_trainer_reference`). ``device="meta"``:
+        nothing is read or allocated: the weights files are named on the model, for :meth:`materialize`
+        after sharding."""
         from .hf_shards import WeightFiles, sources
 
         empty = torch.device(device).type == "meta"
         dtype = self.param_dtype
         actor = M.empty_causal_lm(self.model, dtype) if empty else M.load_causal_lm(self.model, dtype)
+        reference = self._trainer_reference(empty) if critic else None
         critic = None if self.algo == "grpo" or not critic else M.load_value_model(self.critic or self.model, dtype,
                                                                                      empty)
         load = []
         if empty:  # before LoRA wraps the layers: the stored names are the bare models'
             actor_files = WeightFiles(self.model, self.flag("model"))
             load.append((actor_files, sources(actor, actor_files)))
+            if reference is not None:
+                load.append((actor_files, sources(reference, actor_files)))
             if critic is not None:
                 critic_files = (actor_files if (self.critic or self.model) == self.model
                                 else WeightFiles(self.critic, self.flag("critic")))
@@ -255,7 +273,7 @@ class HFWorkload(HFOptions, Workload):
                 if critic is not None:
                     critic.backbone = self._lora(critic.backbone)
                     critic.value_head.requires_grad_(True)
-        model = HFActorCritic(actor, critic, self.max_prompt_tokens, self.temperature)
+        model = HFActorCritic(actor, critic, self.max_prompt_tokens, self.temperature, reference)
         fresh = [(n, *_owner(model, n)) for n, _ in model.named_parameters() if _is_fresh(n)]
         if empty:
             model.__dict__["_hpcrl_load"] = (load, fresh, seed)  # not a submodule: never saved or published
@@ -264,7 +282,23 @@ class HFWorkload(HFOptions, Workload):
             for name, module, attr in fresh:
                 p = getattr(module, attr)
                 p.copy_(_fresh(name, p, seed))
+        if reference is not None:
+            reference.to(device)
         return model.to(device)
+
+    def _trainer_reference(self, empty: bool) -> nn.Module | None:
+        """The frozen reference a trainer holds under ``--ref-on trainers``: ``--model`` again in ``--dtype``
+        (on ``meta`` when ``empty``: sharded and filled like the actor), eval mode, no gradients. None with
+        makers computing ``ref_logp``, and with LoRA: there the reference is the actor's own base with its
+        adapters disabled (:meth:`HFLearner.reference_logp <.hf_learner.HFLearner.reference_logp>`)."""
+        if self.ref_on != "trainers" or self.lora_rank:
+            return None
+        ref = M.empty_causal_lm(self.model, self.param_dtype) if empty else M.load_causal_lm(self.model,
+                                                                                              self.param_dtype)
+        for m in ref.modules():
+            if isinstance(m, nn.Dropout):
+                m.p = 0.0
+        return ref.eval().requires_grad_(False)
 
     @torch.no_grad()
     def materialize(self, model: HFActorCritic) -> None:
@@ -275,6 +309,16 @@ class HFWorkload(HFOptions, Workload):
         from ..strategy import local_rows
 
         load, fresh, seed = model.__dict__.pop("_hpcrl_load")
+        reference = model.reference
+        if reference is not None:  # not a submodule: the strategy's to_empty did not reach it
+            _, _, shard = local_rows(next(model.actor.parameters()))
+            buffers = [(m, n, b) for m in reference.modules() for n, b in m._buffers.items() if b is not None]
+            reference.to_empty(device=shard.device)  # where the actor's shards are (host memory with offload)
+            for m, n, b in buffers:  # built for real (rotary inv_freq): kept, on the compute device
+                m._buffers[n] = b.to(model.compute_device)
+            # a frozen root never runs a backward that would free its gathered weights: free them after
+            # each forward (FSDP keeps a root's gathered by default), so its host memory stays 1/N
+            reference.set_reshard_after_forward(True)
         for files, entries in load:
             for module, attr, key in entries:
                 p = getattr(module, attr)
@@ -292,11 +336,11 @@ class HFWorkload(HFOptions, Workload):
         return self.build_model(seed, device, critic=False)
 
     def shard_units(self, model: HFActorCritic) -> list[nn.Module]:
-        """FSDP units (``--strategy fsdp``): every decoder layer of actor and critic (the classes
-        transformers names in ``_no_split_modules``), then actor and critic themselves as roots (the
-        learner calls their forward)."""
+        """FSDP units (``--strategy fsdp``): every decoder layer of actor, critic and a trainer-side
+        reference (the classes transformers names in ``_no_split_modules``), then each of them as a root
+        (the learner calls their forward)."""
         units: list[nn.Module] = []
-        for net in (model.actor, model.critic):
+        for net in (model.actor, model.critic, model.reference):  # the reference: frozen, sharded as the actor
             if net is None:
                 continue
             inner = net.backbone if isinstance(net, M.ValueModel) else net
@@ -310,6 +354,7 @@ class HFWorkload(HFOptions, Workload):
         return units
 
     def reference_model(self, device: torch.device) -> nn.Module:
+        """The makers' frozen reference (``--ref-on makers``), loaded at its first use on ``device``."""
         key = str(device)
         if key not in self._refs:
             self._refs[key] = M.load_causal_lm(self.model, self.param_dtype).to(device).eval().requires_grad_(False)

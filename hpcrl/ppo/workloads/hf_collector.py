@@ -1,8 +1,10 @@
 """The ``hf`` workload's maker side: prompts -> generate (KV cache) -> behaviour / reference
-log-probs -> scores, in fixed-shape batches (:mod:`hpcrl.ppo.workloads.hf`)."""
+log-probs (the reference's only with ``--ref-on makers``) -> scores, in fixed-shape batches
+(:mod:`hpcrl.ppo.workloads.hf`)."""
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +30,7 @@ class HFCollector(Collector):
         self.stream = PromptStream(len(wl.prompt_ids), rank_seed)
         self.batches = 0
         self._sample_seed: int | None = None  # set by assign() for the next collect
+        self._logged = False  # held_line once, after the first batch
 
     def assign(self, batch: int, seed: int) -> None:
         """The next collect serves the run's batch ``batch``: prompts ``[batch * B, (batch + 1) * B)`` of
@@ -63,19 +66,24 @@ class HFCollector(Collector):
         attn = torch.cat([pmask, amask.to(device)], 1)
         amask = amask.to(device)
         logp = token_logp(model.action_logits(tokens, attn, net), response, wl.temperature) * amask
-        ref_logp = token_logp(model.action_logits(tokens, attn, wl.reference_model(device)), response,
-                              wl.temperature) * amask
         inputs = wl.reward_inputs(idx, wl.records, wl.prompt_texts)  # records stay maker-side: never sent
         score = score_responses(wl, inputs, tokens, attn, response, amask, self.batches)
         self.batches += 1
         n_tok = float(amask.sum())
         batch = {"tokens": tokens, "attention_mask": attn, "action_mask": amask, "behaviour_logp": logp,
-                 "ref_logp": ref_logp, "score": score,
+                 "score": score,
                  "maker_tokens_per_s": torch.tensor([n_tok / gen_s], dtype=torch.float32, device=device)}
         n = float(tokens.shape[0])
         stats = {"reward_sum": float(score.sum()), "sequences": n, "episode_return_sum": float(score.sum()),
-                 "episodes": n, "env_steps": n_tok, "generate_s": gen_s,
-                 "kl_to_ref_sum": float((logp - ref_logp).sum())}
+                 "episodes": n, "env_steps": n_tok, "generate_s": gen_s}
+        if wl.ref_on == "makers":  # else the trainers compute it (HFLearner.reference_logp): not sent
+            ref_logp = token_logp(model.action_logits(tokens, attn, wl.reference_model(device)), response,
+                                  wl.temperature) * amask
+            batch["ref_logp"] = ref_logp
+            stats["kl_to_ref_sum"] = float((logp - ref_logp).sum())
+        if not self._logged:
+            self._logged = True
+            print(held_line(wl, model, net), file=sys.stderr, flush=True)
         return batch, stats
 
     def state_dict(self) -> dict[str, Any]:
@@ -84,3 +92,18 @@ class HFCollector(Collector):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stream.load_state_dict(state["stream"])
         self.batches = int(state["batches"])
+
+
+def held_line(wl: HFWorkload, model: HFActorCritic, net: torch.nn.Module) -> str:
+    """The line a maker logs after its first batch: the models it holds (parameters of each) and the
+    process's peak RSS so far (the reference, when held, was loaded by then)."""
+    from ..replica import peak_rss_mib
+
+    count = lambda m: f"{sum(p.numel() for p in m.parameters()) / 1e6:.2f}M parameters"  # noqa: E731
+    held = [f"actor ({count(model.actor)})"]
+    if net is not model.actor:
+        held.append(f"its {wl.maker_dtype} copy")
+    held += [f"reference ({count(r)})" for r in wl._refs.values()]
+    held += [f"reward model ({count(r)})" for r in wl._rms.values()]
+    return (f"hpcrl.ppo hf maker: holds {', '.join(held)}; ref_logp on the {wl.ref_on}; "
+            f"peak RSS {peak_rss_mib():.0f} MiB")

@@ -1,11 +1,13 @@
 """The ``hf`` workload's trainer side: token-level PPO (KL-shaped rewards, GAE with the current
-critic, clipped losses) or GRPO (group-normalised scores, a KL loss term), through
+critic, clipped losses) or GRPO (group-normalised scores, a KL loss term), with ``--ref-on trainers``
+the reference log-probs of each received batch first (:meth:`HFLearner.reference_logp`), through
 :func:`hpcrl.ppo.update.ppo_update` (:mod:`hpcrl.ppo.workloads.hf`); after every ``--eval-every``-th
 update, the held-out evaluation (:func:`~.hf_eval.evaluate`) joins the update's stats."""
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +47,34 @@ class HFLearner(AdamLearner):
         check_learner_options(wl.algo, cfg, wl.micro_batch_size, wl.FLAG_PREFIX)
         super().__init__(model, cfg, grad_average)
         self.wl = wl
+        if wl.ref_on == "trainers":
+            print(f"hpcrl.ppo hf trainer: ref_logp on the trainers, reference: {_reference_held(model)}",
+                  file=sys.stderr, flush=True)
+
+    @torch.no_grad()
+    def reference_logp(self, tokens: Tensor, attn: Tensor, mask: Tensor, rows: int) -> Tensor:
+        """``[B, G]`` ref_logp under ``--ref-on trainers``: the frozen reference's log-probs of the response
+        tokens, tempered as the makers temper theirs, masked as theirs, in forwards of ``rows`` sequences
+        (one received batch: the makers' shapes; fewer with ``--micro-batch-size``). The reference is the
+        model's own (sharded under fsdp: every trainer makes the same forwards, each received batch
+        having the same shape) or, with LoRA, the actor with its adapters disabled."""
+        wl, model = self.wl, self.model
+        step = min(rows, wl.micro_batch_size or rows)
+        response = tokens[:, wl.max_prompt_tokens:]
+        out = []
+        for i in range(0, tokens.shape[0], step):
+            t, a = tokens[i:i + step], attn[i:i + step]
+            out.append(token_logp(self._reference_logits(t, a), response[i:i + step], wl.temperature))
+        return torch.cat(out) * mask
+
+    def _reference_logits(self, tokens: Tensor, attn: Tensor) -> Tensor:
+        model = self.model
+        if model.reference is not None:
+            return model.action_logits(tokens, attn, model.reference)
+        # LoRA: the base model is the reference. peft freezes the adapters while they are off and makes
+        # them trainable again after (FSDP2 re-reads requires_grad at every gather: tested under fsdp)
+        with model.actor.disable_adapter():
+            return model.action_logits(tokens, attn)
 
     @torch.no_grad()
     def _samples(self, b: dict[str, Tensor]) -> tuple[Samples, Tensor]:
@@ -71,8 +101,11 @@ class HFLearner(AdamLearner):
         tps = b.pop("maker_tokens_per_s")
         tokens, attn = b["tokens"], b["attention_mask"]
         response = tokens[:, wl.max_prompt_tokens:]
-        model.train()  # dropout is off (build_model); train mode is what gradient checkpointing acts in
         t_start = time.perf_counter()
+        if wl.ref_on == "trainers":  # before train mode: the reference forward is an eval one
+            model.eval()
+            b["ref_logp"] = self.reference_logp(tokens, attn, b["action_mask"], batches[0]["tokens"].shape[0])
+        model.train()  # dropout is off (build_model); train mode is what gradient checkpointing acts in
         lr = self.start_update()
         samples, rewards = self._samples(b)
         critic = samples.old_values is not None
@@ -179,3 +212,16 @@ def _sequence_stats(s: Samples, ref_logp: Tensor, score: Tensor, rewards: Tensor
         out.update(value_mean=masked_mean(s.old_values, mask),
                    explained_variance=torch.where(var_ret > 0, explained, torch.zeros_like(explained)))
     return out
+
+
+def _reference_held(model: HFActorCritic) -> str:
+    """What a trainer's reference is, and the share of its parameters this trainer holds."""
+    ref = model.reference
+    if ref is None:
+        return "the actor's base with the LoRA adapters disabled (no second model)"
+    here = total = 0
+    for p in ref.parameters():
+        total += p.numel()
+        here += p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+    how = "sharded" if here < total else "a full copy"
+    return f"{how}, {here / 1e6:.2f}M of {total / 1e6:.2f}M parameters here"

@@ -22,8 +22,8 @@ class HFOptions:
     """Options of the Hugging Face RLHF workload (real transformers models, token-level PPO / GRPO)."""
 
     model: str = ""
-    """Actor and frozen reference: a directory written by save_pretrained (config.json, weights, tokenizer)
-    or a hub id; loaded with AutoModelForCausalLM (required)."""
+    """Actor and frozen reference (see --ref-on): a directory written by save_pretrained (config.json, weights,
+    tokenizer) or a hub id; loaded with AutoModelForCausalLM (required)."""
     critic: str | None = None
     """Critic backbone (a causal-LM directory); default: the actor's. Not with --algo grpo."""
     reward_model: str | None = None
@@ -84,6 +84,14 @@ class HFOptions:
     """Makers' precision: bf16 copy, or int8 by torch's dynamic quantization of the Linear layers (CPU),
     rebuilt from the received full-precision weights at every swap; trainers stay fp32. The maker's own
     log-probs are the behaviour ones (the off-policy correction covers the gap; see maker_logp_gap)."""
+    ref_on: Literal["makers", "trainers"] = "makers"
+    """Where the frozen reference's log-probs of the sampled tokens (ref_logp: the KL penalty, GRPO's KL term)
+    are computed. makers: each maker holds a reference copy next to its actor and sends ref_logp with every
+    batch. trainers: makers hold the actor alone (less memory, no ref_logp on the wire) and the trainers
+    compute ref_logp of each received batch before the PPO epochs, with a frozen reference held as the actor
+    is (--strategy fsdp: built on meta and sharded per decoder layer, 1/N per trainer; ddp: a full copy).
+    With --lora-rank the trainers' reference is the actor's base with the adapters disabled (no second
+    model). The same numbers either way (same tempering); a resume may switch it."""
     kl_coef: float = 0.05
     """Per-token KL penalty to the reference (the workload's default; --ppo.kl-coef overrides)."""
     kl_estimator: Literal["k1", "k3"] = "k1"
@@ -150,6 +158,9 @@ class HFOptions:
                       "e.g. --micro-batch-size 4, or leave it unset (the whole minibatch)")
         if self.dtype not in ("auto", "fp32", "bf16"):
             self.fail("dtype", "one of auto, fp32, bf16", "e.g. --dtype auto (the stored dtype) or --dtype fp32")
+        if self.ref_on not in ("makers", "trainers"):
+            self.fail("ref_on", "one of makers, trainers", f"e.g. {self.flag('ref_on')} trainers (the trainers "
+                      "compute ref_logp)")
         if self.lora_alpha is not None and not (finite(self.lora_alpha) and self.lora_alpha > 0):
             self.fail("lora_alpha", "a finite number > 0", "e.g. --lora-alpha 16, or leave it unset (= rank)")
         if self.algo == "grpo":
