@@ -144,8 +144,11 @@ def ppo_makers(art, tmp_path_factory) -> tuple[dict[int, dict], str]:
     return _run(art, tmp_path_factory.mktemp("ppo_makers") / "run", "makers", "--total-steps", "3")
 
 
+# The fast tier keeps one detached case (grpo under fsdp: the sharded reference and the k3 term); the
+# in-process tests above cover every variant bit for bit. The other real-rank runs: extended tier.
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [c if c == "grpo-fsdp" else pytest.param(c, marks=pytest.mark.extended)
+                                  for c in CASES])
 def test_detached_trainer_reference_gives_the_makers_numbers(art, tmp_path, case, request):
     extra = CASES[case]
     if case == "ppo-ddp":
@@ -164,6 +167,7 @@ def test_detached_trainer_reference_gives_the_makers_numbers(art, tmp_path, case
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_resume_may_switch_ref_on(art, tmp_path, ppo_makers):
     # not part of the run's identity: 2 updates with the trainers' reference, the third after a resume
     # with the makers', and the run is the one that never switched
@@ -175,6 +179,7 @@ def test_a_resume_may_switch_ref_on(art, tmp_path, ppo_makers):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_detached_lora_reference_is_the_base_with_adapters_off(art, tmp_path):
     pytest.importorskip("peft")
     lora = ["--hf.lora-rank", "4", "--total-steps", "3", "--ppo.lr", "2e-2"]
