@@ -1,4 +1,7 @@
 import os
+import subprocess
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -33,3 +36,17 @@ def _one_thread():
     torch.set_num_threads(int(os.environ.get("HPCRL_TEST_THREADS", "1")))
     yield
     torch.set_num_threads(prev)
+
+
+@pytest.fixture(scope="session")
+def hf_demo(tmp_path_factory):
+    """``python -m hpcrl.ppo.demo DIR`` built once for the session (test_ppo_demo and test_readme read it;
+    nothing writes into it): ``out`` (absolute, so its printed command runs from any directory), ``stdout``."""
+    out = tmp_path_factory.mktemp("hf_demo") / "demo"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    built = subprocess.run([sys.executable, "-m", "hpcrl.ppo.demo", str(out)], capture_output=True, text=True,
+                           timeout=300, env={**env, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "200"},
+                           cwd=out.parent)
+    assert built.returncode == 0, built.stderr[-2000:]
+    return SimpleNamespace(out=out, stdout=built.stdout)

@@ -43,17 +43,14 @@ def test_reward_counts_new_words_of_the_prompts_category():
 
 
 @pytest.mark.slow
-def test_demo_builds_and_its_printed_command_learns(tmp_path, capsys):
-    out = tmp_path / "demo"
+def test_demo_builds_and_its_printed_command_learns(hf_demo, tmp_path, capsys):
+    out = hf_demo.out  # built once per session (conftest), then read only
     t0 = time.perf_counter()
-    built = subprocess.run([sys.executable, "-m", "hpcrl.ppo.demo", str(out)], capture_output=True, text=True,
-                           timeout=120, env=_env(), cwd=tmp_path)
-    assert built.returncode == 0, built.stderr[-2000:]
     assert (out / "model" / "config.json").is_file() and (out / "model" / "tokenizer.json").is_file()
     assert len((out / "prompts.jsonl").read_text().splitlines()) == 256
     held_out = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
     assert len(held_out) == demo.EVAL_RECORDS and all(r["answer"] for r in held_out)
-    cmd = shlex.split(built.stdout.strip().splitlines()[-1])
+    cmd = shlex.split(hf_demo.stdout.strip().splitlines()[-1])
     assert cmd[1:3] == ["-m", "hpcrl.ppo"] and cmd[cmd.index("--total-steps") + 1] == "400", cmd
     assert cmd[cmd.index("--hf.eval-prompts") + 1] == str(out / "eval.jsonl") and "--hf.eval-every" in cmd, cmd
     cmd[cmd.index("--total-steps") + 1] = str(STEPS)
