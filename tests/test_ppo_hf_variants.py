@@ -107,9 +107,12 @@ def test_trim_padding_is_the_padded_path(art, algo, micro):
 
 
 def test_bad_micro_batch_size_and_group_baseline_without_groups(art):
-    wl = _wl(art, micro_batch_size=0)
     with pytest.raises(ConfigError, match=r"^--micro-batch-size 0: must be an integer >= 1"):
-        _learner(wl, wl.default_config())
+        _wl(art, micro_batch_size=0)  # the options' range check: before any rank starts
+    from hpcrl.ppo.workloads.hf_learner import check_learner_options
+
+    with pytest.raises(ConfigError, match=r"^--micro-batch-size 0: must be an integer >= 1"):
+        check_learner_options("ppo", _wl(art).default_config(), 0, "--")  # the learner's own, for code-built ones
     wl = _wl(art)
     with pytest.raises(ConfigError, match=r"^--ppo.advantage rloo: a group baseline needs --algo grpo"):
         _learner(wl, dataclasses.replace(wl.default_config(), advantage="rloo"))
