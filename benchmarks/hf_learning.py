@@ -112,15 +112,20 @@ def hpcrl_cmd(system: str, demo: Path, run_dir: Path, a: argparse.Namespace, hp:
     return cmd + a.extra
 
 
-def run_hpcrl(system: str, demo: Path, a: argparse.Namespace, hp: dict[str, Any]) -> dict[str, Any]:
-    run_dir = a.out / f"run-{system}-seed{a.seed}{a.tag}"
-    cmd = hpcrl_cmd(system, demo, run_dir, a, hp)
+def run_logged(system: str, cmd: list[str], a: argparse.Namespace) -> float:
+    """Run one system's process with its output in ``OUT/SYSTEM-seedS.log``; its wall seconds (exit on failure)."""
     t0 = time.perf_counter()
     with open(a.out / f"{system}-seed{a.seed}{a.tag}.log", "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=REPO, timeout=a.timeout_s)
-    wall = time.perf_counter() - t0
     if proc.returncode != 0:
         fail(f"{system} exited {proc.returncode}; see {log.name}")
+    return time.perf_counter() - t0
+
+
+def run_hpcrl(system: str, demo: Path, a: argparse.Namespace, hp: dict[str, Any]) -> dict[str, Any]:
+    run_dir = a.out / f"run-{system}-seed{a.seed}{a.tag}"
+    cmd = hpcrl_cmd(system, demo, run_dir, a, hp)
+    wall = run_logged(system, cmd, a)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     updates = [r for r in rows if "score" in r]
     curve, prev = [], 0
@@ -149,12 +154,7 @@ def run_trl(demo: Path, a: argparse.Namespace, hp: dict[str, Any]) -> dict[str, 
            "--epsilon", str(hp["clip"]), "--num-iterations", str(hp["epochs"]), "--temperature",
            str(hp["temperature"]), "--eval-every", str(a.eval_every), "--seed", str(a.seed),
            "--threads", str(a.trl_threads), *a.extra]
-    t0 = time.perf_counter()
-    with open(a.out / f"trl-grpo-seed{a.seed}{a.tag}.log", "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=REPO, timeout=a.timeout_s)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        fail(f"trl-grpo exited {proc.returncode}; see {log.name}")
+    wall = run_logged("trl-grpo", cmd, a)
     d = json.loads(part.read_text())
     part.unlink()
     d.update(command=cmd, process_wall_s=wall)
