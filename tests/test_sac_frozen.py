@@ -174,3 +174,51 @@ def test_a_run_that_ends_is_not_taken_for_a_freeze(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "stopped responding" not in done.stderr
     assert sorted(p.name for p in (run / "logs").iterdir()) == ["rank0.log", "rank1.log"]
+
+
+class _SlowQueries:
+    """A real store whose watcher queries take ``delay_s``: the watch thread is inside one most of the time."""
+
+    def __init__(self, store, delay_s: float) -> None:
+        self.store, self.delay_s = store, delay_s
+
+    def clone(self):
+        return _SlowQueries(self.store.clone(), self.delay_s)
+
+    def multi_get(self, keys):
+        time.sleep(self.delay_s)
+        return self.store.multi_get(keys)
+
+    def __getattr__(self, name):  # set, get, check, set_timeout: the real store's
+        return getattr(self.store, name)
+
+
+def test_a_closed_watch_leaves_no_store_call_in_flight():
+    """After ``close()`` no thread of the watch is inside a store call: one that returns from C++ into an
+    exiting interpreter aborts the process (rc 134, "terminate called without an active exception"), as a
+    Slurm rank once did after "hpcrl: done"."""
+    import threading
+    from datetime import timedelta
+
+    import torch
+
+    from hpcrl.comm import DistContext
+    from hpcrl.comm.heartbeat import PeerWatch
+    from hpcrl.comm.local import _loopback_store
+
+    server = _loopback_store(1)
+    store = _SlowQueries(server.clone(), delay_s=0.4)
+    for rank in (0, 1):  # as the bootstrap registers them
+        store.set(f"host/{rank}", f"host{rank}")
+    store.set("hb/1", "1")  # the peer beats once: from then on the watcher reads it with multi_get
+    ctx = DistContext(0, 2, 0, torch.device("cpu"), "gloo", True, "torchrun", timedelta(seconds=30), "host0",
+                      store=store)
+    lost: list[str] = []
+    watch = PeerWatch(ctx, timeout_s=30.0, say=lost.append, record=lambda line, peer: None, poll_s=0.05)
+    deadline = time.time() + 10
+    while not any(t.name == "store-query" for t in threading.enumerate()):
+        assert time.time() < deadline, "the watch never queried the store"
+        time.sleep(0.01)
+    watch.close(done=True)
+    busy = [t.name for t in threading.enumerate() if t.name in ("store-query", "peer-watch") and t.is_alive()]
+    assert busy == [] and lost == []

@@ -255,6 +255,12 @@ class PeerWatch:
         """Stop watching (and beating); ``done``: this rank finished, peers may see it fall silent."""
         with self._lock:
             self._closed.set()
+        # Let the watch thread finish the store query it may be in. A daemon thread that comes back from a
+        # store call (C++, GIL released) into an interpreter that is exiting is ended by pthread_exit, whose
+        # unwinding through a noexcept frame aborts the whole process ("terminate called without an active
+        # exception", rc 134) after a run that succeeded.
+        if threading.current_thread() is not self._thread:
+            self._thread.join(self._timeout + 2 * self._poll + 1.0)
         if done:
             try:
                 bounded(lambda: self._store.set(_done_key(self._ctx.rank), "1"), self._timeout)
