@@ -201,6 +201,17 @@ def test_weight_publish_quick_delivers_with_both_transports(tmp_path: Path) -> N
     assert doc["summary"]["broadcast_time_ratio_m2_m1_16mib"] > 0 and len(doc["reading"]) == 2
 
 
+def test_checkpoint_size_writes_the_filled_part_only(tmp_path: Path) -> None:
+    out = tmp_path / "checkpoint_size.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "checkpoint_size.py"), "--envs", "64", "--slots",
+                           "512", "--steps", "8", "--json", str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(out.read_text())["figures"]
+    # 8 of 512 slots filled: the file holds a small fraction of the ring (plus HDF5's own overhead)
+    assert figures["written_mb"]["value"] * 10 < figures["capacity_mb"]["value"]
+
+
 # ---------------------------------------------------------------- scaling sweeps (pure parts, no subprocess)
 
 from benchmarks import scaling  # noqa: E402
