@@ -24,6 +24,10 @@ from hpcrl.ppo.trainer_checkpoint import deal_rank_state, read_full, run_identit
 
 CARTPOLE = ["--workload", "cartpole", "--makers", "1", "--env.num-envs", "2", "--env.rollout-len", "8",
             "--ppo.epochs", "1", "--lag", "0", "--checkpoint-every", "1", "--timeout-s", "60"]
+# the token-level LM workload, small: one block of width 16, 10 pretraining steps, 8 sequences a batch
+LM = ["--workload", "lm", "--makers", "1", "--lm.batch-size", "8", "--lm.pretrain-steps", "10", "--lm.d-model", "16",
+      "--lm.n-layers", "1", "--ppo.epochs", "1", "--ppo.minibatches", "1", "--lag", "0", "--checkpoint-every", "1",
+      "--timeout-s", "60"]
 
 
 def _env() -> dict[str, str]:
@@ -97,13 +101,15 @@ def test_credits_trained_ahead_survive_the_rank_file_and_count_in_a_reshard(tmp_
     assert deal_rank_state(states, 2, 1, 0, 0, 7)[1:] == (18, [])
 
 
-# ------------------------------------------------------------------------- cartpole: 2 -> 1 -> 3 trainers
+# -------------------------------------------------------------- cartpole and lm: 2 -> 1 -> 3 trainers
 
 
 @pytest.mark.extended
-def test_cartpole_resumes_at_another_trainer_count_with_the_same_learner(tmp_path):
+@pytest.mark.parametrize("workload", [CARTPOLE, LM], ids=["cartpole", "lm"])
+def test_resume_at_another_trainer_count_keeps_the_learner(tmp_path, workload):
+    """The vector-env and the lm workload (their learners replicated on every trainer): 2 -> 1 -> 3 trainers."""
     a = tmp_path / "a"
-    first = _ppo(*CARTPOLE, "--trainers", "2", "--total-steps", "2", "--run-dir", str(a))
+    first = _ppo(*workload, "--trainers", "2", "--total-steps", "2", "--run-dir", str(a))
     assert first.returncode == 0, first.stderr[-3000:]
     saved = read_full(_newest(a))
     manifest = checkpoint.read_manifest(_newest(a))
@@ -114,7 +120,7 @@ def test_cartpole_resumes_at_another_trainer_count_with_the_same_learner(tmp_pat
     b = tmp_path / "b"
     shutil.copytree(a, b)
     for trainers in (1, 3):  # resume at the checkpoint's version: the job re-saves what it loaded
-        again = _ppo(*CARTPOLE, "--trainers", str(trainers), "--total-steps", "2", "--run-dir", str(b), "--resume")
+        again = _ppo(*workload, "--trainers", str(trainers), "--total-steps", "2", "--run-dir", str(b), "--resume")
         assert again.returncode == 0, again.stderr[-3000:]
         assert f"resharded {2 if trainers == 1 else 1} -> {trainers} trainer(s)" in again.stdout, again.stdout
         resaved = read_full(_newest(b))
@@ -123,7 +129,7 @@ def test_cartpole_resumes_at_another_trainer_count_with_the_same_learner(tmp_pat
         assert resaved["learner"] == saved["learner"] and resaved["version"] == 2
 
     # and it trains on at 3 trainers: the version continues, the Adam step counts too
-    more = _ppo(*CARTPOLE, "--trainers", "3", "--total-steps", "3", "--run-dir", str(b), "--resume")
+    more = _ppo(*workload, "--trainers", "3", "--total-steps", "3", "--run-dir", str(b), "--resume")
     assert more.returncode == 0, more.stderr[-3000:]
     last = read_full(_newest(b))
     assert last["version"] == 3 and last["learner"]["updates"] == 3

@@ -1,10 +1,12 @@
 """Resharding a FastSAC checkpoint to another world size: the pure re-deal (envs, replay rings, streams)
-and real runs resumed at W' != W (2 -> 1 -> 4 ranks) keeping every stored transition and the learner."""
+and real runs resumed at W' != W (2 -> 1 -> 2 -> 4 ranks under --nproc, 1 -> 2 torchrun-style) keeping every
+stored transition, every env's trajectory and the learner; bad requests exit 2 with one line."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -14,11 +16,12 @@ import pytest
 import torch
 
 from hpcrl import checkpoint
-from hpcrl.checkpoint_manifest import rank_file
+from hpcrl.checkpoint_manifest import MANIFEST, _file_entry, rank_file
 from hpcrl.checkpoint_write import FORMAT_VERSION
-from hpcrl.h5io import load_h5
+from hpcrl.h5io import load_h5, save_h5
 from hpcrl.replay import ReplayShard
 from hpcrl.sac import reshard
+from torchrun_style import clean_env, finish, torchrun_style
 
 TINY = ["--preset", "pendulum", "--num-envs", "4", "--batch-size", "32", "--actor-hidden", "32",
         "--critic-hidden", "32", "--num-atoms", "21", "--learning-starts", "4", "--random-steps", "4",
@@ -27,9 +30,22 @@ TINY = ["--preset", "pendulum", "--num-envs", "4", "--batch-size", "32", "--acto
 
 
 def run_cli(args, timeout=180):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     return subprocess.run([sys.executable, "-m", "hpcrl.sac", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+                          timeout=timeout, env=clean_env())
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> Path:
+    """A real 2-rank run (TINY, 40 env steps: its checkpoint at env step 10); a test that changes it copies it."""
+    run = tmp_path_factory.mktemp("two_ranks") / "run"
+    result = run_cli(TINY + ["--nproc", "2", "--total-env-steps", "40", "--run-dir", str(run)])
+    assert result.returncode == 0, result.stderr
+    return run
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"
 
 
 def env_transitions(replay: dict) -> list[list[tuple]]:
@@ -145,41 +161,66 @@ def _checkpoint_replays(path: Path) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_resume_at_another_world_size_continues_every_env_ring(tmp_path):
-    run = tmp_path / "run"
-    stages = [(2, 40), (1, 80), (4, 120)]
-    before = None
-    for i, (world, steps) in enumerate(stages):
-        args = TINY + ["--nproc", str(world), "--total-env-steps", str(steps), "--run-dir", str(run)]
-        result = run_cli(args + (["--resume"] if i else []))
+def test_resume_at_another_world_size_continues_every_env_ring(two_ranks, tmp_path):
+    """Each resume at half or twice the previous world size (2 -> 1 -> 2 -> 4 ranks), resharding; the first
+    stage is the module's 2-rank run (40 env steps)."""
+    run = _copy(two_ranks, tmp_path)
+    stages = [(2, 40), (1, 80), (2, 120), (4, 160)]
+    before = global_envs(_checkpoint_replays(checkpoint.latest(run)))
+    for i, (world, steps) in enumerate(stages[1:], 1):
+        result = run_cli(TINY + ["--nproc", str(world), "--total-env-steps", str(steps), "--run-dir", str(run),
+                                 "--resume"])
         assert result.returncode == 0, result.stderr
-        path = checkpoint.latest(run)
-        after = global_envs(_checkpoint_replays(path))
-        if before is not None:
-            old_world = stages[i - 1][0]
-            assert f"hpcrl: resharded {old_world} → {world} ranks: {4 // world} envs per rank, " \
-                   f"batch {32 // world} per rank" in result.stdout
-            # every env's ring continues its own sequence (64 slots, 10 env steps a stage: nothing is
-            # overwritten): what the resharded checkpoint held starts it, and nothing else was added
-            for old_seq, new_seq in zip(before, after):
-                assert new_seq[:len(old_seq)] == old_seq and len(new_seq) == len(old_seq) + 10
+        after = global_envs(_checkpoint_replays(checkpoint.latest(run)))
+        old_world = stages[i - 1][0]
+        assert f"hpcrl: resharded {old_world} → {world} ranks: {4 // world} envs per rank, " \
+               f"batch {32 // world} per rank" in result.stdout
+        # every env's ring continues its own sequence (64 slots, 10 env steps a stage: nothing is
+        # overwritten): what the resharded checkpoint held starts it, and nothing else was added
+        for old_seq, new_seq in zip(before, after):
+            assert new_seq[:len(old_seq)] == old_seq and len(new_seq) == len(old_seq) + 10
         before = after
     assert len(before) == 4
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_reshard_of_a_real_checkpoint_is_exact_in_process(tmp_path):
+def test_a_torchrun_style_launch_reshards_one_rank_to_two(tmp_path):
+    """A 1-rank checkpoint resumed by 2 ranks started as torchrun starts them (RANK, WORLD_SIZE, MASTER_*;
+    one ``python -m hpcrl.sac`` each): rank 0 says what it did in one line, both finish, every env's ring
+    continues."""
+    run = tmp_path / "run"
+    first = run_cli(TINY + ["--total-env-steps", "40", "--run-dir", str(run)])
+    assert first.returncode == 0, first.stderr
+    before = global_envs(_checkpoint_replays(checkpoint.latest(run)))
+    ranks = finish(torchrun_style("hpcrl.sac", TINY + ["--total-env-steps", "80", "--run-dir", str(run), "--resume"],
+                                  2), timeout=240)
+    for rank, (rc, _, err) in enumerate(ranks):
+        assert rc == 0, (rank, err[-3000:])
+    out = ranks[0][1]
+    assert "hpcrl.sac: 2 rank(s) via torchrun" in out, out
+    said = [line for line in out.splitlines() if "resharded" in line]
+    assert said == ["hpcrl: resharded 1 → 2 ranks: 2 envs per rank, batch 16 per rank"], out
+    assert "resharded" not in ranks[1][1]  # rank 0 alone says it
+    path = checkpoint.latest(run)
+    assert checkpoint.read_manifest(path)["world_size"] == 2 and path.name == "step_000000000020"
+    after = global_envs(_checkpoint_replays(path))
+    assert len(after) == len(before) == 4
+    for old_seq, new_seq in zip(before, after):
+        assert new_seq[:len(old_seq)] == old_seq and len(new_seq) == len(old_seq) + 10
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_reshard_of_a_real_checkpoint_is_exact_in_process(two_ranks):
     """The multiset of stored transitions, and the learner, across a 2 -> 1 -> 4 re-deal of real rank files."""
     from hpcrl.comm import init_distributed, shutdown
-    from hpcrl.sac.config import SACConfig, preset
+    from hpcrl.sac.config import SACConfig
     from hpcrl.sac.layout import plan
     from hpcrl.sac.state import restore, run_identity
     from hpcrl.sac.train import _build
 
-    run = tmp_path / "run"
-    result = run_cli(TINY + ["--nproc", "2", "--total-env-steps", "40", "--run-dir", str(run)])
-    assert result.returncode == 0, result.stderr
+    run = two_ranks  # read only
     path = checkpoint.latest(run)
     olds = {r: load_h5(path / rank_file(r), FORMAT_VERSION) for r in range(2)}
     multiset = Counter(t for seq in global_envs([olds[r]["replay"] for r in range(2)]) for t in seq)
@@ -210,12 +251,141 @@ def test_reshard_of_a_real_checkpoint_is_exact_in_process(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_a_world_size_that_does_not_divide_the_envs_exits_2_with_one_line(tmp_path):
-    run = tmp_path / "run"
-    assert run_cli(TINY + ["--nproc", "2", "--total-env-steps", "20", "--run-dir", str(run)]).returncode == 0
-    bad = run_cli(TINY + ["--nproc", "3", "--total-env-steps", "40", "--run-dir", str(run), "--resume"])
+def test_a_world_size_that_does_not_divide_the_envs_exits_2_with_one_line(two_ranks, tmp_path):
+    run = _copy(two_ranks, tmp_path)
+    bad = run_cli(TINY + ["--nproc", "3", "--total-env-steps", "80", "--run-dir", str(run), "--resume"])
     assert bad.returncode == 2, bad.stderr
-    assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr, bad.stderr
+    # it names the valid world sizes: the divisors of gcd(num_envs=4, batch_size=32)
+    assert reshard.valid_world_sizes(4, 32) == [1, 2, 4]
+    assert "with 3 ranks" in bad.stderr and "split over 1, 2, 4 ranks only" in bad.stderr, bad.stderr
+    assert [p.name for p in checkpoint.committed(run)] == ["step_000000000010"]  # nothing written
+
+
+def _strip(run: Path, key: str) -> None:
+    """Remove ``key`` from every rank file of the newest checkpoint (as a version that did not write it), the
+    manifest updated: the checkpoint verifies, it only lacks the piece."""
+    path = checkpoint.latest(run)
+    manifest = checkpoint.read_manifest(path)
+    for r in range(manifest["world_size"]):
+        state = load_h5(path / rank_file(r), FORMAT_VERSION)
+        del state[key]
+        save_h5(path / rank_file(r), state, FORMAT_VERSION)
+        manifest["files"][rank_file(r)] = _file_entry(path / rank_file(r))
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    checkpoint.verify(path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_checkpoint_too_old_to_reshard_exits_2_with_one_line(two_ranks, tmp_path):
+    run = _copy(two_ranks, tmp_path)
+    _strip(run, "episode_stats")  # what reshard.rank_state needs of every rank file it reads
+    bad = run_cli(TINY + ["--nproc", "1", "--total-env-steps", "80", "--run-dir", str(run), "--resume"])
+    assert bad.returncode == 2, bad.stderr
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in bad.stderr, bad.stderr
+    assert "hold no 'episode_stats'" in lines[0] and "resume with the 2 rank(s) that wrote it" in lines[0], lines[0]
+    assert "resharded" not in bad.stdout and [p.name for p in checkpoint.committed(run)] == ["step_000000000010"]
+
+
+def test_rank_files_lacking_a_piece_inside_are_refused_with_what_to_do():
+    """Not only the top-level pieces: one inside them (a replay column, the episode sums) too, on any old rank."""
+    for drop in (("replay", "final_pool"), ("episode_stats", "running_length")):
+        olds = _rank_states(4, 2, 5, 8)
+        del olds[1][drop[0]][drop[1]]
+        with pytest.raises(reshard.ReshardError, match=f"hold no '{drop[1]}'.*resume with the 2 rank"):
+            reshard.rank_state(olds, _target(4, 2, 1, 0))
+    olds = _rank_states(4, 2, 5, 8)
+    del olds[1]["obs"]  # the second rank read, not only the first
+    with pytest.raises(reshard.ReshardError, match="hold no 'obs'"):
+        reshard.rank_state(olds, _target(4, 2, 1, 0))
+
+
+def _step_all(envs: list, actions: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Step each rank's env with its envs' slice of ``actions`` (global env order); the results concatenated."""
+    out, lo = [], 0
+    for env in envs:
+        out.append(env.step(actions[lo:lo + env.num_envs]))
+        lo += env.num_envs
+    return {k: torch.cat([getattr(r, k) for r in out]) for k in ("obs", "next_obs", "reward", "terminated", "truncated")}
+
+
+def _loaded(name: str, env_states: list[dict]) -> list:
+    from hpcrl.envs import make_env
+
+    envs = []
+    for state in env_states:
+        n = len(state["envs"]) if "envs" in state else state["state"].shape[0]
+        env = make_env(name, n, seed=12345)  # the seed is overwritten by the state
+        env.reset()  # as a resuming rank builds it (hpcrl.sac.train._build), then restores
+        env.load_state_dict(state)
+        envs.append(env)
+    return envs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_every_env_trajectory_is_the_same_after_a_reshard_given_the_same_actions(two_ranks):
+    """The envs of the 2 ranks that wrote a real checkpoint and the same envs re-dealt to 1 and to 4 ranks,
+    stepped with identical actions: identical observations, rewards and dones for every env, up to and
+    including the step its episode ends (pendulum: truncated after 200 steps; the next reset state of a
+    pure-torch env is a fresh draw of the re-derived generator, docs/elastic.md)."""
+    path = checkpoint.latest(two_ranks)
+    olds = {r: load_h5(path / rank_file(r), FORMAT_VERSION) for r in range(2)}
+    news = {w: [reshard.rank_state({r: olds[r] for r in checkpoint.source_ranks(2, w, k)}, _target(4, 2, w, k))
+                for k in range(w)] for w in (1, 4)}
+    before = _loaded("pendulum", [olds[r]["env"] for r in range(2)])
+    after = {w: _loaded("pendulum", [n["env"] for n in news[w]]) for w in news}
+    first = torch.cat([olds[r]["obs"] for r in range(2)])
+    assert torch.equal(torch.cat([e.observe() for e in before]), first)
+    for w in news:
+        assert torch.equal(torch.cat([n["obs"] for n in news[w]]), first)
+        assert torch.equal(torch.cat([e.observe() for e in after[w]]), first)
+    gen = torch.Generator().manual_seed(7)
+    left = 200 - int(olds[0]["env"]["elapsed"][0])  # env steps until every episode in progress is truncated
+    assert left == 190  # 40 env steps over 4 envs
+    for t in range(left):
+        actions = torch.rand(4, 1, generator=gen) * 4 - 2
+        want = _step_all(before, actions)
+        for w in news:
+            got = _step_all(after[w], actions)
+            for key in ("next_obs", "reward", "terminated", "truncated"):
+                assert torch.equal(got[key], want[key]), (w, t, key)
+            if t < left - 1:
+                assert torch.equal(got["obs"], want["obs"]), (w, t)
+    assert bool(want["truncated"].all()) and not bool(want["terminated"].any())
+
+
+def test_a_gymnasium_env_trajectory_is_the_same_across_a_reshard_including_resets(tmp_path):
+    """A gymnasium env keeps each sub-env's own RNG: through episode ends (CartPole, random actions: many
+    resets) every env of 2 -> 1 and 2 -> 4 re-dealt states steps as the old ranks' do, rank files written and
+    read back as a checkpoint does."""
+    pytest.importorskip("gymnasium")
+    from hpcrl.envs import make_env
+
+    name, states = "gym:CartPole-v1", []
+    for r in range(2):
+        env = make_env(name, 2, seed=100 * r)
+        env.reset()
+        for _ in range(7):
+            env.step(torch.randint(0, 2, (2,)))
+        save_h5(tmp_path / rank_file(r), {"env": env.state_dict()}, FORMAT_VERSION)
+        states.append(load_h5(tmp_path / rank_file(r), FORMAT_VERSION)["env"])
+    before = _loaded(name, states)
+    gen_state = lambda s: torch.Generator().manual_seed(s).get_state()  # noqa: E731 (unused by gym envs)
+    after = {w: _loaded(name, [reshard.merge_env([(states[p.rank], p) for p in reshard.pieces(4, 2, w, k)], 0,
+                                                 gen_state) for k in range(w)]) for w in (1, 4)}
+    gen, ends = torch.Generator().manual_seed(3), 0
+    for t in range(150):
+        actions = torch.randint(0, 2, (4,), generator=gen)
+        want = _step_all(before, actions)
+        for w in after:
+            got = _step_all(after[w], actions)
+            for key in want:
+                assert torch.equal(got[key], want[key]), (w, t, key)
+        ends += int((want["terminated"] | want["truncated"]).sum())
+    assert ends >= 10, ends  # episodes of ~20 steps: the resets after a reshard are exact too
 
 
 @pytest.mark.extended
@@ -264,8 +434,7 @@ def test_a_sigusr2_stop_mid_window_resumes_at_another_world_size(tmp_path):
 
     run = tmp_path / "run"
     args = TINY + ["--log-every", "100000", "--total-env-steps", "1600", "--run-dir", str(run)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.sac", *args, "--nproc", "2"], env=env, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.sac", *args, "--nproc", "2"], env=clean_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None and not (run / "config.json").exists():

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from hpcrl.conventions import EXIT_FAILED
+from torchrun_style import torchrun_style
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -107,19 +107,9 @@ def test_frozen_rank_under_nproc_is_named_and_the_run_exits(tmp_path, timeout_ar
     assert not list((run / "checkpoints").glob("step_*")) if (run / "checkpoints").exists() else True
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun_style(run: Path) -> list[subprocess.Popen]:
     """Two ranks started as torchrun does (RANK, WORLD_SIZE, MASTER_*), no supervising parent."""
-    port = _free_port()
-    return [subprocess.Popen([sys.executable, "-m", "hpcrl.sac", *TINY, "--run-dir", str(run)],
-                             env=_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                                      MASTER_PORT=str(port)),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    return torchrun_style("hpcrl.sac", [*TINY, "--run-dir", str(run)], 2)
 
 
 def test_frozen_rank_under_torchrun_style_launch_is_named_by_the_other(tmp_path):

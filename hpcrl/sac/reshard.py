@@ -208,8 +208,21 @@ def rank_state(olds: dict[int, dict[str, Any]], to: Target) -> dict[str, Any]:
     states = [olds[r] for r in used]
     owned = [olds[r] for r in used if _owns(r, to.old_world, to.new_world, to.rank)]
     for key in ("replay", "env", "episode_stats", "generator", "obs"):
-        if key not in states[0]:
-            raise ReshardError(f"the checkpoint's rank files hold no {key!r}; it cannot be resharded")
+        if any(key not in s for s in states):
+            raise _too_old(repr(key), to)
+    try:
+        return _rank_state(parts, states, owned, to)
+    except KeyError as err:  # a piece inside them (e.g. a replay column) that an older version did not write
+        raise _too_old(repr(err.args[0]) if err.args else "a piece a reshard needs", to) from None
+
+
+def _too_old(what: str, to: Target) -> ReshardError:
+    return ReshardError(f"the checkpoint's rank files hold no {what} (written by an older hpcrl), so they cannot be "
+                        f"re-dealt to {to.new_world} rank(s); resume with the {to.old_world} rank(s) that wrote it")
+
+
+def _rank_state(parts: list[tuple[dict[str, Any], Piece]], states: list[dict[str, Any]],
+                owned: list[dict[str, Any]], to: Target) -> dict[str, Any]:
     seed = stream_seed(to.seed, to.rank, to.new_world, to.step)
     out: dict[str, Any] = {
         "replay": merge_replay([(s["replay"], p) for s, p in parts]),
