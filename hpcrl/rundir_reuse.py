@@ -6,7 +6,10 @@ A directory that holds a previous run (finished or interrupted: a committed chec
 row, a best/final policy, an outcome record, an hf export, or a half-done ``--overwrite``) is refused
 for a fresh start with one line: ``--resume`` continues it, ``--overwrite`` replaces it, or use
 another ``--run-dir``. A directory with none of these (empty, created by hand, or left by a start
-that failed before its first row) is free: nothing in it is worth keeping.
+that failed before its first row) is free: nothing in it is worth keeping. ``--resume --resume-missing
+fresh`` with no committed checkpoint is refused on a previous run too (starting fresh would delete
+it; :func:`check_fresh_fallback`), except in a requeued Slurm job, which replaces what its own first
+start wrote.
 
 ``--overwrite`` (:func:`remove_run`) first moves every file hpcrl writes into one trash directory
 inside the run dir, then deletes that: a start killed midway leaves the trash, which still counts
@@ -24,8 +27,8 @@ from pathlib import Path
 
 from hpcrl.rundir import RunDirError, probe
 
-__all__ = ["RUN_FILES", "check_fresh_start", "check_resumable", "check_start", "committed_steps", "nothing_to_resume",
-           "overwrite", "previous_run", "remove_run"]
+__all__ = ["RUN_FILES", "check_fresh_fallback", "check_fresh_start", "check_resumable", "check_start", "committed_steps",
+           "nothing_to_resume", "overwrite", "previous_run", "remove_run", "requeued"]
 
 RUN_FILES = ("config.json", "metrics.jsonl", "outcome.json", "wandb_id", "checkpoints", "best", "final", "tb",
              "wandb", "hf")
@@ -120,12 +123,38 @@ def remove_run(run_dir: str | os.PathLike, names: tuple[str, ...] = RUN_FILES) -
     return present
 
 
+def requeued() -> bool:
+    """This process belongs to a Slurm job that was requeued (``SLURM_RESTART_COUNT`` > 0: preempted,
+    node failure, or requeued after a requested stop): the run dir holds what this job's earlier start
+    wrote, which its restart continues or, with nothing committed to continue, replaces."""
+    try:
+        return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
+    except ValueError:
+        return False
+
+
+def check_fresh_fallback(run_dir: str | os.PathLike, resume: bool, resume_missing: str, overwrite: bool) -> None:
+    """``--resume --resume-missing fresh`` with no committed checkpoint starts fresh, which removes what is
+    in ``run_dir`` (:func:`hpcrl.checkpoint.clear`): :class:`~hpcrl.rundir.RunDirError` (one line, exit 2)
+    when that is a previous run (metrics rows, best/, ...), unless this is a requeued restart of the job
+    that wrote it (:func:`requeued`: the batch scripts and the launcher pass these flags to every restart,
+    and a job preempted before its first checkpoint restarts from scratch, replacing its own rows)."""
+    if not resume or overwrite or resume_missing != "fresh" or committed_steps(run_dir) or requeued():
+        return
+    if (what := previous_run(run_dir)) is not None:
+        raise RunDirError(f"--resume --resume-missing fresh: {nothing_to_resume(run_dir)}, but run dir {run_dir} "
+                          f"holds a previous run ({what}) that starting fresh would delete; pass --overwrite to "
+                          "replace it, or another --run-dir")
+
+
 def check_start(run_dir: str | os.PathLike, resume: bool, resume_missing: str, overwrite: bool) -> None:
     """Everything an entry point checks about the run dir before it starts or spawns a rank:
-    :func:`check_fresh_start` and :func:`check_resumable`. Every process a launcher starts runs the
-    entry point, so each asks before its rendezvous, when no rank can hold the lock yet."""
+    :func:`check_fresh_start`, :func:`check_resumable` and :func:`check_fresh_fallback`. Every process a
+    launcher starts runs the entry point, so each asks before its rendezvous, when no rank can hold the
+    lock yet."""
     check_fresh_start(run_dir, resume, overwrite)
     check_resumable(run_dir, resume, resume_missing)
+    check_fresh_fallback(run_dir, resume, resume_missing, overwrite)
 
 
 def overwrite(run_dir: str | os.PathLike) -> None:

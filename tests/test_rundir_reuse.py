@@ -150,3 +150,131 @@ def test_the_launcher_refuses_a_named_run_dir_holding_a_run_unless_overwrite(tmp
         submit("sac", ["--overwrite"], **common)
     assert submit("sac", [], overwrite=True, **common).request.overwrite
     assert submit("sac", [], run_dir=str(tmp_path / "run-%j"), folder=common["folder"], local=True, dry_run=True)
+
+
+# -- --resume --resume-missing fresh never starts fresh over a previous run (but a requeued job does) ---
+def _torn_run(run: Path) -> None:
+    """A run stopped before its first checkpoint committed: rows, best/, an uncommitted checkpoint."""
+    (run / "checkpoints" / ".tmp-step_000000000010").mkdir(parents=True)
+    (run / "best").mkdir()
+    (run / "best" / "policy.pt").write_text("the old run's best policy")
+    (run / "metrics.jsonl").write_text('{"env_steps": 999}\n{"env_steps": 1000}\n')
+
+
+def test_resume_missing_fresh_refuses_a_previous_run_with_nothing_to_resume(tmp_path, monkeypatch):
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    rundir_reuse.check_start(tmp_path / "new", True, "fresh", False)  # nothing there: starts fresh
+    (tmp_path / "config.json").write_text("{}")
+    rundir_reuse.check_start(tmp_path, True, "fresh", False)  # a start that failed before its first row
+    _torn_run(tmp_path)
+    with pytest.raises(RunDirError, match=r"--resume --resume-missing fresh: no checkpoint in .*\(only an uncommitted "
+                                          r"one.*holds a previous run \(2 metrics row\(s\), best/\).*--overwrite to "
+                                          r"replace it, or another --run-dir"):
+        rundir_reuse.check_start(tmp_path, True, "fresh", False)
+    rundir_reuse.check_start(tmp_path, False, "error", True)  # --overwrite replaces it
+    for restart in ("0", "", "x"):
+        monkeypatch.setenv("SLURM_RESTART_COUNT", restart)
+        assert not rundir_reuse.requeued()
+        with pytest.raises(RunDirError):
+            rundir_reuse.check_start(tmp_path, True, "fresh", False)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # a requeued job: its first start wrote these rows
+    assert rundir_reuse.requeued()
+    rundir_reuse.check_start(tmp_path, True, "fresh", False)
+    monkeypatch.delenv("SLURM_RESTART_COUNT")
+    (tmp_path / "checkpoints" / "step_000000000010").mkdir()  # committed: --resume continues it
+    rundir_reuse.check_start(tmp_path, True, "fresh", False)
+
+
+@pytest.mark.parametrize("module", ["hpcrl.sac", "hpcrl.ppo"])
+def test_resume_missing_fresh_cli_leaves_a_previous_run_byte_identical(tmp_path, module):
+    run = tmp_path / "run"
+    _torn_run(run)
+    before = snapshot(run)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    proc = subprocess.run([sys.executable, "-m", module, "--run-dir", str(run), "--resume", "--resume-missing", "fresh"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"run dir {run} holds a previous run" in lines[0] and "--overwrite" in lines[0], lines
+    assert snapshot(run) == before
+
+
+def test_a_requeued_job_restarts_over_its_own_rows_when_nothing_committed(tmp_path):
+    # what the batch scripts and the launcher pass to a job Slurm requeued before its first checkpoint
+    run = tmp_path / "run"
+    _torn_run(run)
+    proc = run_cli(TINY + ["--total-env-steps", "40", "--checkpoint-every", "10", "--run-dir", str(run), "--resume",
+                           "--resume-missing", "fresh"], timeout=60, env={"SLURM_RESTART_COUNT": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "starting fresh (--resume-missing fresh)" in proc.stdout
+    assert [r["env_steps"] for r in metrics(run)] == [20, 40]  # the first attempt's rows are gone, not mixed in
+    assert not (run / "best" / "policy.pt").exists()
+
+
+# -- the refusal comes before torch is imported ------------------------------------------------------
+@pytest.mark.parametrize("module", ["hpcrl.sac", "hpcrl.ppo"])
+def test_the_run_dir_refusal_imports_no_torch(tmp_path, module):
+    import re
+    import time
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"env_steps": 8}\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", module, "--run-dir", str(run)],
+                          capture_output=True, text=True, timeout=60, env=env)
+    took = time.monotonic() - t0
+    imports = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    said = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert proc.returncode == 2 and len(said) == 1 and f"run dir {run} holds a previous run" in said[0], said
+    assert "hpcrl.rundir_reuse" in imports  # the import log is read as intended
+    heavy = [m for m in imports if re.match(r"(torch|numpy|jax|transformers|gymnasium|mujoco)(\.|$)", m)]
+    assert not heavy, heavy
+    print(f"{module}: refused in {took:.2f} s")
+    assert took < 10, took  # ~0.2 s here; torch alone took 20-30 s to import on a loaded node
+
+
+def test_the_ppo_early_check_reads_the_flags_as_the_parser_does(tmp_path):
+    from hpcrl.ppo.__main__ import DEFAULT_RUN_DIR, check_run_dir_early
+    from hpcrl.ppo.config import DetachedConfig
+
+    assert DEFAULT_RUN_DIR == DetachedConfig.__dataclass_fields__["run_dir"].default
+    run = tmp_path / "run"
+    _torn_run(run)
+    for argv in (["--run-dir", str(run)], [f"--run-dir={run}"], ["--run-dir", str(run), "--overwrite", "--no-overwrite"],
+                 ["--run-dir", str(run), "--resume", "--resume-missing", "fresh"]):
+        with pytest.raises(RunDirError):
+            check_run_dir_early(argv)
+    for argv in (["--run-dir", str(run), "--overwrite"], ["--run-dir", str(run), "--help"],
+                 ["--run-dir", str(run), "--resume", "--overwrite"],  # the parser's own one-line refusal
+                 ["--run-dir"], ["--run-dir", str(tmp_path / "new")]):
+        check_run_dir_early(argv)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    (tmp_path / "runs").mkdir()
+    run.rename(tmp_path / DEFAULT_RUN_DIR)  # the default run dir, relative to the working dir
+    proc = subprocess.run([sys.executable, "-m", "hpcrl.ppo"], capture_output=True, text=True, timeout=60, env=env,
+                          cwd=tmp_path)
+    assert proc.returncode == 2 and "run dir runs/ppo holds a previous run" in proc.stderr, proc.stderr
+
+
+def test_the_lazy_packages_keep_their_names():
+    code = ("import types, hpcrl.sac.loop, hpcrl.sac as s, hpcrl.ppo as p\n"
+            "from hpcrl.sac import FastSAC, SACConfig, train, plan, preset, PRESETS, ConfigError, UpdateNoise\n"
+            "from hpcrl.ppo import DetachedConfig, PPOConfig, Topology\n"
+            "from hpcrl.ppo import train as ppo_train\n"
+            "import hpcrl.sac.train as t\n"
+            "assert isinstance(train, types.FunctionType) and s.train is train and t is train, (train, s.train, t)\n"
+            "assert ppo_train.__module__ == 'hpcrl.ppo.run' and FastSAC.__module__ == 'hpcrl.sac.agent'\n"
+            "from hpcrl.sac import events, reshard\n"
+            "assert isinstance(events, types.ModuleType)\n"
+            "for pkg in (s, p):\n"
+            "    try:\n"
+            "        pkg.nope\n"
+            "    except AttributeError:\n"
+            "        pass\n"
+            "    else:\n"
+            "        raise AssertionError(pkg)\n"
+            "print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

@@ -16,32 +16,89 @@ stops the run.
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
-from hpcrl.cli import exit_code, run_exit
-from hpcrl.comm import check_local_gpus, cuda_count, detect_launch, spawn
-from hpcrl.comm.devices import resolve_kind
+from hpcrl.cli import exit_code, flag_value, run_exit
 from hpcrl.config_check import ConfigError
 from hpcrl.conventions import EXIT_BAD_CONFIG
 from hpcrl.rundir import RunDirError
 from hpcrl.rundir_reuse import check_start, overwrite
 
-from .config import DetachedConfig, parse_args
-from .liveness import PeerLost
-from .run import build_workload, train, validate
+if TYPE_CHECKING:  # bound by _torch_side() once the refusals that need no torch have passed
+    from hpcrl.comm import check_local_gpus, cuda_count, detect_launch, spawn
+    from hpcrl.comm.devices import resolve_kind
+
+    from .config import DetachedConfig
+    from .liveness import PeerLost
+    from .run import build_workload, train, validate
+
+_TORCH_SIDE = {"check_local_gpus": "hpcrl.comm", "cuda_count": "hpcrl.comm", "detect_launch": "hpcrl.comm",
+               "spawn": "hpcrl.comm", "resolve_kind": "hpcrl.comm.devices", "PeerLost": "hpcrl.ppo.liveness",
+               "build_workload": "hpcrl.ppo.run", "train": "hpcrl.ppo.run", "validate": "hpcrl.ppo.run"}
+"""Names this module uses after its refusals, from modules that import torch: loaded on first use, as
+module globals (so that a test may replace one, e.g. ``spawn``)."""
+
+
+def __getattr__(name: str):
+    if name not in _TORCH_SIDE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = globals()[name] = getattr(importlib.import_module(_TORCH_SIDE[name]), name)
+    return value
+
+
+def _torch_side() -> None:
+    """Bind every name of :data:`_TORCH_SIDE` not bound yet (a replaced one stays)."""
+    for name in _TORCH_SIDE:
+        if name not in globals():
+            __getattr__(name)
+
+DEFAULT_RUN_DIR = "runs/ppo"
+"""DetachedConfig.run_dir's default (hpcrl.ppo.config imports torch; a test keeps the two equal)."""
+
+
+def _last_bool(argv: list[str], name: str) -> bool:
+    """``--name`` / ``--no-name`` as tyro reads them (the last one wins; default False)."""
+    value = False
+    for arg in argv:
+        if arg in (f"--{name}", f"--no-{name}"):
+            value = arg == f"--{name}"
+    return value
+
+
+def check_run_dir_early(argv: list[str]) -> None:
+    """The run-dir refusal from the raw flags, before torch is imported (which takes 20-30 s on a loaded
+    node): :class:`RunDirError` when :func:`check_start` would refuse what the flags say. Anything the
+    flag parser would reject itself is left to it (checked again after parsing, with the parsed values)."""
+    if "-h" in argv or "--help" in argv:
+        return
+    try:
+        run_dir = flag_value(argv, "--run-dir") or DEFAULT_RUN_DIR
+        resume_missing = flag_value(argv, "--resume-missing") or "error"
+    except ConfigError:
+        return
+    resume, replace = _last_bool(argv, "resume"), _last_bool(argv, "overwrite")
+    if resume_missing in ("error", "fresh") and not (resume and replace):
+        check_start(run_dir, resume, resume_missing, replace)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        cfg = parse_args(sys.argv[1:] if argv is None else argv)
+        check_run_dir_early(argv)
+        from .config import parse_args  # torch
+
+        cfg = parse_args(argv)
         cfg.check()  # every range, before anything is built or spawned
         # every rank launched by srun / torchrun asks too, before its rendezvous (no rank has the lock yet)
         check_start(cfg.run_dir, cfg.resume, cfg.resume_missing, cfg.overwrite)
     except (ConfigError, RunDirError) as err:  # one line
         print(f"hpcrl.ppo: error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    _torch_side()
     try:
         if cfg.overwrite and detect_launch().world_size == 1:  # else trainer 0 does it, holding the lock
             overwrite(cfg.run_dir)

@@ -8,11 +8,16 @@ per-checkpoint ``hf/actor`` export goes through :func:`save_artifacts` the same 
 on the checkpoint writer thread; the tensors are dropped once the directory is written.
 
 Bad input (no run dir, no checkpoint, not an hf run, a step that does not exist) exits 2 with one line.
+
+``--out`` is replaced only when it is absent, empty, or an earlier export of this tool (its
+:data:`MARKER` lists the files it wrote, and nothing else is there); any other non-empty directory
+needs ``--overwrite``, and a run dir (or a directory holding the run being exported) is never replaced.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -25,10 +30,14 @@ import tyro
 from hpcrl import checkpoint
 from hpcrl.config_check import ConfigError
 from hpcrl.rundir import RunDirError
+from hpcrl.rundir_reuse import previous_run
 
 from .trainer_checkpoint import read_full
 
-__all__ = ["actor_state", "export", "main", "save_artifacts"]
+__all__ = ["MARKER", "actor_state", "check_out", "export", "install", "main", "save_artifacts"]
+
+MARKER = ".hpcrl-export.json"
+"""Written into every export: the files it holds, so that a later export may replace exactly that."""
 
 
 def actor_state(path: Path) -> dict[str, torch.Tensor]:
@@ -52,9 +61,12 @@ class ExportArgs:
     run_dir: tyro.conf.Positional[Path]
     """A detached-PPO run dir of --workload hf."""
     out: Path
-    """The directory to write (replaced if it exists): config, weights (safetensors), tokenizer."""
+    """The directory to write: config, weights (safetensors), tokenizer. An earlier export there is replaced;
+    any other non-empty directory needs --overwrite; a run dir is never replaced."""
     step: int | None = None
     """The checkpoint's step (policy version); default the newest verified one."""
+    overwrite: bool = False
+    """Replace --out although it is not an earlier export of this tool (never a run dir)."""
 
 
 def _checkpoint_of(run_dir: Path, step: int | None) -> Path:
@@ -89,27 +101,84 @@ def _workload(run_dir: Path) -> Any:
     return make_workload("hf", **{**options, "save_dir": None})
 
 
-def export(run_dir: Path, out: Path, step: int | None = None) -> Path:
-    """Write the actor of ``run_dir``'s checkpoint (default the newest) to ``out``; returns ``out``."""
-    run_dir = Path(run_dir)
+def _export_files(out: Path) -> set[str] | None:
+    """The files an earlier export of this tool wrote into ``out`` (its marker), or None without one."""
+    try:
+        files = json.loads((out / MARKER).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return {str(f) for f in files} if isinstance(files, list) else None
+
+
+def check_out(out: Path, run_dir: Path, overwrite: bool = False) -> None:
+    """:class:`RunDirError` (one line) unless ``out`` may be (re)placed by an export of ``run_dir``: absent,
+    an empty directory, an earlier export of this tool with nothing added, or (``overwrite``) another
+    non-empty directory. A run dir, the run being exported or a directory around it: never."""
+    out, run = Path(out).absolute(), Path(run_dir).resolve()
+    resolved = out.resolve()
+    if resolved == run or resolved in run.parents:
+        raise RunDirError(f"--out {out} holds the run being exported ({run_dir}); pass another --out")
+    if run in resolved.parents:
+        raise RunDirError(f"--out {out} is inside the run dir {run_dir}; pass a directory outside it")
+    if not os.path.lexists(out):
+        return
+    if out.is_symlink() or not out.is_dir():
+        raise RunDirError(f"--out {out}: not a directory; pass another --out (a new or empty directory, or an "
+                          "earlier export)")
+    if (what := previous_run(out)) is not None:
+        raise RunDirError(f"--out {out} holds a run ({what}); exporting there would delete it: pass another --out")
+    names = {p.name for p in out.iterdir()}
+    if not names or overwrite:
+        return
+    files = _export_files(out)
+    if files is None or names - files - {MARKER} or any(not (out / n).is_file() or (out / n).is_symlink()
+                                                        for n in names):
+        extra = sorted(names - (files or set()) - {MARKER})[:3] or sorted(names)[:3]
+        raise RunDirError(f"--out {out} is not empty and not an earlier export of python -m hpcrl.ppo.export (it "
+                          f"holds {', '.join(extra)}{', ...' if len(names) > 3 else ''}); pass --overwrite to "
+                          "replace it, or another --out")
+
+
+def install(written: Path, out: Path) -> Path:
+    """Move the export ``written`` (a directory) to ``out``, replacing what :func:`check_out` allowed there,
+    with the :data:`MARKER` that lets a later export replace it."""
+    written = Path(written)
+    files = sorted(p.name for p in written.iterdir() if p.name != MARKER)
+    (written / MARKER).write_text(json.dumps({"files": files, "by": "python -m hpcrl.ppo.export"}) + "\n")
+    if os.path.lexists(out):
+        old = out.with_name(f".{out.name}.old{os.getpid()}")
+        out.rename(old)  # then the new one in place, then the old one deleted: never half of either
+        written.rename(out)
+        shutil.rmtree(old)
+    else:
+        written.rename(out)
+    return out
+
+
+def export(run_dir: Path, out: Path, step: int | None = None, overwrite: bool = False) -> Path:
+    """Write the actor of ``run_dir``'s checkpoint (default the newest) to ``out`` (:func:`check_out` says
+    when it may be replaced); returns ``out``."""
+    run_dir, out = Path(run_dir), Path(out)
     if not run_dir.is_dir():
         raise RunDirError(f"{run_dir}: no such run dir")
+    check_out(out, run_dir, overwrite)  # before the model is built: a refusal in seconds
     workload = _workload(run_dir)
     path = _checkpoint_of(run_dir, step)
     parent = out.with_name(f".{out.name}.export")
     shutil.rmtree(parent, ignore_errors=True)
-    written = save_artifacts(workload, path, parent)
-    if out.exists():
-        shutil.rmtree(out)
-    Path(written).rename(out)
-    shutil.rmtree(parent, ignore_errors=True)
+    try:
+        written = save_artifacts(workload, path, parent)
+        check_out(out, run_dir, overwrite)  # again, right before replacing it
+        install(Path(written), out)
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     args = tyro.cli(ExportArgs, args=argv, prog="python -m hpcrl.ppo.export")
     try:
-        out = export(args.run_dir, args.out, args.step)
+        out = export(args.run_dir, args.out, args.step, args.overwrite)
     except (RunDirError, ConfigError) as err:
         print(f"hpcrl.ppo.export: {err}", file=sys.stderr, flush=True)
         return 2
