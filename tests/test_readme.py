@@ -39,10 +39,54 @@ def test_the_pages_have_commands():
     assert len([c for p, c in ALL if p == "README.md"]) >= 30
 
 
+_INLINE_COMMAND = re.compile(r"^(?:[A-Z_]+=\S*\s+)*(?:python3?|pip3?|\.venv/bin/\S+)(?:\s|$)")
+
+
+def inline_commands(page: str) -> list[tuple[int, str]]:
+    """(line, command) of the inline code spans outside fenced blocks that start like a command typed into
+    a shell: ``python``, ``pip`` or ``.venv/bin/...`` (after any ``VAR=value``); a span may wrap a line."""
+    text = (ROOT / page).read_text()
+    text = re.sub(r"```.*?```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)  # keep line numbers
+    out = []
+    for m in re.finditer(r"(?<!`)`([^`]+)`(?!`)", text):
+        span = re.sub(r"\s*\n\s*", " ", m.group(1)).strip()
+        if "\n\n" not in m.group(1) and _INLINE_COMMAND.match(span):
+            out.append((text.count("\n", 0, m.start()) + 1, span))
+    return out
+
+
 @pytest.mark.parametrize("page", sorted(set(PAGES) - OWN_ENVIRONMENT))
 def test_python_and_pip_go_through_the_venv(page):
     bare = [c for c in commands(page) if re.search(r"(^|\s)(python3?|pip3?)\s", c)]
     assert not bare, f"{page}: use .venv/bin/python / .venv/bin/pip: {bare}"
+    bare = [f"line {n}: {c}" for n, c in inline_commands(page) if re.search(r"(^|\s)(python3?|pip3?)(\s|$)", c)]
+    assert not bare, f"{page}: inline commands must use .venv/bin/python / .venv/bin/pip: {bare}"
+
+
+def test_inline_commands_name_what_exists():
+    """An inline ``.venv/bin/python -m MODULE`` names a module that exists, ``.venv/bin/python FILE.py`` a
+    file of the repository, ``.venv/bin/X`` a program that setup installs (placeholders are left alone)."""
+    import importlib.util
+
+    found, wrong = 0, []
+    for page in PAGES:
+        for n, cmd in inline_commands(page):
+            try:
+                words = _words(cmd)
+            except ValueError:  # an unbalanced quote: a fragment, not a command
+                wrong.append(f"{page}:{n}: {cmd}")
+                continue
+            found += 1
+            if words[0] in (".venv/bin/python", ".venv/bin/python3") and len(words) > 1:
+                if words[1] == "-m" and len(words) > 2:
+                    if importlib.util.find_spec(words[2]) is None:
+                        wrong.append(f"{page}:{n}: no module {words[2]}: {cmd}")
+                elif words[1].endswith(".py") and not (ROOT / words[1]).is_file():
+                    wrong.append(f"{page}:{n}: no file {words[1]}: {cmd}")
+            elif words[0].startswith(".venv/bin/") and words[0] not in (".venv/bin/pip", ".venv/bin/python"):
+                if not (Path(sys.executable).parent / Path(words[0]).name).exists():
+                    wrong.append(f"{page}:{n}: {words[0]} is not installed: {cmd}")
+    assert found >= 10 and not wrong, wrong
 
 
 def _words(cmd: str) -> list[str]:
