@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl.rundir_reuse import committed_steps
+
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
 
@@ -118,7 +120,9 @@ def _ppo_job(rng: random.Random, run: Path, tmp: Path, resume: bool, budget: int
 def _sac_job(rng: random.Random, run: Path, tmp: Path, resume: bool, fault: bool) -> tuple[int, str | None]:
     args = [*TINY, "--nproc", "2", "--total-env-steps", "1600", "--checkpoint-every", "10",
             "--heartbeat-timeout-s", str(HEARTBEAT_S), "--run-dir", str(run)]
-    proc = _start("hpcrl.sac", args + (["--resume", "--resume-missing", "fresh"] if resume else []), tmp)
+    if resume:  # a job killed before its first checkpoint left rows only: starting over must say --overwrite
+        args += ["--resume", "--resume-missing", "fresh"] if committed_steps(run) else ["--overwrite"]
+    proc = _start("hpcrl.sac", args, tmp)
     kind = None
     try:
         if fault and _wait_rows(run, len(_rows(run)) + rng.randint(2, 8), proc):
