@@ -111,3 +111,14 @@ def test_old_field_names_still_work_for_one_release_with_a_warning(tmp_path, cap
     path.write_text('{"grad_sync": "ddp"}')
     assert load_config_file(path, SACConfig) == {"grad_average": "ddp"}
     assert "key grad_sync is now grad_average" in capsys.readouterr().err
+
+
+def test_help_lists_every_preset(capsys):
+    from hpcrl.sac.__main__ import main
+    from hpcrl.sac.config import PRESETS
+
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # tyro wraps the help text
+    assert all(name in out for name in PRESETS), out
