@@ -74,11 +74,13 @@ def _figures_from_summary(prefix: str, summary: Any) -> dict[str, dict]:
     return figs
 
 
-def run_script(name: str, argv: list[str], outdir: Path, device: str, timeout: float, config: dict) -> str:
-    """Run an older benchmark script; wrap its JSON in the common schema as <name>.json."""
+def run_script(name: str, argv: list[str], outdir: Path, device: str, timeout: float, config: dict,
+               script: str = "") -> str:
+    """Run an older benchmark script (``benchmarks/<script or name>.py``); wrap its JSON in the common schema as
+    <name>.json."""
     raw = outdir / f"{name}_raw.json"
     log = outdir / f"{name}.log"
-    cmd = [sys.executable, str(HERE / f"{name}.py"), *argv, "--json", str(raw)]
+    cmd = [sys.executable, str(HERE / f"{script or name}.py"), *argv, "--json", str(raw)]
     status = "ok"
     try:
         with open(log, "w") as f:
@@ -165,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     steps: list[tuple[str, Callable[[], str]]] = [
         ("collectives", collectives),
         ("cost_model", cost_model),
-        ("kernels", lambda: run_script("kernels", [*q, "--device", args.device], outdir, args.device, 600, cfg)),
+        ("kernels", lambda: run_script("kernels", [*q, "--device", args.device], outdir, args.device, 600, cfg,
+                                                  script="op_kernels")),
         ("sac_throughput", lambda: run_script("sac_throughput", [*q, "--no-curve", "--png",
                                               str(outdir / "sac_throughput_curve.png")], outdir, args.device, 3600, cfg)),
         ("ppo_throughput", lambda: run_script("ppo_throughput", [*q, "--png", str(outdir / "ppo_throughput.png")],

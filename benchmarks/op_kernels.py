@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Kernel benchmarks of hpcrl._C against the code it replaces.
 
-    python benchmarks/kernels.py [--quick] [--json PATH] [--device cpu|cuda] [--threads N]
+    python benchmarks/op_kernels.py [--quick] [--json PATH] [--device cpu|cuda] [--threads N]
 
 Two parts, every row timed in the same run as its baselines (repeats interleaved, see _timing.py):
 
