@@ -6,26 +6,15 @@ takes to import on a loaded node)."""
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
 
-_HOME = {"FastSAC": "agent", "UpdateNoise": "agent", "SACConfig": "config", "PRESETS": "config", "preset": "config",
-         "ConfigError": "config", "plan": "train", "train": "train"}
+from hpcrl.lazy_names import lazy_names
 
 __all__ = ["FastSAC", "UpdateNoise", "SACConfig", "PRESETS", "preset", "ConfigError", "plan", "train"]
-
-
-def __getattr__(name: str):
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, {"FastSAC": "agent", "UpdateNoise": "agent", "SACConfig": "config",
+                                             "PRESETS": "config", "preset": "config", "ConfigError": "config",
+                                             "plan": "train", "train": "train"})
 
 
 class _Package(types.ModuleType):
