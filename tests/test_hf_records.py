@@ -138,6 +138,19 @@ def test_eval_options_are_checked(art, tmp_path):
     assert pass_rate([[0.0, 1.0], [0.5, 0.2], [1.0]], 1.0) == pytest.approx(2 / 3)  # any answer >= threshold
 
 
+def test_bad_datasets_exit_2_with_one_line_before_any_rank_starts(art, tmp_path):
+    (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "keyless.jsonl").write_text(json.dumps({"question": "red blue", "answer": "yes"}) + "\n")
+    base = ["--workload", "hf", "--hf.model", str(art["llama"]), "--hf.reward-fn", f"{ME}:records_spy", *SIZES]
+    for extra, want in [(["--hf.prompts", str(art["records"]), "--hf.eval-prompts", str(tmp_path / "empty.jsonl"),
+                          "--hf.eval-every", "5"], "no records in it"),
+                        (["--hf.prompts", str(tmp_path / "keyless.jsonl")], "prompt")]:
+        proc = F.run_ppo([*base, *extra, "--run-dir", str(tmp_path / "run")], tmp_path, 120)
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode == 2 and len(lines) == 1 and want in lines[0], proc.stderr[-2000:]
+        assert lines[0].startswith("hpcrl.ppo: error:") and not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow
 def test_run_writes_eval_rows(art, tmp_path):
     run = tmp_path / "run"
