@@ -144,7 +144,7 @@ def test_bad_datasets_exit_2_with_one_line_before_any_rank_starts(art, tmp_path)
     base = ["--workload", "hf", "--hf.model", str(art["llama"]), "--hf.reward-fn", f"{ME}:records_spy", *SIZES]
     for extra, want in [(["--hf.prompts", str(art["records"]), "--hf.eval-prompts", str(tmp_path / "empty.jsonl"),
                           "--hf.eval-every", "5"], "no records in it"),
-                        (["--hf.prompts", str(tmp_path / "keyless.jsonl")], "prompt")]:
+                        (["--hf.prompts", str(tmp_path / "keyless.jsonl")], "--hf.prompt-key NAME")]:
         proc = F.run_ppo([*base, *extra, "--run-dir", str(tmp_path / "run")], tmp_path, 120)
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
         assert proc.returncode == 2 and len(lines) == 1 and want in lines[0], proc.stderr[-2000:]
