@@ -98,3 +98,13 @@ def test_an_earlier_export_is_replaced_whole_and_anything_added_to_it_is_refused
     _model_dir(old, b"old")
     with pytest.raises(RunDirError, match="not an earlier export"):
         ex.check_out(old, run)
+
+
+def test_a_bad_max_shard_size_is_refused_in_one_line_before_the_model(tmp_path, capsys):
+    run = tmp_path / "run"  # not read: the size is checked before the run's config
+    run.mkdir()
+    for bad in ("abc", "0MB", "-5KB"):
+        assert ex.main([str(run), "--out", str(tmp_path / "out"), "--max-shard-size", bad]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"hpcrl.ppo.export: --max-shard-size {bad}: not a size; pass e.g. 500MB or 2GB"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]

@@ -250,25 +250,263 @@ def test_lora_trains_and_publishes_only_adapters(art):
     assert all(torch.equal(p, merged[n]) for n, p in maker.actor.named_parameters())
 
 
-def test_save_artifacts_loadable_by_auto_class(art, tmp_path):
+EXPORT_CASES = [("gpt2", {}), ("gpt2", {"lora_rank": 4}), ("llama", {}), ("llama", {"lora_rank": 4}),
+                ("llama", {"lora_rank": 4, "lora_alpha": 16, "dtype": "bf16"})]
+
+
+def _perturbed(wl: HFWorkload):
+    """``wl``'s model (critic too), every trained tensor moved off its start (LoRA: the adapters, so that
+    ``B A`` is not 0), for an export to have something to merge and carry."""
+    model = wl.build_model(0)
+    with torch.no_grad():
+        for i, p in enumerate(wl.publish_tensors(model)):
+            p.add_(0.01 * (1 + i % 3))
+    return model
+
+
+def _logits(net, wl: HFWorkload) -> torch.Tensor:
+    ids, mask = left_pad(wl.prompt_ids[:3], 8, wl.pad_id)
+    with torch.no_grad():
+        return net(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids(mask)).logits.float()
+
+
+def _safetensors(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.mark.parametrize("arch, kw", EXPORT_CASES, ids=lambda c: str(c))
+def test_save_artifacts_writes_what_save_pretrained_writes_without_building_a_model(art, tmp_path, arch, kw):
+    """The export of a state dict (the older gathered checkpoint's path) is save_pretrained of the merged actor:
+    the same files, tensor names (peft's prefixes gone; GPT-2's tied lm_head dropped), dtypes and values
+    (merge_and_unload's), config and generation config; loadable, with the trained actor's logits; and no
+    model is built for it (build_model / from_pretrained refused during the export)."""
+    import copy
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    for kw in ({}, {"lora_rank": 4}):
-        if kw and not _has("peft"):
-            continue
-        wl = _wl(art, "gpt2", **kw)
-        model = wl.build_model(0)
-        with torch.no_grad():
-            for p in wl.publish_tensors(model):
-                p.add_(0.01)
-        out = wl.save_artifacts(model.state_dict(), tmp_path / str(len(kw)))
+    if "lora_rank" in kw and not _has("peft"):
+        pytest.skip("peft")
+    wl = _wl(art, arch, **kw)
+    model = _perturbed(wl)
+    state = model.state_dict()
+    before = {k: v.clone() for k, v in state.items()}
+
+    def refused(*a, **k):
+        raise AssertionError("a model was built for the export")
+
+    wl.build_model = refused
+    mp = pytest.MonkeyPatch()
+    mp.setattr(AutoModelForCausalLM, "from_pretrained", refused)
+    try:
+        out = wl.save_artifacts(state, tmp_path / "stream")
+    finally:
+        mp.undo()
+    assert all(torch.equal(state[k], before[k]) for k in state)  # the caller's tensors untouched
+    ref = copy.deepcopy(model.actor)
+    ref = ref.merge_and_unload() if "lora_rank" in kw else ref
+    ref.save_pretrained(tmp_path / "ref")
+    ref_files = {p.name for p in (tmp_path / "ref").iterdir()}
+    wl.tokenizer.save_pretrained(tmp_path / "ref")
+    assert {p.name for p in out.iterdir()} == {p.name for p in (tmp_path / "ref").iterdir()}
+    assert "model.safetensors" in ref_files
+    got, want = _safetensors(out), _safetensors(tmp_path / "ref")
+    assert list(got) == list(want) and ("lm_head.weight" in got) == (arch == "llama")
+    assert all(got[k].dtype == want[k].dtype == wl.param_dtype and torch.equal(got[k], want[k]) for k in got)
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((out / name).read_text()) == json.loads((tmp_path / "ref" / name).read_text()), name
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert loaded.dtype == wl.param_dtype
+    tol = 2e-2 if kw.get("dtype") == "bf16" else 1e-5
+    assert torch.allclose(_logits(loaded, wl), _logits(model.actor, wl), atol=tol)
+    assert AutoTokenizer.from_pretrained(out).eos_token == wl.tokenizer.eos_token
+
+
+def _dcp_checkpoint(path: Path, model) -> Path:
+    """``path`` as a one-trainer checkpoint's model shards (``dcp/``, what TrainerCheckpoints writes)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    dcp.save({"model": get_model_state_dict(model)}, storage_writer=dcp.FileSystemWriter(str(path / "dcp")),
+             no_dist=True)
+    return path
+
+
+class _Alive:
+    """Wraps ``CheckpointTensors.read``: the bytes of the tensors it returned that are still alive, at each
+    read (each returned tensor is watched with ``weakref.finalize``)."""
+
+    def __init__(self, mp: pytest.MonkeyPatch) -> None:
+        import weakref
+
+        from hpcrl.ppo.workloads import hf_export
+
+        self.alive, self.peaks, self.reads, self.total = 0, [], [], 0
+        original = hf_export.CheckpointTensors.read
+
+        def release(n: int) -> None:
+            self.alive -= n
+
+        def read(source, names):
+            got = original(source, names)
+            size = sum(t.numel() * t.element_size() for t in got.values())
+            self.alive += size
+            self.total += size
+            self.reads.append(list(names))
+            self.peaks.append(self.alive)
+            for t in got.values():
+                weakref.finalize(t, release, t.numel() * t.element_size())
+            return got
+
+        mp.setattr(hf_export.CheckpointTensors, "read", read)
+
+
+@pytest.mark.parametrize("arch, kw", EXPORT_CASES[:4], ids=lambda c: str(c))
+def test_actor_streams_from_the_checkpoint_shards_one_safetensors_file_at_a_time(art, tmp_path, arch, kw):
+    """Trainer 0's per-checkpoint ``hf/actor`` and ``python -m hpcrl.ppo.export``'s call: the actor read from
+    the DCP shards a safetensors file's worth at a time (forced small: several files and an index), LoRA
+    merged per module; loadable with the trained actor's logits. While it runs, the checkpoint tensors alive
+    never exceed one file's worth plus its LoRA factors, and the whole actor is read exactly once."""
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.ppo import export as ex
+
+    if "lora_rank" in kw and not _has("peft"):
+        pytest.skip("peft")
+    wl = _wl(art, arch, **kw, save_dir=str(tmp_path / "hf"))
+    model = _perturbed(wl)
+    ckpt = _dcp_checkpoint(tmp_path / "step_1", model)
+    unique = {v.data_ptr(): v for k, v in model.state_dict().items() if k.startswith("actor.")}  # GPT-2's tied once
+    actor_bytes = sum(v.numel() * v.element_size() for v in unique.values())
+    lora_bytes = sum(v.numel() * v.element_size() for k, v in model.state_dict().items()
+                     if k.startswith("actor.") and "lora_" in k)
+    shard = 40_000  # bytes: the tiny models (~100-400 KB) in several files
+    wl.export_max_shard_size = shard
+    wl.build_model = lambda *a, **k: pytest.fail("a model was built for the export")
+    mp = pytest.MonkeyPatch()
+    alive = _Alive(mp)
+    try:
+        out = ex.save_artifacts(wl, ckpt)  # trainer 0's call: --save-dir/actor
+    finally:
+        mp.undo()
+    assert out == tmp_path / "hf" / "actor"
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(files) > 2 and sorted(set(index["weight_map"].values())) == files
+    assert len(alive.reads) == len(files)  # one read per file written
+    assert alive.total == actor_bytes  # every actor tensor read once (no critic, nothing twice, tied once)
+    # the bound: a file's tensors (a tensor larger than the limit gets a file of its own) + its LoRA factors
+    biggest = max(v.numel() * v.element_size() for k, v in model.state_dict().items() if k.startswith("actor."))
+    assert max(alive.peaks) <= max(shard, biggest) + lora_bytes, (alive.peaks, shard, biggest, lora_bytes)
+    assert max(alive.peaks) < actor_bytes / 2, alive.peaks
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert set(_safetensors(out)) == set(index["weight_map"])
+    assert torch.allclose(_logits(loaded, wl), _logits(model.actor, wl), atol=1e-5)
+    assert not any(p.name.startswith(".actor.") for p in out.parent.iterdir())  # no temporary left
+    assert not any(isinstance(v, torch.nn.Module) for v in vars(wl).values())  # no model kept for the next export
+
+
+def _fsdp_checkpoint_rank(art, cases, root: Path) -> None:
+    """A rank of 2 FSDP trainers: each case's model built on ``meta``, sharded and filled (as a trainer
+    does), perturbed as :func:`_perturbed`, its model state saved as DCP shards (every rank its own rows)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from hpcrl.comm import init_distributed, new_plane, shutdown
+    from hpcrl.ppo.strategy import Strategy, local_rows
+
+    ctx = init_distributed(timeout_s=120)
+    try:
+        plane = new_plane("device", range(ctx.world_size), ctx.rank, ctx.device, "gloo", ctx.timeout)
+        for i, (arch, kw) in enumerate(cases):
+            wl = _wl(art, arch, **kw)
+            model = wl.build_model(0, "meta")
+            Strategy("fsdp", model, wl, plane, ctx.device, keep=ctx.rank == 0)
+            with torch.no_grad():
+                for j, p in enumerate(wl.publish_tensors(model)):
+                    local_rows(p)[2].add_(0.01 * (1 + j % 3))
+            dcp.save({"model": get_model_state_dict(model)},
+                     storage_writer=dcp.FileSystemWriter(str(root / str(i) / "dcp")), process_group=plane.group)
+    finally:
+        shutdown()
+
+
+def test_actor_exports_from_two_fsdp_trainers_shards(art, tmp_path):
+    """The shards of 2 FSDP trainers (each wrote its own dim-0 rows) export, in several files, to the actor
+    a single process holds: the same logits (Llama and GPT-2, full and LoRA)."""
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.comm import spawn
+    from hpcrl.ppo import export as ex
+
+    cases = [c for c in EXPORT_CASES[:4] if "lora_rank" not in c[1] or _has("peft")]
+    spawn(_fsdp_checkpoint_rank, 2, args=(art, cases, tmp_path), timeout_s=300)
+    for i, (arch, kw) in enumerate(cases):
+        assert len(list((tmp_path / str(i) / "dcp").glob("__*_*.distcp"))) == 2  # both trainers wrote rows
+        wl = _wl(art, arch, **kw)
+        wl.export_max_shard_size = 40_000
+        out = ex.save_artifacts(wl, tmp_path / str(i), tmp_path / f"out{i}")
+        assert len(list(out.glob("*.safetensors"))) > 2
         loaded = AutoModelForCausalLM.from_pretrained(out)
-        tok = AutoTokenizer.from_pretrained(out)
-        ids, mask = left_pad(wl.prompt_ids[:3], 8, wl.pad_id)
-        kw_in = dict(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids(mask))
-        with torch.no_grad():
-            assert torch.allclose(loaded(**kw_in).logits, model.actor(**kw_in).logits, atol=1e-4)
-        assert tok.eos_token == wl.tokenizer.eos_token
+        assert torch.allclose(_logits(loaded, wl), _logits(_perturbed(wl).actor, wl), atol=1e-5), (arch, kw)
+
+
+def _run_with_checkpoint(art, run: Path, arch: str, kw: dict, model, gathered: bool) -> Path:
+    """``run`` as a --workload hf run dir (its config.json) with one committed checkpoint of ``model``: DCP
+    shards of one trainer (what TrainerCheckpoints writes), or the older gathered ``learner.pt``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from hpcrl import checkpoint
+    from hpcrl.ppo.trainer_checkpoint import FORMAT
+
+    opts = dict(model=str(art[arch]), reward_fn=REWARD, prompts=str(art["prompts"]), max_prompt_tokens=8,
+                max_new_tokens=8, batch_size=16, **kw)
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"workload": "hf", "hf": opts}))
+    state = get_model_state_dict(model)
+
+    def shards(tmp: Path) -> list[str]:
+        dcp.save({"model": state}, storage_writer=dcp.FileSystemWriter(str(tmp / "dcp")), no_dist=True)
+        return sorted(f"dcp/{p.name}" for p in (tmp / "dcp").iterdir())
+
+    learner = ({"model": state, "version": 1, "env_steps": 0.0, "learner": {}} if gathered else
+               {"format": FORMAT, "version": 1, "env_steps": 0.0, "learner": {}, "trainers": 1})
+    checkpoint.save(run, 1, 0, 1, learner, {"next_credit": torch.tensor(0)}, lambda name: None, identity={},
+                    extra=None if gathered else shards)
+    return run
+
+
+@pytest.mark.parametrize("arch, kw, gathered", [("llama", {"lora_rank": 4}, False), ("gpt2", {"lora_rank": 4}, True),
+                                                ("gpt2", {}, False)], ids=["llama-lora-dcp", "gpt2-lora-gathered",
+                                                                            "gpt2-dcp"])
+def test_export_cli_writes_a_loadable_actor_in_files_of_max_shard_size(art, tmp_path, capsys, arch, kw, gathered):
+    """``python -m hpcrl.ppo.export RUN --out DIR --max-shard-size 40KB`` (in this process): from DCP shards
+    or an older gathered checkpoint, the merged actor in several files with their index and the export
+    marker, the trained actor's logits; a second export replaces the first whole."""
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.ppo import export as ex
+
+    if "lora_rank" in kw and not _has("peft"):
+        pytest.skip("peft")
+    wl = _wl(art, arch, **kw)
+    model = _perturbed(wl)
+    run = _run_with_checkpoint(art, tmp_path / "run", arch, kw, model, gathered)
+    out = tmp_path / "export"
+    assert ex.main([str(run), "--out", str(out), "--max-shard-size", "40KB"]) == 0, capsys.readouterr().err
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) > 2 and (out / "model.safetensors.index.json").is_file()
+    marker = json.loads((out / ex.MARKER).read_text())["files"]
+    assert sorted(p.name for p in out.iterdir() if p.name != ex.MARKER) == marker
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert torch.allclose(_logits(loaded, wl), _logits(model.actor, wl), atol=1e-5)
+    assert ex.main([str(run), "--out", str(out), "--step", "1"]) == 0  # one file now: the earlier export replaced
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+    assert not (out / "model.safetensors.index.json").exists()
+    assert torch.allclose(_logits(AutoModelForCausalLM.from_pretrained(out), wl), _logits(model.actor, wl), atol=1e-5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "run"]  # no temporary left
 
 
 def _has(mod: str) -> bool:

@@ -3,9 +3,11 @@ merged) as a directory ``transformers`` loads (``AutoModelForCausalLM.from_pretr
 
 The actor's tensors are read from the checkpoint's DCP shards alone (``model.actor.*``: no optimizer
 moments, no critic), in this process, without a process group, whatever trainer count and strategy
-wrote them; an older gathered checkpoint (``learner.pt`` with the full model) works too. Trainer 0's
+wrote them, one safetensors file's worth at a time (``--max-shard-size``, default 2GB), LoRA merged per
+module, written, dropped (:mod:`hpcrl.ppo.workloads.hf_export`: no model is built); an older gathered
+checkpoint (``learner.pt`` with the full model) works too, from its tensors in memory. Trainer 0's
 per-checkpoint ``hf/actor`` export goes through :func:`save_artifacts` the same way, after the commit,
-on the checkpoint writer thread; the tensors are dropped once the directory is written.
+on the checkpoint writer thread.
 
 Bad input (no run dir, no checkpoint, not an hf run, a step that does not exist) exits 2 with one line.
 
@@ -32,7 +34,7 @@ from hpcrl.config_check import ConfigError
 from hpcrl.rundir import RunDirError
 from hpcrl.rundir_reuse import previous_run
 
-from .trainer_checkpoint import read_full
+from .trainer_checkpoint import DCP_DIR, read_full
 
 __all__ = ["MARKER", "actor_state", "check_out", "export", "install", "main", "save_artifacts"]
 
@@ -47,8 +49,14 @@ def actor_state(path: Path) -> dict[str, torch.Tensor]:
 
 
 def save_artifacts(workload: Any, path: Path, out_dir: Path | None = None) -> Any:
-    """``workload.save_artifacts`` with the model state of committed checkpoint ``path`` read back from its
-    shards (only what the actor needs), then released."""
+    """Export the model of committed checkpoint ``path``: streamed from its DCP shards through the workload's
+    ``export_checkpoint(dcp_dir, out_dir)`` when it has one (the hf workload: one safetensors file's tensors
+    at a time, nothing kept); else ``workload.save_artifacts`` of the actor's tensors read in full (an older
+    gathered ``learner.pt``: already one file in memory), then released."""
+    stream = getattr(workload, "export_checkpoint", None)
+    dcp_dir = Path(path) / DCP_DIR
+    if stream is not None and (dcp_dir / ".metadata").is_file():  # not the older gathered learner.pt
+        return stream(dcp_dir) if out_dir is None else stream(dcp_dir, out_dir)
     state = actor_state(path)
     try:
         return workload.save_artifacts(state) if out_dir is None else workload.save_artifacts(state, out_dir)
@@ -67,6 +75,9 @@ class ExportArgs:
     """The checkpoint's step (policy version); default the newest verified one."""
     overwrite: bool = False
     """Replace --out although it is not an earlier export of this tool (never a run dir)."""
+    max_shard_size: str = "2GB"
+    """The largest safetensors file (save_pretrained's max_shard_size; e.g. 500MB): the export reads, merges
+    and writes one file's tensors at a time, so this bounds its memory."""
 
 
 def _checkpoint_of(run_dir: Path, step: int | None) -> Path:
@@ -99,6 +110,18 @@ def _workload(run_dir: Path) -> Any:
     names = {f for f in HFOptions.__dataclass_fields__}
     options = {k: v for k, v in saved["hf"].items() if k in names}
     return make_workload("hf", **{**options, "save_dir": None})
+
+
+def _shard_size(value: int | str) -> int:
+    from huggingface_hub.serialization._base import parse_size_to_int  # what save_pretrained parses it with
+
+    try:
+        size = value if isinstance(value, int) else parse_size_to_int(value)
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise ConfigError(f"--max-shard-size {value}: not a size; pass e.g. 500MB or 2GB")
+    return size
 
 
 def _export_files(out: Path) -> set[str] | None:
@@ -155,14 +178,20 @@ def install(written: Path, out: Path) -> Path:
     return out
 
 
-def export(run_dir: Path, out: Path, step: int | None = None, overwrite: bool = False) -> Path:
+def export(run_dir: Path, out: Path, step: int | None = None, overwrite: bool = False,
+           max_shard_size: int | str | None = None) -> Path:
     """Write the actor of ``run_dir``'s checkpoint (default the newest) to ``out`` (:func:`check_out` says
-    when it may be replaced); returns ``out``."""
+    when it may be replaced), in safetensors files of at most ``max_shard_size`` (default the workload's);
+    returns ``out``."""
     run_dir, out = Path(run_dir), Path(out)
     if not run_dir.is_dir():
         raise RunDirError(f"{run_dir}: no such run dir")
     check_out(out, run_dir, overwrite)  # before the model is built: a refusal in seconds
+    if max_shard_size is not None:
+        _shard_size(max_shard_size)
     workload = _workload(run_dir)
+    if max_shard_size is not None:
+        workload.export_max_shard_size = max_shard_size
     path = _checkpoint_of(run_dir, step)
     parent = out.with_name(f".{out.name}.export")
     shutil.rmtree(parent, ignore_errors=True)
@@ -178,7 +207,7 @@ def export(run_dir: Path, out: Path, step: int | None = None, overwrite: bool = 
 def main(argv: list[str] | None = None) -> int:
     args = tyro.cli(ExportArgs, args=argv, prog="python -m hpcrl.ppo.export")
     try:
-        out = export(args.run_dir, args.out, args.step, args.overwrite)
+        out = export(args.run_dir, args.out, args.step, args.overwrite, args.max_shard_size)
     except (RunDirError, ConfigError) as err:
         print(f"hpcrl.ppo.export: {err}", file=sys.stderr, flush=True)
         return 2

@@ -43,8 +43,9 @@ Roles (the same split as :mod:`hpcrl.ppo.workloads.lm`):
   ``entropy``, ``clip_frac``, ``value_loss``, ``explained_variance``, ``maker_tokens_per_s``,
   ``trainer_tokens_per_s``, ``maker_logp_gap``.
 * **artefacts**: with ``--save-dir DIR`` (``RUN_DIR/hf`` under ``--workload hf``) trainer 0 writes the
-  actor with ``save_pretrained`` (LoRA merged into a copy) plus the tokenizer to ``DIR/actor`` at
-  every checkpoint and at the end (:meth:`HFWorkload.save_artifacts`, from the checkpoint's state).
+  actor as ``save_pretrained`` would (LoRA merged) plus the tokenizer to ``DIR/actor`` at every
+  checkpoint and at the end (:meth:`HFWorkload.export_checkpoint`): streamed from the checkpoint's DCP
+  shards one safetensors file at a time (:mod:`.hf_export`), no model built, no host copy kept.
 * **trainer strategies** (``--strategy ddp|fsdp``, :mod:`hpcrl.ppo.strategy`): FSDP2 units are the
   decoder layers of actor and critic, then actor and critic (:meth:`HFWorkload.shard_units`). Under
   fsdp the trainers build the model on ``meta`` and each reads only its own rows of the weights files
@@ -73,7 +74,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -83,6 +84,7 @@ from hpcrl.config_check import ConfigError
 from ..workload import PPOConfig, Workload
 from . import hf_models as M
 from .hf_collector import HFCollector, left_pad
+from .hf_export import DEFAULT_MAX_SHARD_SIZE
 from .hf_generate import SamplingParams, position_ids
 from .hf_learner import HFLearner, group_advantages
 from .hf_options import HFOptions
@@ -221,13 +223,17 @@ class HFWorkload(HFOptions, Workload):
                          kl_coef=self.kl_coef)
 
     # -- models ----------------------------------------------------------------------------------
+    def _lora_config(self) -> Any:
+        import peft
+
+        return peft.LoraConfig(r=self.lora_rank, lora_alpha=self.lora_alpha or self.lora_rank, lora_dropout=0.0,
+                               target_modules="all-linear", bias="none")
+
     def _lora(self, net: nn.Module) -> nn.Module:
         import peft
 
-        cfg = peft.LoraConfig(r=self.lora_rank, lora_alpha=self.lora_alpha or self.lora_rank, lora_dropout=0.0,
-                              target_modules="all-linear", bias="none")
         # adapters in the base weights' dtype: one dtype per FSDP unit, and bf16 weights stay bf16
-        return peft.get_peft_model(net, cfg, autocast_adapter_dtype=False)
+        return peft.get_peft_model(net, self._lora_config(), autocast_adapter_dtype=False)
 
     builds_on_meta = True
     """Under --strategy fsdp the trainers build the model empty (``build_model(seed, "meta")``) and
@@ -430,32 +436,71 @@ class HFWorkload(HFOptions, Workload):
                 base.copy_(pristine + module.get_delta_weight(name).to(base.dtype))
             module.merged_adapters = list(module.active_adapters)
 
+    export_max_shard_size: ClassVar[int | str] = DEFAULT_MAX_SHARD_SIZE
+    """The largest safetensors file of an ``actor`` export (save_pretrained's ``max_shard_size``): an export
+    holds one file's tensors at a time."""
+
     @torch.no_grad()
     def save_artifacts(self, state: dict[str, Tensor], out_dir: str | os.PathLike | None = None) -> Path | None:
         """``out_dir/actor`` (default ``--save-dir``; nothing without one): the actor of the full model
-        state ``state`` (LoRA merged) and the tokenizer, with save_pretrained, loadable by
-        ``AutoModelForCausalLM.from_pretrained``. Trainer 0 calls it after every checkpoint with the
-        checkpoint's state (gathered under fsdp). Written to a temporary sibling and renamed, so a
-        reader never sees half a model."""
+        state ``state`` (LoRA merged) and the tokenizer, as save_pretrained writes it, loadable by
+        ``AutoModelForCausalLM.from_pretrained`` (:func:`~.hf_export.write_pretrained`; no model built).
+        Trainer 0's per-checkpoint export reads the checkpoint's shards instead (:meth:`export_checkpoint`)."""
+        from .hf_export import StateTensors
+
+        return self._write_actor(StateTensors(state), out_dir)
+
+    @torch.no_grad()
+    def export_checkpoint(self, dcp_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> Path | None:
+        """:meth:`save_artifacts` of the model state in the DCP checkpoint ``dcp_dir`` (``model.actor.*``),
+        streamed: read one safetensors shard's tensors at a time (:class:`~.hf_export.CheckpointTensors`),
+        merged, written, dropped. Trainer 0 calls it after every checkpoint (on the writer thread), and
+        ``python -m hpcrl.ppo.export``."""
+        from .hf_export import CheckpointTensors
+
+        return self._write_actor(CheckpointTensors(dcp_dir), out_dir)
+
+    def _write_actor(self, source: Any, out_dir: str | os.PathLike | None) -> Path | None:
+        """``out_dir/actor`` from ``source``, written to a temporary sibling and renamed, so a reader never
+        sees half a model; the model's ``meta`` skeleton names the tensors (nothing allocated, nothing kept)."""
+        from .hf_export import meta_causal_lm, peft_scaling, write_pretrained
+
         out_dir = out_dir if out_dir is not None else self.save_dir
         if out_dir is None:
             return None
         out = Path(out_dir) / "actor"
         tmp = out.with_name(f".actor.tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        export = self.__dict__.get("_export")
-        if export is None:  # one host copy of the actor, made once: the sharded live model cannot save itself
-            export = self.__dict__["_export"] = self.build_model(0, "cpu", critic=False).actor
-        export.load_state_dict({k.removeprefix("actor."): v for k, v in state.items() if k.startswith("actor.")})
-        actor = copy.deepcopy(export).merge_and_unload() if self.lora_rank else export
-        actor.save_pretrained(tmp)
-        self.tokenizer.save_pretrained(tmp)
+        skeleton = meta_causal_lm(self.model, self.param_dtype)
+        scaling = rank = None
+        if self.lora_rank:
+            cfg = self._lora_config()
+            scaling, rank = peft_scaling(cfg.lora_alpha, cfg.r, cfg.use_rslora), cfg.r
+        try:
+            write_pretrained(source, tmp, skeleton, self.param_dtype, tokenizer=self.tokenizer,
+                             generation_config=self._generation_config(skeleton), lora_scaling=scaling,
+                             lora_rank=rank, max_shard_size=self.export_max_shard_size)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         old = out.with_name(f".actor.old{os.getpid()}")
         if out.exists():
             out.rename(old)
         tmp.rename(out)
         shutil.rmtree(old, ignore_errors=True)
         return out
+
+    def _generation_config(self, skeleton: nn.Module) -> Any:
+        """What ``from_pretrained(--model)`` gives the actor (its generation_config.json, else one made from
+        the model config); None for a model that does not generate (save_pretrained writes none)."""
+        if not skeleton.can_generate():
+            return None
+        from transformers import GenerationConfig
+
+        try:
+            return GenerationConfig.from_pretrained(self.model)
+        except OSError:
+            return skeleton.generation_config
 
     # -- roles -----------------------------------------------------------------------------------
     def make_collector(self, rank_seed: int, device: torch.device | str = "cpu") -> HFCollector:
