@@ -167,6 +167,18 @@ def test_kv_cache_generate_matches_recompute_greedy(art):
     a, am = generate(model, ids, mask.long(), params, wl.eos_id, wl.pad_id, seed=0)
     b, bm = generate_recompute(model, ids, mask.long(), params, wl.eos_id, wl.pad_id, torch.Generator())
     assert torch.equal(am, bm) and torch.equal(a * am.long(), b * bm.long())
+    # 24 more columns of padding in every row: generate drops them (the same input, bit for bit), and the
+    # cache-less loop that keeps them gives the same tokens (positions count real tokens only)
+    wide, wmask = left_pad(wl.prompt_ids[:6], wl.max_prompt_tokens + 24, wl.pad_id)
+    widths: list[int] = []
+    hook = model.register_forward_pre_hook(lambda m, args, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    c, cm = generate(model, wide, wmask.long(), SamplingParams(max_new_tokens=8), wl.eos_id, wl.pad_id, seed=3)
+    hook.remove()
+    assert widths[0] == max(len(row) for row in wl.prompt_ids[:6]) < wl.max_prompt_tokens + 24  # the prefill
+    d, dm = generate(model, ids, mask.long(), SamplingParams(max_new_tokens=8), wl.eos_id, wl.pad_id, seed=3)
+    assert torch.equal(c, d) and torch.equal(cm, dm)
+    e, em = generate_recompute(model, wide, wmask.long(), params, wl.eos_id, wl.pad_id, torch.Generator())
+    assert torch.equal(em, am) and torch.equal(e * em.long(), a * am.long())
 
 
 def test_reward_model_scores_one_per_sequence(art):

@@ -92,11 +92,16 @@ def _pad_response(out: Tensor, prompt_len: int, g: int, pad_id: int) -> tuple[Te
 def generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, params: SamplingParams, eos_id: int,
              pad_id: int, seed: int) -> tuple[Tensor, Tensor]:
     """``(response [B, G], action_mask [B, G])`` sampled with ``model.generate`` (KV cache), seeded by
-    ``seed`` without touching the caller's global RNG (or greedy: ``params.sample`` False). Never
+    ``seed`` without touching the caller's global RNG (or greedy: ``params.sample`` False), from the
+    left-padded prompts less the columns that are padding in every row (the batch's own width). Never
     ``synced_gpus``: transformers turns it on for an FSDP module and then all-reduces over the *world*
     group, makers included; trainers evaluating together make the same forward passes anyway."""
     kw = (dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
           if params.sample else dict(do_sample=False, temperature=None, top_p=None, top_k=None))
+    # Columns that are padding in every row cost compute at every step (prefill and each step's attention)
+    # and change nothing: positions count real tokens only. Generate from the longest prompt's width.
+    width = max(1, int(attention_mask.sum(1).max()))
+    input_ids, attention_mask = input_ids[:, -width:], attention_mask[:, -width:]
     devices = [input_ids.device] if input_ids.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
