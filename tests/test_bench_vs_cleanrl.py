@@ -113,3 +113,21 @@ def test_quick_runs_both_systems_and_merges(tmp_path: Path, peer_venv: Path) -> 
     assert {"at_200", "at_400"} <= set(task["targets"])
     assert doc["results"]["peer"]["files"] == vs_cleanrl.PEER_FILES
     assert (out / "vs_cleanrl.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("task", ["halfcheetah", "hopper"])
+def test_cpu_presets_validate_and_fit_the_protocol(task: str) -> None:
+    """halfcheetah-cpu / hopper-cpu: valid, the task's v5 env, update-to-data 1 (one critic update per
+    transition), and the harness's protocol (eval every 5,000 env steps, 5 episodes, 50k steps) parses."""
+    from hpcrl.sac.config import preset
+
+    cfg = preset(f"{task}-cpu")
+    cfg.check()
+    assert cfg.env == vs_cleanrl.TASKS[task][1]
+    assert cfg.num_updates == cfg.num_envs and cfg.batch_size == 256
+    assert cfg.buffer_size * cfg.num_envs >= 50_000 and cfg.target_entropy_ratio == 1.0
+    a = vs_cleanrl.parse_args(["--task", task, "--system", "hpcrl", "--hpcrl-preset", f"{task}-cpu"])
+    argv, got = vs_cleanrl.hpcrl_argv(a)
+    got.check()
+    assert (got.preset, got.total_env_steps, got.eval_every * got.num_envs, got.eval_episodes) == \
+        (f"{task}-cpu", 50_000, 5_000, 5)

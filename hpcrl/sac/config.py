@@ -33,8 +33,8 @@ class SACConfig:
     """Defaults follow holosoma's FastSACConfig (docs/holosoma.md) unless a preset says otherwise."""
 
     preset: str = "holosoma"
-    """Start from this preset's values (holosoma, pendulum, halfcheetah, playground); --config and the other
-    flags override it."""
+    """Start from this preset's values (holosoma, pendulum, halfcheetah, halfcheetah-cpu, hopper-cpu,
+    playground); --config and the other flags override it."""
     config: str = ""
     """YAML or JSON file of field values (e.g. the config.json a run wrote) used as defaults; flags override
     it. "" = none."""
@@ -307,6 +307,33 @@ class SACConfig:
                 c.fail("seeds", f"comma-separated integers in [0, {MAX_SEED}] ({err})", "e.g. --seeds 0,1,2")
 
 
+MUJOCO_CPU: dict = dict(
+    # 4 envs x 1 update per vector step = update-to-data 1 (CleanRL's / the SAC paper's one gradient step per
+    # transition): few envs keep the policy fresh per sample; batch 256 as CleanRL (its SAC and the SAC paper).
+    num_envs=4, num_updates=4, batch_size=256,
+    # 1M transitions like CleanRL's buffer (250,000 per env), the budget of the halfcheetah preset.
+    total_env_steps=1_000_000, buffer_size=250_000,
+    # 1,000 random transitions (250 vector steps) before the first update; CleanRL waits 5,000: starting
+    # early is much of what wins at 25k env steps (docs/mujoco_cpu.md's ablation).
+    learning_starts=250, random_steps=250,
+    # CleanRL's sac_continuous_action.py: gamma 0.99, tau 0.005, q_lr 1e-3 (critic and alpha), policy_lr 3e-4,
+    # policy_frequency 2, log-std max 2, target entropy -|A|, plain Adam (no weight decay).
+    gamma=0.99, tau=0.005, critic_lr=1e-3, alpha_lr=1e-3, actor_lr=3e-4, policy_frequency=2, log_std_max=2.0,
+    weight_decay=0.0, target_entropy_ratio=1.0,
+    # alpha starts at 0.1 (CleanRL: 1.0), learned from there: less random early behaviour at few samples.
+    alpha_init=0.1,
+    # widths 256/128/64 (networks.py halves twice): CleanRL's 256 first layer; wider critics cost wall time
+    # on one thread.
+    actor_hidden=256, critic_hidden=256,
+    # discounted returns (gamma 0.99) of HalfCheetah (at most ~12/step -> ~1,200) and Hopper (~3.5/step ->
+    # ~350), down to ~-1/step -> -100: [-250, 1250] covers both unscaled (101 atoms, 15 per atom).
+    v_min=-250.0, v_max=1250.0, reward_scale=1.0,
+    # eval every 5,000 env steps (vs_cleanrl.py's protocol passes its own), 5 episodes.
+    log_every=125, checkpoint_every=12_500, eval_episodes=5, eval_every=1250,
+)
+"""Shared values of the halfcheetah-cpu and hopper-cpu presets."""
+
+
 PRESETS: dict[str, dict] = {
     # holosoma's defaults for massively parallel humanoid locomotion.
     "holosoma": {},
@@ -329,6 +356,11 @@ PRESETS: dict[str, dict] = {
         v_min=-250.0, v_max=250.0, critic_hidden=512, actor_hidden=256, alpha_init=0.001, target_entropy_ratio=0.0,
         weight_decay=0.001, log_every=100, checkpoint_every=5000, eval_episodes=4, eval_every=2000,
     ),
+    # gymnasium MuJoCo on ONE CPU thread (benchmarks/vs_cleanrl.py, docs/mujoco_cpu.md): sample-efficient
+    # standard SAC rather than FastTD3's GPU sizes, on hpcrl's learner (C51 critic with LayerNorm, 2 Q heads,
+    # obs normalisation). See MUJOCO_CPU below for where each value comes from.
+    "halfcheetah-cpu": dict(MUJOCO_CPU, env="gym:HalfCheetah-v5"),
+    "hopper-cpu": dict(MUJOCO_CPU, env="gym:Hopper-v5"),
     # MuJoCo Playground's DM-suite CartpoleBalance (the Playground task that runs without the menagerie
     # files). FastTD3's Playground arguments (younggyoseo/FastTD3 fast_td3/hyperparams.py, MuJoCoPlaygroundArgs:
     # gamma 0.97, a 10,240-slot replay per env, return support [-10, 10]) on holosoma's learner; 128 envs
