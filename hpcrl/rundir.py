@@ -7,7 +7,8 @@ refused start exits 2 on every rank at once instead of hanging). The file is cre
 of the holder: host, pid, start time, Slurm job, a heartbeat counter rewritten every
 :data:`HEARTBEAT_S` seconds. A second start refuses with "run dir X is in use by pid P on host H
 since T; use another --run-dir or stop that run". A lock left by a dead run is stale and taken over
-(with a note on stderr):
+(with a note on stderr); a holder on this host that is dead or being killed while its flock is still
+held (teardown of a SIGKILLed torch process takes seconds) is waited for, up to :data:`DYING_WAIT_S`:
 
 - ``flock`` free and the holder ran on this host: it is dead (a flock dies with its process);
 - ``flock`` free, holder on another host: the flock may be node-local (Lustre ``localflock``), so
@@ -52,6 +53,7 @@ LAUNCHED_PID_ENV = "HPCRL_LAUNCHED_PID"  # set by hpcrl.comm.spawn: the pid of t
 HEARTBEAT_S = 5.0  # the holder rewrites its record this often
 STALE_S = 30.0  # a record from another host whose heartbeat did not move for this long is stale (generous:
 # a holder busy in a long C call that keeps the GIL, e.g. writing a big HDF5 shard, beats late)
+DYING_WAIT_S = 20.0  # how long a start waits for the flock of a killed holder that is still tearing down
 _STORE_KEY = "rundir/claim"
 _RECORD_BYTES = 4096  # the record is rewritten in place at this fixed size: one page, no torn reads locally
 
@@ -81,6 +83,43 @@ def pid_alive(pid: int, start: str) -> bool:
     except PermissionError:  # someone else's process: alive
         pass
     return not start or not (now := proc_start(pid)) or now == start  # a reused pid is another process
+
+
+_PF_EXITING = 0x4  # task flag (linux/sched.h): the process is in its exit path
+_SIGKILL_BIT = 1 << (9 - 1)
+
+
+def _killed(pid: int) -> bool:
+    """``pid`` is on its way out: a zombie, in its exit path, or with a SIGKILL pending."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
+        if fields[0] in ("Z", "X") or int(fields[6]) & _PF_EXITING:  # state, flags (fields 3 and 9)
+            return True
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) & _SIGKILL_BIT:
+                return True
+    except (OSError, IndexError, ValueError):
+        pass
+    return False
+
+
+def _holder_dying(record: dict[str, Any] | None) -> bool:
+    """The record's holder ran on this host and is dead or being killed, yet its flock is still held: a
+    killed process drops its files only once its teardown ends (a big torch process takes a while)."""
+    if not record or record.get("host") != socket.gethostname():
+        return False
+    pid = _int(record.get("pid"))
+    return pid > 0 and (not pid_alive(pid, str(record.get("pid_start", ""))) or _killed(pid))
+
+
+def _flock_after_dying_holder(fd: int, record: dict[str, Any] | None) -> bool | None:
+    """Wait up to :data:`DYING_WAIT_S` for the flock of a dying holder (:func:`_holder_dying`)."""
+    deadline = time.monotonic() + DYING_WAIT_S
+    locked = _try_flock(fd)
+    while locked is False and _holder_dying(record) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        locked = _try_flock(fd)
+    return locked
 
 
 def _when(t: Any) -> str:
@@ -247,6 +286,8 @@ def probe(run_dir: str | os.PathLike) -> None:
     try:
         locked = _try_flock(fd)
         record = _settled_record(fd) if locked is not True else _read_record_fd(fd)
+        if locked is False and _holder_dying(record):
+            return  # its holder is being killed: claim() waits for the flock
     finally:
         os.close(fd)  # drops the flock if we took it
     if record and record.get("host") == socket.gethostname() and _int(record.get("pid")) == os.getpid():
@@ -314,6 +355,8 @@ def _acquire(run_dir: Path, made_dirs: tuple[Path, ...]) -> RunDirLock:
             raise RunDirError(f"cannot create the lock file {path}: {err.strerror or err}") from None
         try:
             locked = _try_flock(fd)
+            if locked is False:
+                locked = _flock_after_dying_holder(fd, _settled_record(fd))
             if locked is False:
                 raise _in_use(run_dir, _settled_record(fd))
             if not _same_file(fd, path):  # released (unlinked) while we opened it: start over

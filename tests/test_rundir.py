@@ -83,6 +83,27 @@ def test_sigkilled_holder_leaves_a_stale_lock_that_is_taken_over(tmp_path, capsy
     assert f"took over the stale lock of pid {holder.pid} on host {HOST}" in capsys.readouterr().err
 
 
+def test_a_killed_holder_whose_flock_outlives_it_for_a_while_is_waited_for(tmp_path, capsys):
+    """A SIGKILLed rank drops its flock only when its teardown ends (seconds for a big torch process under
+    load; CI saw "in use" right after killing a job). Stand-in for that slow teardown: a forked child keeps
+    the holder's flock for 1.5 s after the holder is dead."""
+    code = ("import os, sys, time; from hpcrl.rundir import acquire; lock = acquire(sys.argv[1]); "
+            "os.fork() or (time.sleep(1.5), os._exit(0)); print('held', flush=True); time.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    fd = os.open(tmp_path / rundir.LOCK_NAME, os.O_RDONLY)
+    assert rundir._try_flock(fd) is False  # still held
+    os.close(fd)
+    rundir.probe(tmp_path)  # no refusal before spawning: the holder is dead
+    started = time.monotonic()
+    with acquire(tmp_path) as lock:
+        assert lock_record(tmp_path)["pid"] == os.getpid()
+    assert 0.5 < time.monotonic() - started < rundir.DYING_WAIT_S
+    assert f"took over the stale lock of pid {holder.pid}" in capsys.readouterr().err
+
+
 def test_a_lock_of_another_host_is_judged_by_its_heartbeat(tmp_path, monkeypatch, capsys):
     """flock may be node-local (Lustre localflock): a record from another host is alive while its heartbeat moves."""
     monkeypatch.setattr(rundir, "STALE_S", 2.0)
