@@ -165,8 +165,10 @@ class FastSAC(nn.Module):
             next_log_prob = next_log_prob.float()
             target_logits = self.critic_target(batch.q_next_obs, next_action)
             reward = losses.soft_reward(batch.reward, batch.discount, alpha, next_log_prob)
-            target = losses.categorical_projection(torch.softmax(target_logits.float(), -1), reward,
-                                                   batch.discount, self.critic.support)
+            target_probs = torch.softmax(target_logits.float(), -1)
+            if cfg.cdq:
+                target_probs = losses.lowest_head(target_probs, self.critic.support)
+            target = losses.categorical_projection(target_probs, reward, batch.discount, self.critic.support)
         with self._autocast:
             logits = self.critic_train(batch.q_obs, batch.action)
         critic_loss = losses.critic_loss(logits, target)
@@ -222,7 +224,7 @@ class FastSAC(nn.Module):
                 # Through actor_train's forward, so DDP (grad_average="ddp") sees the pass and reduces.
                 action, log_prob = self.actor.squash(*self.actor_train(obs), eps)
                 q = self.critic.q_value(self.critic(obs if q_obs is None else q_obs, action))
-            loss = losses.actor_loss(log_prob.float(), q, alpha)
+            loss = losses.actor_loss(log_prob.float(), q, alpha, clipped=self.cfg.cdq)
             self._scaled(loss).backward()
         finally:
             self.critic.requires_grad_(True)

@@ -151,6 +151,10 @@ class SACConfig:
     """Width of the first hidden layer (then /2, /4): >= 4."""
     num_q: int = 2
     """Critic heads (>= 1)."""
+    cdq: bool = False
+    """Clipped double Q: every head's target is the distribution of the target head with the lowest expected
+    value (per sample) and the actor maximises the lowest head (FastTD3's CDQ, CleanRL's min of two Qs);
+    False = holosoma (each head its own target, the actor the mean of the heads)."""
     num_atoms: int = 101
     """C51 atoms of each head's return distribution, >= 2."""
     v_min: float = -20.0
@@ -265,6 +269,7 @@ class SACConfig:
         for name in ("actor_hidden", "critic_hidden"):
             c.integer(name, 4, hint="hidden widths are it, /2 and /4")
         c.integer("num_q", 1, hint="critic heads")
+        c.boolean("cdq")
         c.integer("num_atoms", 2, hint="atoms of the return distribution")
         c.real("v_min")
         c.real("v_max")

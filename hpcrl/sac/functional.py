@@ -147,8 +147,10 @@ class Functional:
             target_logits = functional_call(agent.critic_target, self.target_layout.views(target_buf.detach()),
                                             (q_next_obs, next_action))
             soft = losses.soft_reward(reward, discount, alpha, next_log_prob)
-            target = losses.categorical_projection(torch.softmax(target_logits.float(), -1), soft, discount,
-                                                   agent.critic.support)
+            target_probs = torch.softmax(target_logits.float(), -1)
+            if agent.cfg.cdq:
+                target_probs = losses.lowest_head(target_probs, agent.critic.support)
+            target = losses.categorical_projection(target_probs, soft, discount, agent.critic.support)
         with agent._autocast:
             logits = functional_call(agent.critic, self.critic_layout.views(critic_buf), (q_obs, action))
         critic_loss = losses.critic_loss(logits, target)
@@ -161,7 +163,7 @@ class Functional:
             action, log_prob = self._actor_sample(actor_buf, obs, eps)
             q = agent.critic.q_value(functional_call(agent.critic, self.critic_layout.views(critic_buf.detach()),
                                                      (q_obs, action)))
-        loss = losses.actor_loss(log_prob.float(), q, alpha)
+        loss = losses.actor_loss(log_prob.float(), q, alpha, clipped=agent.cfg.cdq)
         return loss, (loss.detach(), -log_prob.detach().float().mean())
 
     # -- the pieces: gradients into the grad buffers, steps from them

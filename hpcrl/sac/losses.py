@@ -31,8 +31,16 @@ def categorical_projection(next_probs: torch.Tensor, reward: torch.Tensor, disco
     return proj
 
 
+def lowest_head(next_probs: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
+    """Clipped double Q for return distributions (FastTD3's CDQ): per sample, the distribution of the
+    head whose expected value is lowest, ``[num_q, B, N] -> [1, B, N]`` (every head's target)."""
+    low = (next_probs * support).sum(-1).argmin(0)  # [B]
+    return next_probs.gather(0, low[None, :, None].expand(1, *next_probs.shape[1:]))
+
+
 def critic_loss(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of each head against its projected target, mean over the batch, summed over heads."""
+    """Cross-entropy of each head against its projected target (``[num_q or 1, B, N]``), mean over the
+    batch, summed over heads."""
     log_p = torch.log_softmax(logits.float(), dim=-1)
     return -(target_probs * log_p).sum(-1).mean(-1).sum()
 
@@ -43,9 +51,12 @@ def soft_reward(reward: torch.Tensor, discount: torch.Tensor, alpha: torch.Tenso
     return reward - discount * alpha * next_log_prob
 
 
-def actor_loss(log_prob: torch.Tensor, q_values: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-    """mean(alpha * log pi - mean over heads of Q); ``q_values`` is ``[num_q, B]``."""
-    return (alpha * log_prob - q_values.mean(0)).mean()
+def actor_loss(log_prob: torch.Tensor, q_values: torch.Tensor, alpha: torch.Tensor,
+               clipped: bool = False) -> torch.Tensor:
+    """mean(alpha * log pi - Q), Q the mean over heads (holosoma) or their minimum (``clipped``, CDQ);
+    ``q_values`` is ``[num_q, B]``."""
+    q = q_values.min(0).values if clipped else q_values.mean(0)
+    return (alpha * log_prob - q).mean()
 
 
 def alpha_loss(log_alpha: torch.Tensor, log_prob: torch.Tensor, target_entropy: float) -> torch.Tensor:

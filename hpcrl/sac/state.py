@@ -37,9 +37,15 @@ RESUMABLE_FIELDS = frozenset({"total_env_steps", "run_dir", "resume", "overwrite
                               "flat_params", "batched_critic"})
 
 
+# Identity fields added later, with the value every older run had: left out at that value, so older
+# checkpoints keep resuming.
+LATER_FIELDS = {"cdq": False}
+
+
 def run_identity(cfg: SACConfig, world_size: int | None = None) -> dict[str, Any]:
     """The run's identity; ``world_size`` is accepted for older callers and left out (runs reshard)."""
-    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in RESUMABLE_FIELDS}
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in RESUMABLE_FIELDS
+              and not (f.name in LATER_FIELDS and getattr(cfg, f.name) == LATER_FIELDS[f.name])}
     return {"seed": fields.pop("seed"), **fields}
 
 
