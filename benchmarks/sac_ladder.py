@@ -8,7 +8,8 @@ Rungs (``SACConfig`` fields): ``per_head`` (per-head critic, per-parameter tenso
 ``compiled`` (flat + ``--compile``: the whole update captured by torch.compile, hpcrl/sac/compiled.py; its
 one-time compile is done before timing and reported as ``compile_s``).
 Sizes: the pendulum preset (obs 3, action 1, batch 256, hidden 128) and the halfcheetah preset (obs 17,
-action 6, batch 4096, critic 512, actor 256). One torch thread, CPU, one process. Every rung starts
+action 6, batch 4096, critic 512, actor 256), and ``halfcheetah-cpu`` (the same env, batch 256, hidden 256:
+what a CPU run of docs/mujoco_cpu.md updates). One torch thread, CPU, one process. Every rung starts
 from the same seed (hence the same weights) and runs on the same fixed batch and noise; one timed call
 is ``policy_frequency`` updates (one actor step among them). Repeats of all rungs are interleaved
 (benchmarks/_timing.py), so load from other processes hits every rung alike: compare ratios, not
@@ -52,7 +53,7 @@ RUNGS: dict[str, dict[str, bool]] = {
     "batched_flat": dict(flat_params=True, batched_critic=True),
     "compiled": dict(flat_params=True, batched_critic=False, compile=True),
 }
-SIZES = {"pendulum": (3, 1), "halfcheetah": (17, 6)}  # (obs_dim, action_dim) of each preset's env
+SIZES = {"pendulum": (3, 1), "halfcheetah": (17, 6), "halfcheetah-cpu": (17, 6)}  # (obs_dim, action_dim) of each preset's env
 BASE = "per_head"
 
 

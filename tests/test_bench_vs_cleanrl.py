@@ -115,16 +115,20 @@ def test_quick_runs_both_systems_and_merges(tmp_path: Path, peer_venv: Path) -> 
     assert (out / "vs_cleanrl.png").stat().st_size > 10_000
 
 
-@pytest.mark.parametrize("task", ["halfcheetah", "hopper"])
-def test_cpu_presets_validate_and_fit_the_protocol(task: str) -> None:
-    """halfcheetah-cpu / hopper-cpu: valid, the task's v5 env, update-to-data 1 (one critic update per
-    transition), and the harness's protocol (eval every 5,000 env steps, 5 episodes, 50k steps) parses."""
+@pytest.mark.parametrize("task, update_to_data, cdq, policy_frequency",
+                         [("halfcheetah", 0.5, False, 2), ("hopper", 1.0, True, 1)])
+def test_cpu_presets_validate_and_fit_the_protocol(task: str, update_to_data: float, cdq: bool,
+                                                   policy_frequency: int) -> None:
+    """halfcheetah-cpu / hopper-cpu: valid, the task's v5 env, the update-to-data ratio (critic updates per
+    transition) and learner of docs/mujoco_cpu.md, and the harness's protocol (eval every 5,000 env steps,
+    5 episodes, 50k steps) parses."""
     from hpcrl.sac.config import preset
 
     cfg = preset(f"{task}-cpu")
     cfg.check()
     assert cfg.env == vs_cleanrl.TASKS[task][1]
-    assert cfg.num_updates == cfg.num_envs and cfg.batch_size == 256
+    assert cfg.num_updates / cfg.num_envs == update_to_data and cfg.batch_size == 256
+    assert (cfg.cdq, cfg.policy_frequency) == (cdq, policy_frequency)
     assert cfg.buffer_size * cfg.num_envs >= 50_000 and cfg.target_entropy_ratio == 1.0
     a = vs_cleanrl.parse_args(["--task", task, "--system", "hpcrl", "--hpcrl-preset", f"{task}-cpu"])
     argv, got = vs_cleanrl.hpcrl_argv(a)
