@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpcrl.process_state import being_killed, pid_alive, proc_start
 from hpcrl.rundir_files import SHARED_ENV, atomic_path, dir_mode, file_mode, make_dir, shared, write_text
 from hpcrl.rundir_identity import identity_difference, identity_hash, normalize_identity
 from hpcrl.rundir_outcome import OUTCOME, _main, clear_outcome, finished_by_this_job, record_outcome
@@ -63,53 +64,13 @@ class RunDirError(ValueError):
     no usable checkpoint); the message says what to do. Entry points exit 2 on it."""
 
 
-def proc_start(pid: int) -> str:
-    """The process's start time in clock ticks since boot ("" where /proc is not available)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    return stat.rsplit(")", 1)[-1].split()[19]  # field 22, counted after the "(comm)" field
-
-
-def pid_alive(pid: int, start: str) -> bool:
-    """``pid`` runs and is the process that started at ``start`` (:func:`proc_start`; "" = unknown)."""
-    if pid <= 0:  # never os.kill(0 or -1, ...): those address process groups
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        pass
-    return not start or not (now := proc_start(pid)) or now == start  # a reused pid is another process
-
-
-_PF_EXITING = 0x4  # task flag (linux/sched.h): the process is in its exit path
-_SIGKILL_BIT = 1 << (9 - 1)
-
-
-def _killed(pid: int) -> bool:
-    """``pid`` is on its way out: a zombie, in its exit path, or with a SIGKILL pending."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
-        if fields[0] in ("Z", "X") or int(fields[6]) & _PF_EXITING:  # state, flags (fields 3 and 9)
-            return True
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) & _SIGKILL_BIT:
-                return True
-    except (OSError, IndexError, ValueError):
-        pass
-    return False
-
-
 def _holder_dying(record: dict[str, Any] | None) -> bool:
     """The record's holder ran on this host and is dead or being killed, yet its flock is still held: a
     killed process drops its files only once its teardown ends (a big torch process takes a while)."""
     if not record or record.get("host") != socket.gethostname():
         return False
     pid = _int(record.get("pid"))
-    return pid > 0 and (not pid_alive(pid, str(record.get("pid_start", ""))) or _killed(pid))
+    return pid > 0 and (not pid_alive(pid, str(record.get("pid_start", ""))) or being_killed(pid))
 
 
 def _flock_after_dying_holder(fd: int, record: dict[str, Any] | None) -> bool | None:

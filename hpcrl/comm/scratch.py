@@ -10,7 +10,7 @@ import shutil
 import socket
 import tempfile
 
-from hpcrl import rundir
+from hpcrl import process_state
 
 __all__ = ["PREFIX", "host_tag", "make_scratch_dir", "start_tag", "sweep_scratch"]
 
@@ -22,13 +22,13 @@ def host_tag() -> str:
 
 
 def start_tag(pid: int) -> str:
-    """The process's start time (:func:`hpcrl.rundir.proc_start`), "0" where /proc is not available: a
+    """The process's start time (:func:`hpcrl.process_state.proc_start`), "0" where /proc is not available: a
     field of the scratch directory's name."""
-    return rundir.proc_start(pid) or "0"
+    return process_state.proc_start(pid) or "0"
 
 
 def _owner_alive(pid: int, start: str) -> bool:
-    return rundir.pid_alive(pid, "" if start == "0" else start)
+    return process_state.pid_alive(pid, "" if start == "0" else start)
 
 
 _SCRATCH = re.compile(re.escape(PREFIX) + r"(?P<host>.+)-(?P<pid>\d+)-(?P<start>\d+)-[A-Za-z0-9_]+")

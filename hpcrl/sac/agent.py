@@ -165,10 +165,7 @@ class FastSAC(nn.Module):
             next_log_prob = next_log_prob.float()
             target_logits = self.critic_target(batch.q_next_obs, next_action)
             reward = losses.soft_reward(batch.reward, batch.discount, alpha, next_log_prob)
-            target_probs = torch.softmax(target_logits.float(), -1)
-            if cfg.cdq:
-                target_probs = losses.lowest_head(target_probs, self.critic.support)
-            target = losses.categorical_projection(target_probs, reward, batch.discount, self.critic.support)
+            target = losses.target_distribution(target_logits, reward, batch.discount, self.critic.support, cfg.cdq)
         with self._autocast:
             logits = self.critic_train(batch.q_obs, batch.action)
         critic_loss = losses.critic_loss(logits, target)

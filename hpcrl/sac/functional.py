@@ -147,10 +147,7 @@ class Functional:
             target_logits = functional_call(agent.critic_target, self.target_layout.views(target_buf.detach()),
                                             (q_next_obs, next_action))
             soft = losses.soft_reward(reward, discount, alpha, next_log_prob)
-            target_probs = torch.softmax(target_logits.float(), -1)
-            if agent.cfg.cdq:
-                target_probs = losses.lowest_head(target_probs, agent.critic.support)
-            target = losses.categorical_projection(target_probs, soft, discount, agent.critic.support)
+            target = losses.target_distribution(target_logits, soft, discount, agent.critic.support, agent.cfg.cdq)
         with agent._autocast:
             logits = functional_call(agent.critic, self.critic_layout.views(critic_buf), (q_obs, action))
         critic_loss = losses.critic_loss(logits, target)

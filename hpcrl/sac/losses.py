@@ -38,6 +38,16 @@ def lowest_head(next_probs: torch.Tensor, support: torch.Tensor) -> torch.Tensor
     return next_probs.gather(0, low[None, :, None].expand(1, *next_probs.shape[1:]))
 
 
+def target_distribution(target_logits: torch.Tensor, reward: torch.Tensor, discount: torch.Tensor,
+                        support: torch.Tensor, clipped: bool) -> torch.Tensor:
+    """The critic's projected target from the target heads' logits ``[num_q, B, N]``: every head its own
+    (holosoma) or, ``clipped``, each sample's lowest head (:func:`lowest_head`) for all of them."""
+    probs = torch.softmax(target_logits.float(), -1)
+    if clipped:
+        probs = lowest_head(probs, support)
+    return categorical_projection(probs, reward, discount, support)
+
+
 def critic_loss(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of each head against its projected target (``[num_q or 1, B, N]``), mean over the
     batch, summed over heads."""
