@@ -72,7 +72,34 @@ def tyro_call(parse: Callable[[], Any], prog: str, default: Any = None) -> Any:
         if not err.code:  # --help: the captured text is the help
             print(text, end="")
             raise
+        text = _error_unwrapped(parse) or text
         raise ConfigError(_tyro_message(text, default) + f"; see {prog} --help") from None
+
+
+_WIDE = "100000"
+
+
+def _error_unwrapped(parse: Callable[[], Any]) -> str | None:
+    """The error box of the same failing parse, rendered ``_WIDE`` columns wide. tyro wraps its box at
+    the terminal's width (``shutil.get_terminal_size``: ``COLUMNS`` first), cutting a long path or
+    value mid-word; joined back into one line, the cut became a space (``/tmp/run_ dir``)."""
+    import os
+
+    out, before = io.StringIO(), os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = _WIDE
+    try:
+        with contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
+            parse()
+    except SystemExit as err:
+        return out.getvalue() if err.code else None
+    except Exception:  # the first parse's box is still there to report
+        return None
+    finally:
+        if before is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = before
+    return None
 
 
 def cli(cls: type, argv: list[str], prog: str, **kwargs: Any) -> Any:

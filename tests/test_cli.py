@@ -4,6 +4,9 @@ parsing, the exit-code ladder)."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import pytest
 
 from hpcrl import cli
@@ -122,3 +125,19 @@ def test_help_lists_every_preset(capsys):
     assert done.value.code == 0
     out = " ".join(capsys.readouterr().out.split())  # tyro wraps the help text
     assert all(name in out for name in PRESETS), out
+
+
+def test_a_long_value_in_a_flag_error_keeps_its_characters(tmp_path, capsys, monkeypatch):
+    # tyro wraps its box at the terminal's width: a path longer than a line was cut mid-word, and the
+    # one-line message carried "/pa th" (seen with pytest-xdist's longer temp paths)
+    monkeypatch.setenv("COLUMNS", "80")
+    path = "/tmp/" + "a-rather-long-directory-name-" * 4 + "x.jsonl"
+    with pytest.raises(ConfigError) as err:
+        cli.cli(Preset2, ["--batch-size", path], "x")
+    assert path in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert os.environ["COLUMNS"] == "80"  # the terminal's width is left as it was
+
+
+@dataclasses.dataclass
+class Preset2:
+    batch_size: int = 256

@@ -113,7 +113,8 @@ def test_events_hook_sees_batches_rows_publishes_and_rollouts(tmp_path):
                                                                  "RolloutDone")}
     assert [e["row"]["policy_version"] for e in kinds["RowLogged"]] == list(range(1, 7))
     assert len([e for e in kinds["BatchReceived"] if not e["stale"]]) == 6
-    assert all(0 <= e["lag"] <= 1 and e["wait_s"] >= 0 for e in kinds["BatchReceived"])
+    # a batch over the lag cap (1) is a legitimate event too (a slow step let one age): reported, then dropped
+    assert all((e["lag"] > 1) == e["stale"] and e["lag"] >= 0 and e["wait_s"] >= 0 for e in kinds["BatchReceived"])
     published = [e["version"] for e in kinds["WeightsPublished"]]
     assert published == sorted(published) and published[-1] == 6
     assert all(e["transport"] == "broadcast" and e["makers"] == 2 for e in kinds["WeightsPublished"])
