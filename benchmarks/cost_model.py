@@ -84,8 +84,13 @@ def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float], p: int, op: s
     alpha, beta = float(sol[0]), float(sol[1])
     pred = A @ sol
     rel = np.abs(pred - t) / t
-    return {"alpha_s": alpha, "beta_s_per_B": beta, "bw_GBps": (1.0 / beta / 1e9) if beta > 0 else float("inf"),
+    # beta 0: the sizes did not resolve a bandwidth (under load, time can fall with size): None, not inf
+    return {"alpha_s": alpha, "beta_s_per_B": beta, "bw_GBps": (1.0 / beta / 1e9) if beta > 0 else None,
             "median_rel_err": float(np.median(rel)), "max_rel_err": float(np.max(rel)), "op": op, "algo": algo, "p": p}
+
+
+def _bw(fit: dict[str, Any]) -> str:
+    return "not resolved" if fit["bw_GBps"] is None else f"{fit['bw_GBps']:.3f} GB/s"
 
 
 def allreduce_time(p: int, n: float, links: dict[str, Any]) -> dict[str, float]:
@@ -219,7 +224,7 @@ def plot(coll: dict[str, Any], ana: dict[str, Any], png: str | Path) -> None:
             if fdat:
                 ax.loglog(xs, [model_time(op, algo, res["world"], n, fdat["alpha_s"], fdat["beta_s_per_B"]) for n in xs],
                           ls, color=color, label=f"{op} {algo} fit a={fdat['alpha_s'] * 1e6:.0f}us "
-                                                  f"bw={fdat['bw_GBps']:.2f}GB/s")
+                                                  f"bw={_bw(fdat)}")
     ax.set_xlabel("message bytes")
     ax.set_ylabel("time per call (s)")
     ax.set_title(f"measured vs alpha-beta model ({res['backend']}, {res['device']})")
@@ -252,7 +257,8 @@ def build_doc(coll: dict[str, Any], ana: dict[str, Any], png: str | None) -> dic
     for key, f in ana["fits"].items():
         if key.endswith("/ring"):
             figs[f"{key.split('/')[0]}_alpha"] = schema.figure(f["alpha_s"], "s", False)
-            figs[f"{key.split('/')[0]}_bw"] = schema.figure(f["bw_GBps"], "GB/s", True)
+            if f["bw_GBps"] is not None:
+                figs[f"{key.split('/')[0]}_bw"] = schema.figure(f["bw_GBps"], "GB/s", True)
     for r in ana["projection"]:
         if r["scenario"] == "baseline":
             figs[f"proj_eff_{r['gpus']}gpus"] = schema.figure(r["efficiency"], "fraction", True)
@@ -285,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_summary(ana: dict[str, Any]) -> None:
     for k, f in ana["fits"].items():
-        print(f"fit {k:>18}: alpha {f['alpha_s'] * 1e6:8.1f} us, bw {f['bw_GBps']:8.3f} GB/s, "
+        print(f"fit {k:>18}: alpha {f['alpha_s'] * 1e6:8.1f} us, bw {_bw(f)}, "
               f"median rel err {f['median_rel_err']:.2f}")
     print(f"{'GPUs':>6} {'scenario':>20} {'comm ms':>8} {'upd/s':>8} {'eff':>6}")
     for r in ana["projection"]:

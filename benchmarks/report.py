@@ -54,7 +54,8 @@ def _cost(doc: dict[str, Any]) -> list[str]:
     out = ["## Cost model", "", "alpha-beta fits to the measured sweep (ring / tree formulas, see benchmarks/cost_model.py):", "",
            "| fit | alpha | bandwidth (1/beta) | median rel. error | max rel. error |", "|---|---:|---:|---:|---:|"]
     for k, f in r["fits"].items():
-        out.append(f"| {k} | {_t(f['alpha_s'])} | {f['bw_GBps']:.3f} GB/s | {f['median_rel_err']:.2f} | "
+        bw = "not resolved" if f["bw_GBps"] is None else f"{f['bw_GBps']:.3f} GB/s"
+        out.append(f"| {k} | {_t(f['alpha_s'])} | {bw} | {f['median_rel_err']:.2f} | "
                    f"{f['max_rel_err']:.2f} |")
     if r.get("flat_check"):
         out += ["", "Model check on the flat-gradient buffers (ring fit vs measured all-reduce):", ""]

@@ -80,6 +80,19 @@ def test_alpha_beta_fit_recovers_known_parameters(op: str, algo: str, p: int) ->
         assert abs(other["alpha_s"] - alpha) / alpha > 0.1 or abs(other["beta_s_per_B"] - beta) / beta > 0.1
 
 
+def test_a_sweep_whose_time_falls_with_size_has_no_bandwidth_figure() -> None:
+    # under load a quick sweep can get faster with size (seen in CI: broadcast 932 us at 8 B, 600 us at 1 MiB):
+    # beta fits to 0, which is no measured bandwidth, not an infinite one (inf broke the JSON schema)
+    sizes = [8, 256, 8192, 262144, 1048576, 4194304]
+    fit = cost_model.fit_alpha_beta(sizes, [932e-6, 1247e-6, 1419e-6, 1352e-6, 600e-6, 1089e-6], 2, "broadcast")
+    assert fit["beta_s_per_B"] == 0 and fit["bw_GBps"] is None and fit["alpha_s"] > 0
+    good = cost_model.fit_alpha_beta(sizes, [cost_model.model_time("all_reduce", "ring", 2, n, 2e-5, 1e-9) for n in sizes], 2)
+    figs = cost_model.build_doc({"header": {}, "results": {"world": 2}},
+                                {"fits": {"broadcast/ring": fit, "all_reduce/ring": good}, "projection": [], "links": {}}, None)["figures"]
+    assert "broadcast_bw" not in figs and "broadcast_alpha" in figs
+    assert figs["all_reduce_bw"]["value"] == pytest.approx(1.0, rel=1e-6)
+
+
 def test_alpha_beta_formulas() -> None:
     a, b, n = 1e-6, 1e-9, 1e6
     assert cost_model.model_time("all_reduce", "ring", 8, n, a, b) == pytest.approx(14 * a + 2 * 7 / 8 * n * b)
