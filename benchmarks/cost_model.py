@@ -89,7 +89,8 @@ def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float], p: int, op: s
             "median_rel_err": float(np.median(rel)), "max_rel_err": float(np.max(rel)), "op": op, "algo": algo, "p": p}
 
 
-def _bw(fit: dict[str, Any]) -> str:
+def bandwidth_text(fit: dict[str, Any]) -> str:
+    """A fit's bandwidth for people: "not resolved" where beta fitted to 0."""
     return "not resolved" if fit["bw_GBps"] is None else f"{fit['bw_GBps']:.3f} GB/s"
 
 
@@ -224,7 +225,7 @@ def plot(coll: dict[str, Any], ana: dict[str, Any], png: str | Path) -> None:
             if fdat:
                 ax.loglog(xs, [model_time(op, algo, res["world"], n, fdat["alpha_s"], fdat["beta_s_per_B"]) for n in xs],
                           ls, color=color, label=f"{op} {algo} fit a={fdat['alpha_s'] * 1e6:.0f}us "
-                                                  f"bw={_bw(fdat)}")
+                                                  f"bw={bandwidth_text(fdat)}")
     ax.set_xlabel("message bytes")
     ax.set_ylabel("time per call (s)")
     ax.set_title(f"measured vs alpha-beta model ({res['backend']}, {res['device']})")
@@ -291,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_summary(ana: dict[str, Any]) -> None:
     for k, f in ana["fits"].items():
-        print(f"fit {k:>18}: alpha {f['alpha_s'] * 1e6:8.1f} us, bw {_bw(f)}, "
+        print(f"fit {k:>18}: alpha {f['alpha_s'] * 1e6:8.1f} us, bw {bandwidth_text(f)}, "
               f"median rel err {f['median_rel_err']:.2f}")
     print(f"{'GPUs':>6} {'scenario':>20} {'comm ms':>8} {'upd/s':>8} {'eff':>6}")
     for r in ana["projection"]:

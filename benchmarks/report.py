@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import schema
+from benchmarks.cost_model import bandwidth_text
 
 
 def _t(s: float | None) -> str:
@@ -54,8 +55,7 @@ def _cost(doc: dict[str, Any]) -> list[str]:
     out = ["## Cost model", "", "alpha-beta fits to the measured sweep (ring / tree formulas, see benchmarks/cost_model.py):", "",
            "| fit | alpha | bandwidth (1/beta) | median rel. error | max rel. error |", "|---|---:|---:|---:|---:|"]
     for k, f in r["fits"].items():
-        bw = "not resolved" if f["bw_GBps"] is None else f"{f['bw_GBps']:.3f} GB/s"
-        out.append(f"| {k} | {_t(f['alpha_s'])} | {bw} | {f['median_rel_err']:.2f} | "
+        out.append(f"| {k} | {_t(f['alpha_s'])} | {bandwidth_text(f)} | {f['median_rel_err']:.2f} | "
                    f"{f['max_rel_err']:.2f} |")
     if r.get("flat_check"):
         out += ["", "Model check on the flat-gradient buffers (ring fit vs measured all-reduce):", ""]

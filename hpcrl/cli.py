@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 import shlex
 import sys
@@ -83,8 +84,6 @@ def _error_unwrapped(parse: Callable[[], Any]) -> str | None:
     """The error box of the same failing parse, rendered ``_WIDE`` columns wide. tyro wraps its box at
     the terminal's width (``shutil.get_terminal_size``: ``COLUMNS`` first), cutting a long path or
     value mid-word; joined back into one line, the cut became a space (``/tmp/run_ dir``)."""
-    import os
-
     out, before = io.StringIO(), os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = _WIDE
     try:

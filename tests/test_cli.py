@@ -127,17 +127,17 @@ def test_help_lists_every_preset(capsys):
     assert all(name in out for name in PRESETS), out
 
 
-def test_a_long_value_in_a_flag_error_keeps_its_characters(tmp_path, capsys, monkeypatch):
+def test_a_long_value_in_a_flag_error_keeps_its_characters(monkeypatch):
     # tyro wraps its box at the terminal's width: a path longer than a line was cut mid-word, and the
     # one-line message carried "/pa th" (seen with pytest-xdist's longer temp paths)
     monkeypatch.setenv("COLUMNS", "80")
     path = "/tmp/" + "a-rather-long-directory-name-" * 4 + "x.jsonl"
     with pytest.raises(ConfigError) as err:
-        cli.cli(Preset2, ["--batch-size", path], "x")
+        cli.cli(BatchOnly, ["--batch-size", path], "x")
     assert path in str(err.value) and "\n" not in str(err.value), str(err.value)
     assert os.environ["COLUMNS"] == "80"  # the terminal's width is left as it was
 
 
 @dataclasses.dataclass
-class Preset2:
+class BatchOnly:
     batch_size: int = 256
