@@ -84,7 +84,7 @@ def openmp_flags() -> list[str]:
     return ["-fopenmp"]
 
 
-cpp_sources = ["csrc/bindings.cpp", "csrc/cpu/multi_tensor_cpu.cpp", "csrc/cpu/replay_cpu.cpp"]
+cpp_sources = ["csrc/bindings.cpp", "csrc/cpu/multi_tensor_cpu.cpp", "csrc/cpu/replay_cpu.cpp", "csrc/cpu/shm_flags_cpu.cpp"]
 omp_flags = openmp_flags()
 cxx_flags = ["-O3", *omp_flags, "-g0"]  # -g0 last: the 10 MB debug .so is of no use here
 if platform.machine() in ("x86_64", "AMD64"):

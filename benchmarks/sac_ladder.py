@@ -19,10 +19,11 @@ benchmarks/schema.py.
 
 ``--world`` adds the W = 1 vs W = 2 rung (the default eager flat path, 1 thread per process, the same
 global batch): W = 1 at the full batch and at half of it (what each of 2 ranks computes) timed
-interleaved in this process before and after a 2-process job (hpcrl.comm.spawn, gloo) in which each
-rank times the update on its half with and without --overlap-grad-average, interleaved. Beside it the
-alpha-beta prediction: t(W=2) = t(half batch, W=1) + the critic and 1/policy_frequency of the actor
-all-reduce from the all_reduce/ring fit in results/cost_model.json (gloo, this machine), and the
+interleaved in this process before and after a 2-process job (hpcrl.comm.spawn) in which each rank
+times the update on its half three ways, interleaved: summing through shared memory (hpcrl.comm.shm,
+the default on one host), through gloo, and through gloo with --overlap-grad-average. Beside the gloo
+path the alpha-beta prediction: t(W=2) = t(half batch, W=1) + the critic and 1/policy_frequency of the
+actor all-reduce from the all_reduce/ring fit in results/cost_model.json (gloo, this machine), and the
 ideal-split one t(W=1)/2 + that communication.
 """
 
@@ -116,19 +117,27 @@ def _agent(name: str, batch: int, plane: Plane, **flags) -> tuple[FastSAC, Calla
     return agent, call, cfg
 
 
+W2_PATHS = ("shm", "gloo", "gloo_overlap")  # the default (shared memory), gloo, gloo + --overlap-grad-average
+
+
 def world_rank(name: str, global_batch: int, repeats: int, inner: int) -> dict[str, Any]:
-    """One of 2 ranks: seconds per update on its half of the global batch, plain and overlapped, interleaved."""
+    """One of 2 ranks: seconds per update on its half of the global batch, summing through shared memory
+    (the default on one host), through gloo, and through gloo overlapped with backward; interleaved."""
+    import dataclasses
     import time
 
     from hpcrl.comm import init_distributed
 
     torch.set_num_threads(1)
     ctx = init_distributed(timeout_s=300)
+    gloo = dataclasses.replace(ctx.device_plane, shm=None)  # the same group, its sums on gloo
+    planes = {"shm": ctx.device_plane, "gloo": gloo, "gloo_overlap": gloo}
     calls = {}
-    for overlap in (False, True):
-        _, call, cfg = _agent(name, global_batch // ctx.world_size, ctx.device_plane, overlap_grad_average=overlap)
+    for path in W2_PATHS:
+        _, call, cfg = _agent(name, global_batch // ctx.world_size, planes[path],
+                              overlap_grad_average=path == "gloo_overlap")
         call()
-        calls["overlap" if overlap else "plain"] = call
+        calls[path] = call
     wall: dict[str, list[float]] = {k: [] for k in calls}
     cpu: dict[str, list[float]] = {k: [] for k in calls}
     for _ in range(repeats):
@@ -138,7 +147,7 @@ def world_rank(name: str, global_batch: int, repeats: int, inner: int) -> dict[s
                 call()
             wall[key].append((time.perf_counter() - w0) / inner / cfg.policy_frequency)
             cpu[key].append((time.process_time() - c0) / inner / cfg.policy_frequency)
-    return {"wall": wall, "cpu": cpu}
+    return {"shared_memory": ctx.device_plane.shm is not None, "wall": wall, "cpu": cpu}
 
 
 def _median(xs: list[float]) -> float:
@@ -182,8 +191,10 @@ def bench_world(name: str, repeats: int, min_repeat_s: float, batch: int | None)
             load.append(loadavg())
     w1 = {k: _median([s[k]["wall"] for s in sandwich]) for k in ("w1_full", "w1_half")}
     w1_cpu = {k: _median([s[k]["cpu"] for s in sandwich]) for k in ("w1_full", "w1_half")}
-    w2 = {k: max(_median(r["wall"][k]) for r in ranks) for k in ("plain", "overlap")}
-    w2_cpu = {k: max(_median(r["cpu"][k]) for r in ranks) for k in ("plain", "overlap")}
+    if not all(r["shared_memory"] for r in ranks):
+        raise RuntimeError("sac_ladder --world: the 2 ranks got no shared-memory segment (see the warning above)")
+    w2 = {k: max(_median(r["wall"][k]) for r in ranks) for k in W2_PATHS}
+    w2_cpu = {k: max(_median(r["cpu"][k]) for r in ranks) for k in W2_PATHS}
     agent = _agent(name, 8, local)[0]
     critic_b = sum(b.numel() * b.element_size() for b in agent._flat_critic.grad_buffers.values())
     actor_b = sum(b.numel() * b.element_size() for b in agent._flat_actor.grad_buffers.values())
@@ -194,12 +205,14 @@ def bench_world(name: str, repeats: int, min_repeat_s: float, batch: int | None)
                 + cm.model_time("all_reduce", "ring", 2, actor_b, fit["alpha_s"], fit["beta_s_per_B"]) / cfg.policy_frequency)
         model = {**fit, "critic_bytes": critic_b, "actor_bytes": actor_b, "comm_s": comm,
                  "w2_pred_s": w1["w1_half"] + comm, "w2_pred_ideal_split_s": w1["w1_full"] / 2 + comm,
-                 "measured_dp_overhead_s": w2["plain"] - w1["w1_half"],
-                 "dp_overhead_vs_model": (w2["plain"] - w1["w1_half"]) / comm}
+                 "measured_dp_overhead_s": w2["gloo"] - w1["w1_half"],
+                 "dp_overhead_vs_model": (w2["gloo"] - w1["w1_half"]) / comm}
     return {"global_batch": B, "w1_update_s": w1["w1_full"], "w1_half_batch_update_s": w1["w1_half"],
-            "w2_update_s": w2["plain"], "w2_overlap_update_s": w2["overlap"],
-            "w2_vs_w1": w2["plain"] / w1["w1_full"], "w2_overlap_vs_w1": w2["overlap"] / w1["w1_full"],
-            "cpu_update_s": {**w1_cpu, "w2_plain": w2_cpu["plain"], "w2_overlap": w2_cpu["overlap"]},
+            "w2_update_s": w2["shm"], "w2_gloo_update_s": w2["gloo"], "w2_overlap_update_s": w2["gloo_overlap"],
+            "w2_vs_w1": w2["shm"] / w1["w1_full"], "w2_gloo_vs_w1": w2["gloo"] / w1["w1_full"],
+            "w2_overlap_vs_w1": w2["gloo_overlap"] / w1["w1_full"],
+            "shm_dp_overhead_s": w2["shm"] - w1["w1_half"],
+            "cpu_update_s": {**w1_cpu, **{f"w2_{k}": v for k, v in w2_cpu.items()}},
             "sandwich": sandwich, "ranks": ranks, "alpha_beta": model, "loadavg": load + [loadavg()],
             "threads_per_rank": 1, "note": "W=2 runs 2 processes on the machine's cores; W=1 one process"}
 
@@ -236,13 +249,16 @@ def main() -> int:
     # compiled vs the default eager path (flat), by wall and by process CPU time (the steadier under load)
     for name, w in world.items():
         print(f"{name}: W=1 {fmt_time(w['w1_update_s'])}, W=1 half batch {fmt_time(w['w1_half_batch_update_s'])}, "
-              f"W=2 {fmt_time(w['w2_update_s'])} ({w['w2_vs_w1']:.2f}x of W=1), W=2 overlapped "
+              f"W=2 shared memory {fmt_time(w['w2_update_s'])} ({w['w2_vs_w1']:.2f}x of W=1), gloo "
+              f"{fmt_time(w['w2_gloo_update_s'])} ({w['w2_gloo_vs_w1']:.2f}x), gloo overlapped "
               f"{fmt_time(w['w2_overlap_update_s'])} ({w['w2_overlap_vs_w1']:.2f}x)"
-              + (f"; alpha-beta W=2 {fmt_time(w['alpha_beta']['w2_pred_s'])}" if w["alpha_beta"] else ""))
+              + (f"; alpha-beta (gloo) W=2 {fmt_time(w['alpha_beta']['w2_pred_s'])}" if w["alpha_beta"] else ""))
         figures[f"{name}_w2_vs_w1"] = schema.figure(w["w2_vs_w1"], "x", False)
+        figures[f"{name}_w2_gloo_vs_w1"] = schema.figure(w["w2_gloo_vs_w1"], "x", False)
         figures[f"{name}_w2_overlap_vs_w1"] = schema.figure(w["w2_overlap_vs_w1"], "x", False)
         if w["alpha_beta"]:
-            figures[f"{name}_w2_vs_alpha_beta"] = schema.figure(w["w2_update_s"] / w["alpha_beta"]["w2_pred_s"], "x", False)
+            figures[f"{name}_w2_gloo_vs_alpha_beta"] = schema.figure(w["w2_gloo_update_s"] / w["alpha_beta"]["w2_pred_s"],
+                                                                     "x", False)
     for name, size in sizes.items():
         r = size["rungs"]
         figures[f"{name}_compiled_vs_flat"] = schema.figure(r["flat"]["update_s"] / r["compiled"]["update_s"], "x", True)

@@ -195,6 +195,24 @@ std::vector<at::Tensor> replay_sample(const at::Tensor& obs, const at::Tensor& a
   return {o.obs, o.action, o.reward, o.next_obs, o.discount, o.n};
 }
 
+void check_flags(const at::Tensor& flags, int64_t last, const char* op) {
+  TORCH_CHECK(flags.device().is_cpu() && flags.scalar_type() == at::kLong && flags.dim() == 1 && flags.is_contiguous(),
+              op, ": flags must be a contiguous 1-D int64 CPU tensor, got ", flags.scalar_type(), " ", flags.sizes(),
+              " on ", flags.device());
+  TORCH_CHECK(last >= 0 && last < flags.numel(), op, ": flag index ", last, " is outside [0, ", flags.numel(), ")");
+}
+
+void shm_publish(const at::Tensor& flags, int64_t index, int64_t value) {
+  check_flags(flags, index, "shm_publish");
+  shm_publish_cpu(flags, index, value);
+}
+
+int64_t shm_wait(const at::Tensor& flags, int64_t stride, int64_t count, int64_t value, double budget_s) {
+  TORCH_CHECK(stride >= 1 && count >= 1, "shm_wait: stride and count must be >= 1, got ", stride, " and ", count);
+  check_flags(flags, (count - 1) * stride, "shm_wait");
+  return shm_wait_cpu(flags, stride, count, value, budget_s);
+}
+
 }  // namespace
 }  // namespace hpcrl
 
@@ -225,4 +243,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("head_next_obs"), py::arg("ptr"), py::arg("n_step"), py::arg("gamma"), py::arg("seed"),
         py::arg("offset"), py::arg("env_idx"), py::arg("slot_idx"), py::arg("prefetch_rows") = 0,
         py::arg("out") = py::none());
+  // The GIL is released while waiting: a peer watch or a signal handler must run meanwhile.
+  m.def("shm_publish", &hpcrl::shm_publish, "Release-store value at flags[index]", py::arg("flags"),
+        py::arg("index"), py::arg("value"));
+  m.def("shm_wait", &hpcrl::shm_wait, "Wait until flags[i*stride] >= value for i < count; -1 or the first late i",
+        py::arg("flags"), py::arg("stride"), py::arg("count"), py::arg("value"), py::arg("budget_s"),
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -35,6 +35,13 @@ void replay_sample_cpu(const ReplayStorage& s, uint64_t seed, uint64_t offset, c
                        const at::Tensor& slot_idx, int64_t n_step, double gamma, int64_t prefetch_rows,
                        const ReplayBatch& out);
 
+// Shared-memory all-reduce flags (hpcrl/comm/shm.py): flags is a contiguous int64 CPU tensor mapped by
+// every rank of a host. publish: a release store of value at flags[index]. wait: acquire loads until
+// flags[i * stride] >= value for every i < count, or budget_s seconds passed; returns -1, or the first
+// i still below (the peer to name). Called without the GIL.
+void shm_publish_cpu(const at::Tensor& flags, int64_t index, int64_t value);
+int64_t shm_wait_cpu(const at::Tensor& flags, int64_t stride, int64_t count, int64_t value, double budget_s);
+
 #ifdef HPCRL_WITH_CUDA
 // Same contracts on CUDA tensors (csrc/cuda/glue.cpp); each is one kernel launch on the current stream.
 void flatten_cuda(const std::vector<at::Tensor>& tensors, const at::Tensor& flat);

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hpcrl.comm.shm import SharedMemorySum
 from hpcrl.sac import loop
 
 STEPS = ("collect", "store", "update", "log", "save_reduced", "save", "stop_agreed", "preempt", "finish")
@@ -96,6 +97,14 @@ def _counted(counts: Counts, fn: Callable) -> Callable:
     return wrapped
 
 
+def _counted_shm(counts: Counts, fn: Callable) -> Callable:
+    """A sum through a same-host plane's shared memory (hpcrl.comm.shm): a collective too, keyed by its plane."""
+    def wrapped(self, *args, **kwargs):
+        counts.collectives[(counts.stack[-1], self.plane)] += 1
+        return fn(self, *args, **kwargs)
+    return wrapped
+
+
 @contextlib.contextmanager
 def counting(monkeypatch, reads: bool = True, collectives: bool = False) -> Iterator[Counts]:
     """Count in the loop's steps until the block ends (``monkeypatch``: pytest's, or a
@@ -106,6 +115,7 @@ def counting(monkeypatch, reads: bool = True, collectives: bool = False) -> Iter
     if collectives:
         for name in COLLECTIVES:
             monkeypatch.setattr(dist, name, _counted(counts, getattr(dist, name)))
+        monkeypatch.setattr(SharedMemorySum, "sum_", _counted_shm(counts, SharedMemorySum.sum_))
     with contextlib.ExitStack() as stack:
         if reads:
             stack.enter_context(_Reads(counts))

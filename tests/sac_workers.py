@@ -83,7 +83,7 @@ def overlap_rank() -> dict:
     from hpcrl.comm import GradAverager
     from hpcrl.sac.flat import FlatParams
 
-    ctx = init_distributed(timeout_s=60)
+    ctx = init_distributed(timeout_s=60, shared_memory=False)  # gloo: overlap is off on a shared-memory plane
     out = {f"{mode}_{ov}": run_updates(mode, ctx.rank, ctx.world_size, ctx, overlap_grad_average=ov)
            for mode in ("flat", "view") for ov in (False, True)}
     torch.manual_seed(ctx.rank)  # different data per rank

@@ -13,6 +13,7 @@ import os
 import socket
 from typing import Sequence
 import warnings
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -25,6 +26,7 @@ from .env import LaunchInfo, detect_launch
 from .heartbeat import PeerWatch
 from .native_log import terminal_fd
 from .planes import STRICT_BACKEND, Plane, register_strict_backend, strict_planes
+from .shm import attach_shared_memory
 from .secret import JOIN_KEY, SignedStore, UntrustedKeyError, check_join, load_secret, new_secret, no_secret_policy
 from .spawn_child import record_peer_lost
 
@@ -111,6 +113,7 @@ def init_distributed(
     source: Source | None = None,
     device_flag: str = "--device",
     world_device_plane: bool = True,
+    shared_memory: bool = True,
 ) -> DistContext:
     """Join the job as its launcher describes it and return this rank's :class:`DistContext`.
 
@@ -123,6 +126,8 @@ def init_distributed(
     barrier and every collective. ``world_device_plane=False``: the ranks share no device plane
     (detached PPO: each role makes its own, and a trainer and a maker may share a GPU, which an NCCL
     world would refuse), so the world gets gloo only and ``ctx.device_plane`` is a CPU gloo plane.
+    ``shared_memory``: when every rank runs on one host, the world's CPU planes sum through a shared-memory
+    segment (:mod:`hpcrl.comm.shm`) instead of gloo; False keeps gloo for everything.
     World size 1 creates no process group. Calling it again returns the active context.
     """
     global _active
@@ -141,6 +146,9 @@ def init_distributed(
     base, store = _rendezvous(info, timeout)
     probe = _join(info, dev, store, timeout)
     _active = _init_planes(info, dev, backend, world_device_plane, base, store, probe)
+    if shared_memory:
+        host_plane, device_plane = attach_shared_memory([_active.host_plane, _active.device_plane], _active)
+        _active = replace(_active, host_plane=host_plane, device_plane=device_plane)
     return _active
 
 

@@ -31,7 +31,8 @@ parameter's post-accumulate-grad hook counts its bucket down, and a full bucket'
 asynchronously while backward goes on; :meth:`all_reduce` starts what is left and waits for all of them
 before the step. Buckets start strictly in their fixed order (a ready bucket waits for the ones before
 it), so every rank issues the same collectives in the same order. The sums are elementwise, the scale
-the same one multiply: the result is bitwise the non-overlapped one.
+the same one multiply: the result is bitwise the non-overlapped one. On a plane with a shared-memory
+segment (:mod:`hpcrl.comm.shm`) a sum is tens of microseconds on this thread: overlap is off there.
 
 Gradients that are None on a rank count as zeros: after :meth:`all_reduce` every parameter has a
 gradient (the average) on every rank, so every optimizer steps the same parameters. The collective
@@ -196,7 +197,8 @@ class GradAverager:
                          else _given_buckets(self.params, list(grad_buffers)))
         if overlap and not self._view:
             raise ValueError("GradAverager: overlap needs gradients viewing a flat buffer (view mode or grad_buffers)")
-        self.overlap = overlap and self.world_size > 1
+        # A shared-memory sum takes tens of microseconds and runs on this thread: nothing to overlap.
+        self.overlap = overlap and self.world_size > 1 and plane.shm is None
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._pieces: list[_Piece] = []
         if self.overlap:
@@ -304,7 +306,7 @@ class GradAverager:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
         pack(grads, out=bucket.buffer)
-        dist.all_reduce(bucket.buffer, group=self.group)
+        self.plane.sum_(bucket.buffer)
         unpack_(bucket.buffer, grads, scale=1.0 / self.world_size)
 
     def _reduce_view(self, bucket: _Bucket) -> None:
@@ -333,5 +335,5 @@ class GradAverager:
         else:
             # SUM then x(1/W) is bitwise what flat mode's unflatten_ computes, for any W (AVG on gloo
             # is newer than some torch versions we support and gives no fusion on CPU anyway).
-            dist.all_reduce(bucket.buffer, group=self.group)
+            self.plane.sum_(bucket.buffer)
             bucket.buffer.mul_(1.0 / self.world_size)

@@ -20,12 +20,15 @@ gloo groups. CPU CI runs its multi-rank tests in this mode.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Literal, Sequence
+from typing import TYPE_CHECKING, Literal, Sequence
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .shm import SharedMemorySum
 
 __all__ = ["IDLE_TIMEOUT", "Plane", "STRICT_BACKEND", "abort", "new_plane", "new_planes", "strict_planes"]
 
@@ -54,7 +57,8 @@ class Plane:
 
     ``ranks`` are the global ranks of the group in group-rank order. ``group`` is None for a plane of
     one rank (nothing to communicate: every helper is a no-op) and on ranks outside the group
-    (``member`` False). ``backend`` is ``"nccl"`` or ``"gloo"`` (None without a group).
+    (``member`` False). ``backend`` is ``"nccl"`` or ``"gloo"`` (None without a group). ``shm``: the
+    plane's shared-memory segment when all its ranks share a host (:mod:`hpcrl.comm.shm`): its sums go there.
     """
 
     name: PlaneName
@@ -63,6 +67,7 @@ class Plane:
     group: dist.ProcessGroup | None = None
     backend: str | None = None
     member: bool = True
+    shm: "SharedMemorySum | None" = field(default=None, compare=False)
 
     @classmethod
     def local(cls, name: PlaneName, device: torch.device | str = "cpu", rank: int = 0) -> "Plane":
@@ -85,8 +90,17 @@ class Plane:
                 raise ValueError(f"{what} on {t.device} sent on the {self.name} plane, whose tensors live on "
                                  f"{self.device} ({self.backend}); move it, or use the other plane")
 
+    def sum_(self, tensor: torch.Tensor) -> None:
+        """Sum one contiguous tensor over the plane's ranks, in place: through the shared-memory segment when
+        the plane has one, else one all-reduce on its group. Collective; callers check :attr:`active`."""
+        if self.shm is not None:
+            self.shm.sum_(tensor)
+        else:
+            dist.all_reduce(tensor, group=self.group)
+
     def __str__(self) -> str:
-        return f"{self.name} plane ({self.backend or 'no group'}, {self.device}, ranks {list(self.ranks)})"
+        via = f"{self.backend}, shared memory" if self.shm is not None else self.backend or "no group"
+        return f"{self.name} plane ({via}, {self.device}, ranks {list(self.ranks)})"
 
 
 IDLE_TIMEOUT = timedelta(days=1)

@@ -50,7 +50,7 @@ def all_reduce_sum_(tensors: Sequence[torch.Tensor], plane: Plane) -> None:
         flat = pack(tensors)
     else:
         flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
-    dist.all_reduce(flat, group=plane.group)
+    plane.sum_(flat)
     unpack_(flat, tensors)
 
 
@@ -111,7 +111,7 @@ def reduce_metrics(
     packed = torch.cat([torch.where(w > 0, w * v, 0.0), w, names_col])
     world = 1
     if plane.active:
-        dist.all_reduce(packed, group=plane.group)
+        plane.sum_(packed)
         world = plane.size
     host = packed.tolist()
     if host[-1] != name_sum * world:

@@ -57,7 +57,8 @@ def sweep_scratch(root: str | None = None) -> list[str]:
     return removed
 
 
-def make_scratch_dir() -> str:
-    sweep_scratch()
+def make_scratch_dir(root: str | None = None) -> str:
+    """A new scratch directory in ``root`` (default: the temp dir), after sweeping the dead ones there."""
+    sweep_scratch(root)
     pid = os.getpid()
-    return tempfile.mkdtemp(prefix=f"{PREFIX}{host_tag()}-{pid}-{start_tag(pid)}-")
+    return tempfile.mkdtemp(prefix=f"{PREFIX}{host_tag()}-{pid}-{start_tag(pid)}-", dir=root)

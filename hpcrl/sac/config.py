@@ -75,6 +75,10 @@ class SACConfig:
     heartbeat_timeout_s: float = 15.0
     """A rank whose heartbeat stalls this long (frozen, swapped out, its host gone) is named and every other
     rank exits; in [1, timeout_s]: at least two heartbeats (every 0.5 s), and no longer than a collective's wait."""
+    shared_memory: bool = True
+    """Ranks on one host (--nproc, or srun tasks of one node) sum gradients, normaliser statistics and stop flags
+    through a shared-memory segment instead of gloo's loopback sockets (CPU planes; NCCL has its own):
+    27 us instead of 0.36 ms median (4 ms at p90) for a 120 KB sum on 2 cores. False keeps gloo."""
 
     batch_size: int = 8192
     """GLOBAL batch per update (>= 1); every rank samples batch_size / world_size."""
@@ -254,6 +258,7 @@ class SACConfig:
         c.choice("grad_average", get_args(GradAverageMode).__contains__, ", ".join(get_args(GradAverageMode)))
         c.boolean("flat_params")
         c.boolean("overlap_grad_average")
+        c.boolean("shared_memory")
         if self.overlap_grad_average and (self.grad_average == "ddp" or (self.grad_average == "flat" and not self.flat_params)):
             c.fail("overlap_grad_average", "used with gradients in a flat buffer",
                    "use --flat-params (the default) or --grad-average view, or drop --overlap-grad-average")

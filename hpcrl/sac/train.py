@@ -61,7 +61,7 @@ def train(cfg: SACConfig, events: Events = ignore) -> dict[str, float]:
     stop = StopRequest.install()  # first: a USR2 during start-up must stop cleanly too, not kill the rank
     cfg.check()  # before anything starts: a bad --threads or --device would fail less clearly below
     torch.set_num_threads(cfg.threads)
-    ctx = init_distributed(timeout_s=cfg.timeout_s, device=cfg.device)
+    ctx = init_distributed(timeout_s=cfg.timeout_s, device=cfg.device, shared_memory=cfg.shared_memory)
     layout = plan(cfg, ctx.world_size)
     with _run_dir_errors():  # before any rank touches the run dir; refused: exit 2 on every rank
         lock = rundir.claim(cfg.run_dir, ctx)  # rank 0 holds it for the life of the run

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hpcrl.comm import DistContext, GradAverager, Plane
+from hpcrl.comm.shm import SharedMemorySum
 
 STEPS = 3
 BATCH = 8  # global; each of W ranks takes BATCH // W rows
@@ -35,11 +36,15 @@ def train(mode: str, rank: int, world: int, dtype: torch.dtype = torch.float32, 
     model = averager.wrap(net)
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
     calls = {"n": 0}
-    real_all_reduce = dist.all_reduce
+    real_all_reduce, real_shm_sum = dist.all_reduce, SharedMemorySum.sum_
 
     def counting_all_reduce(*args, **kwargs):
         calls["n"] += 1
         return real_all_reduce(*args, **kwargs)
+
+    def counting_shm_sum(*args, **kwargs):  # a same-host plane sums through shared memory, not gloo
+        calls["n"] += 1
+        return real_shm_sum(*args, **kwargs)
 
     out: dict = {"collectives": [], "zero_copy": []}
     for step in range(STEPS):
@@ -53,12 +58,12 @@ def train(mode: str, rank: int, world: int, dtype: torch.dtype = torch.float32, 
         loss = (model(x) - y).pow(2).mean() + log_alpha.exp() * x.mean()
         loss.backward()
         out["zero_copy"].append(all(p.grad.data_ptr() == q for p, q in zip(params, ptrs)))
-        dist.all_reduce = counting_all_reduce
+        dist.all_reduce, SharedMemorySum.sum_ = counting_all_reduce, counting_shm_sum
         try:
             calls["n"] = 0
             averager.all_reduce()
         finally:
-            dist.all_reduce = real_all_reduce
+            dist.all_reduce, SharedMemorySum.sum_ = real_all_reduce, real_shm_sum
         out["collectives"].append(calls["n"])
         if step == 0:
             out["grads"] = [p.grad.detach().clone() for p in params]

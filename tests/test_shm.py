@@ -1,0 +1,57 @@
+"""Same-host sums through shared memory (hpcrl.comm.shm): the same numbers as gloo on every rank and in
+every dtype, across many slot rounds, no file left behind, and a missing peer named (real processes)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpcrl.comm import spawn
+from hpcrl.comm.shm import tree_sum_
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from comm_workers import shm as workers  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_tree_sum_adds_pairs_then_pairs_of_pairs():
+    rows = [workers.rank_data(r, torch.float32, 1000) for r in range(5)]
+    out = torch.empty(1000)
+    tree_sum_(rows, out)
+    assert torch.equal(out, ((rows[0] + rows[1]) + (rows[2] + rows[3])) + rows[4])
+    same = [torch.full((4,), 0.1)] * 4  # W equal values, W a power of two: exactly W times the value
+    tree_sum_(same, out[:4])
+    assert torch.equal(out[:4], torch.full((4,), 0.1) * 4)
+
+
+@pytest.mark.parametrize("world, reference_wait", [(2, False), (3, False), (2, True)])
+def test_sums_equal_the_tree_sum_on_every_rank_and_gloo_where_order_is_free(world, reference_wait):
+    ranks = spawn(workers.sums, world, args=(4096, reference_wait), timeout_s=150)
+    for res in ranks:
+        assert "shared memory" in res["planes"][0] and "shared memory" in res["planes"][1], res["planes"]
+        assert res["rounds"] > 2 * 40_000 * 8 // 4096, "a 40k-element sum should span many 4 KiB slot rounds"
+        assert res["leftover"] == [], f"segment files left in /dev/shm: {res['leftover']}"
+    for (dtype, n), got in ranks[0]["sums"].items():
+        parts = [workers.rank_data(r, getattr(torch, dtype.split(".")[1]), n) for r in range(world)]
+        want = torch.empty_like(parts[0])
+        tree_sum_(parts, want)
+        for rank, res in enumerate(ranks):
+            assert torch.equal(res["sums"][(dtype, n)], want), f"rank {rank}, {dtype} x {n}"
+        if world == 2 or dtype == "torch.int64":  # a + b is a + b in any order: gloo must agree bit for bit
+            assert torch.equal(ranks[0]["gloo"][(dtype, n)], want), f"gloo, {dtype} x {n}"
+
+
+def test_a_peer_that_exits_is_named_at_once():
+    res = spawn(workers.dead_peer, 2, timeout_s=60, expendable=(1,))[0]
+    assert res["rank"] == 1 and "rank 1 (pid" in res["error"] and "exited" in res["error"], res
+    assert res["s"] < 5, f"named after {res['s']:.1f} s"
+
+
+def test_a_late_peer_is_named_after_the_timeout():
+    res = spawn(workers.late_peer, 2, timeout_s=60)[0]
+    assert res["rank"] == 1 and "did not reach sum 1 on the host plane" in res["error"], res
+    assert 2 <= res["s"] < 4, f"named after {res['s']:.1f} s"
