@@ -5,6 +5,8 @@
 
 Definitions (nccl-tests ``doc/PERFORMANCE.md``): for a message of S bytes taking t seconds,
 algbw = S / t; bus bandwidth busbw = algbw * 2 (n-1)/n for all-reduce and busbw = algbw for broadcast.
+Ranks on one host add ``shm_sum``: the same all-reduce through the plane's shared memory
+(``Plane.sum_``, hpcrl.comm.shm), which hpcrl uses there instead of gloo (busbw as all-reduce's).
 t is, per repeat, the slowest rank's mean time over ``inner`` back-to-back calls (a barrier before
 each repeat); reported is the median over repeats (and the min).
 
@@ -35,7 +37,7 @@ OBS_DIM, ACT_DIM = 64, 16
 
 
 def busbw_factor(op: str, world: int) -> float:
-    return 2.0 * (world - 1) / world if op == "all_reduce" else 1.0
+    return 2.0 * (world - 1) / world if op in ("all_reduce", "shm_sum") else 1.0
 
 
 def fastsac_param_groups(device: str = "cpu", critic_hidden: int | None = None,
@@ -101,12 +103,15 @@ def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     _GROUP = ctx.device_plane.group  # the world's device plane: the default group outside strict-planes mode
     world, rank = dist.get_world_size(), dist.get_rank()
     rep, target, cap = cfg["repeats"], cfg["target_s"], cfg["max_inner"]
-    sweep: dict[str, dict[int, list[float]]] = {op: {} for op in cfg["ops"]}
-    for op in cfg["ops"]:
+    # Ranks of one host also sum through the plane's shared memory (hpcrl.comm.shm), what hpcrl uses there.
+    ops_here = cfg["ops"] + (["shm_sum"] if ctx.device_plane.shm is not None else [])
+    sweep: dict[str, dict[int, list[float]]] = {op: {} for op in ops_here}
+    for op in ops_here:
         for size in cfg["sizes"]:
             x = torch.ones(max(1, size // 4), dtype=torch.float32, device=device)
-            fn = ((lambda x=x: dist.all_reduce(x, group=_GROUP)) if op == "all_reduce"
-                  else (lambda x=x: dist.broadcast(x, 0, group=_GROUP)))
+            fn = {"all_reduce": lambda x=x: dist.all_reduce(x, group=_GROUP),
+                  "broadcast": lambda x=x: dist.broadcast(x, 0, group=_GROUP),
+                  "shm_sum": lambda x=x: ctx.device_plane.sum_(x)}[op]
             for _ in range(cfg["warmup"]):
                 fn()
             sweep[op][size] = _timed(fn, _inner_for(fn, device, target, cap), rep, device)

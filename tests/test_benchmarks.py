@@ -38,7 +38,7 @@ def test_quick_suite_report_and_schema(quick_run: Path) -> None:
     coll = json.loads((quick_run / "collectives.json").read_text())
     assert coll["header"]["world_size"] == 2 and coll["header"]["backend"] == "gloo"
     rows = coll["results"]["rows"]
-    assert {r["op"] for r in rows} == {"all_reduce", "broadcast"}
+    assert {r["op"] for r in rows} == {"all_reduce", "broadcast", "shm_sum"}  # 2 local ranks: shared memory too
     for r in rows:  # nccl-tests definitions
         assert r["time_s"] > 0
         assert math.isclose(r["algbw_GBps"], r["bytes"] / r["time_s"] / 1e9, rel_tol=1e-9)

@@ -32,6 +32,7 @@ def test_tree_sum_adds_pairs_then_pairs_of_pairs():
 def test_sums_equal_the_tree_sum_on_every_rank_and_gloo_where_order_is_free(world, reference_wait):
     ranks = spawn(workers.sums, world, args=(4096, reference_wait), timeout_s=150)
     for res in ranks:
+        assert "gloo + shared memory" in res["context"], res["context"]
         assert "shared memory" in res["planes"][0] and "shared memory" in res["planes"][1], res["planes"]
         assert res["rounds"] > 2 * 40_000 * 8 // 4096, "a 40k-element sum should span many 4 KiB slot rounds"
         assert res["leftover"] == [], f"segment files left in /dev/shm: {res['leftover']}"
@@ -43,6 +44,11 @@ def test_sums_equal_the_tree_sum_on_every_rank_and_gloo_where_order_is_free(worl
             assert torch.equal(res["sums"][(dtype, n)], want), f"rank {rank}, {dtype} x {n}"
         if world == 2 or dtype == "torch.int64":  # a + b is a + b in any order: gloo must agree bit for bit
             assert torch.equal(ranks[0]["gloo"][(dtype, n)], want), f"gloo, {dtype} x {n}"
+
+
+def test_shared_memory_false_keeps_gloo():
+    for line in spawn(workers.switched_off, 2, timeout_s=60)[0]:
+        assert "gloo" in line and "shared memory" not in line, line
 
 
 def test_a_peer_that_exits_is_named_at_once():

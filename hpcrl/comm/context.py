@@ -57,5 +57,7 @@ class DistContext:
 
     def __str__(self) -> str:
         comm = self.backend or "no process group"
+        if self.device_plane.shm is not None:
+            comm += " + shared memory"
         where = f"local {self.local_rank} on {self.hostname or '?'}"
         return f"rank {self.rank}/{self.world_size} ({where}), {self.device}, {comm}, via {self.source}"

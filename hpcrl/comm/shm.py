@@ -39,7 +39,7 @@ import torch
 
 from hpcrl import process_state
 
-from .barrier import barrier
+from .barrier import barrier, hosts
 from .context import DistContext
 from .planes import Plane
 from .scratch import make_scratch_dir
@@ -208,7 +208,7 @@ def attach_shared_memory(planes: list[Plane], ctx: DistContext) -> list[Plane]:
     store, rank, world = ctx.store, ctx.rank, ctx.world_size
     assert store is not None
     wanted = [p for p in planes if p.active and p.device.type == "cpu" and p.size == world]
-    if not wanted or not _usable():
+    if not wanted or not _usable() or len(set(hosts(ctx))) > 1:  # several hosts: no segment can serve them all
         return planes
     made: dict[str, str] = {}
     for p in wanted:

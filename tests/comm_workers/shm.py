@@ -25,7 +25,7 @@ def sums(slot_bytes: int, reference_wait: bool) -> dict:
         shm._C = None  # the pure-Python wait (x86)
     ctx = init_distributed(timeout_s=60)
     plane, host = ctx.device_plane, ctx.host_plane
-    out = {"planes": [str(plane), str(host)], "sums": {}, "gloo": {}, "leftover": []}
+    out = {"context": str(ctx), "planes": [str(plane), str(host)], "sums": {}, "gloo": {}, "leftover": []}
     for dtype in DTYPES:
         for n in (1, 7, 40_000):
             mine = rank_data(ctx.rank, dtype, n)
@@ -68,3 +68,8 @@ def late_peer() -> dict:
     except shm.SharedMemoryPeerError as err:
         return {"error": str(err), "rank": err.rank, "s": time.monotonic() - t0}
     return {"error": "", "s": time.monotonic() - t0}
+
+
+def switched_off() -> list[str]:
+    ctx = init_distributed(timeout_s=30, shared_memory=False)
+    return [str(ctx), str(ctx.device_plane), str(ctx.host_plane)]
