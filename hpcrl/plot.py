@@ -42,7 +42,7 @@ __all__ = ["PlotConfig", "Run", "group_runs", "load_run", "main", "plot_runs"]
 # config.json fields that say where or how fast a run ran, not what it is: they never split a group.
 NOT_IDENTITY = frozenset({"seed", "run_dir", "resume", "resume_missing", "device", "nproc", "threads", "timeout_s",
                           "launcher", "hosts", "log_every", "checkpoint_every", "keep_checkpoints",
-                          "check_replicas_every", "wandb_project", "config"})
+                          "check_replicas_every", "wandb_project", "config", "shared_memory"})
 # Derived from other fields (the run's layout): they split no group and would only crowd a label.
 DERIVED = frozenset({"batch_per_rank", "envs_per_rank", "iterations"})
 

@@ -34,7 +34,7 @@ RESUMABLE_FIELDS = frozenset({"total_env_steps", "run_dir", "resume", "overwrite
                               "compile", "log_every", "checkpoint_every", "keep_checkpoints", "check_replicas_every", "eval_episodes",
                               "eval_every", "preset", "config", "seeds", "nonfinite", "wandb_project", "wandb_mode",
                               # how the update is computed, not what: checkpoints are the same either way
-                              "flat_params", "batched_critic"})
+                              "flat_params", "batched_critic", "overlap_grad_average", "shared_memory"})
 
 
 # Identity fields added later, with the value every older run had: left out at that value, so older

@@ -57,10 +57,10 @@ def dead_peer() -> dict:
 
 
 def late_peer() -> dict:
-    """Rank 1 sleeps past the 2 s timeout of the plane; rank 0 must name it after the timeout."""
+    """Rank 1 sleeps well past the 2 s timeout of the plane; rank 0 must name it after the timeout."""
     ctx = init_distributed(timeout_s=2)
     if ctx.rank == 1:
-        time.sleep(4)
+        time.sleep(8)
         return {}
     t0 = time.monotonic()
     try:
