@@ -26,7 +26,7 @@ from .env import LaunchInfo, detect_launch
 from .heartbeat import PeerWatch
 from .native_log import terminal_fd
 from .planes import STRICT_BACKEND, Plane, register_strict_backend, strict_planes
-from .shm import attach_shared_memory
+from .shm import SharedMemoryPeerError, attach_shared_memory
 from .secret import JOIN_KEY, SignedStore, UntrustedKeyError, check_join, load_secret, new_secret, no_secret_policy
 from .spawn_child import record_peer_lost
 
@@ -237,13 +237,15 @@ def watch_peers(timeout_s: float) -> None:
 
 def explain_failure(err: BaseException) -> None:
     """``err`` ended the run: when torch.distributed raised it (a collective or store call failed, as when a
-    peer or the store host vanished mid-call) and peers are watched, let the watch name the lost peer (it
-    ends the process with that line, exit 1); return when it finds none within the heartbeat timeout."""
+    peer or the store host vanished mid-call) or a shared-memory sum lost a peer, and peers are watched, let
+    the watch name the lost peer (it ends the process with that line, exit 1); return when it finds none
+    within the heartbeat timeout."""
     tb = err.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     where = tb.tb_frame.f_code.co_filename if tb is not None else ""
-    if _watch is not None and f"{os.sep}torch{os.sep}distributed{os.sep}" in where:
+    lost = isinstance(err, SharedMemoryPeerError) or f"{os.sep}torch{os.sep}distributed{os.sep}" in where
+    if _watch is not None and lost:
         _watch.await_verdict()
 
 

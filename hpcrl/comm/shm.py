@@ -77,7 +77,8 @@ def tree_sum_(rows: list[torch.Tensor], out: torch.Tensor) -> None:
 
 
 class SharedMemorySum:
-    """One plane's segment, mapped: ``[token: 64 B][flags: W x 64 B][pids: W x 8 B, padded][slots: 2 x W x slot_bytes]``.
+    """One plane's segment, mapped:
+    ``[token: 64 B][flags: W x 64 B][pids: W x 8 B, padded][slots: 2 x W x slot_bytes]``.
 
     ``index``: this rank's position in ``ranks`` (the plane's global ranks, which errors name).
     """
