@@ -128,6 +128,25 @@ def test_frozen_rank_under_torchrun_style_launch_is_named_by_the_other(tmp_path)
     assert "Traceback" not in err, err[-3000:]
 
 
+def test_a_killed_rank_is_named_in_one_line_by_the_rank_waiting_in_a_shared_memory_sum(tmp_path):
+    """Rank 1 SIGKILLed mid-training: rank 0 (same host, so its sums go through shared memory) sees the
+    process gone at once, and the heartbeat watch names it in one line, as for a gloo error: no traceback."""
+    run = tmp_path / "run"
+    procs = _torchrun_style(run)
+    try:
+        _started(run, procs)
+        procs[1].send_signal(signal.SIGKILL)
+        t0 = time.time()
+        _, err = procs[0].communicate(timeout=HEARTBEAT_S + 60)
+        took = time.time() - t0
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode == EXIT_FAILED, err[-3000:]
+    assert took < HEARTBEAT_S + MARGIN_S, f"exit took {took:.1f} s"
+    assert "hpcrl: rank 1 " in err and "Traceback" not in err, err[-3000:]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["frozen", "killed"])
 def test_lost_store_host_is_named_in_one_line_and_its_frames_go_to_the_log(tmp_path, sig):
     """Rank 0 hosts the store (torchrun-style): frozen or killed, rank 1 names it in one line; the C++

@@ -146,7 +146,8 @@ class SharedMemorySum:
             pid, started = self.peers[late]
             rank = self.ranks[late]
             where = f"sum {value} on the {self.plane} plane (shared memory)"
-            if pid and not process_state.pid_alive(pid, started):
+            # a zombie is gone too: a launcher that has not reaped it yet (torchrun-style siblings) keeps its pid
+            if pid and (not process_state.pid_alive(pid, started) or process_state.being_killed(pid)):
                 raise SharedMemoryPeerError(f"rank {rank} (pid {pid}) exited while rank {self.ranks[self.index]} "
                                             f"waited for it in {where}", rank)
             if waited >= self.timeout.total_seconds():
