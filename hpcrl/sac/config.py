@@ -77,8 +77,8 @@ class SACConfig:
     rank exits; in [1, timeout_s]: at least two heartbeats (every 0.5 s), and no longer than a collective's wait."""
     shared_memory: bool = True
     """Ranks on one host (--nproc, or srun tasks of one node) sum gradients, normaliser statistics and stop flags
-    through a shared-memory segment instead of gloo's loopback sockets (CPU planes; NCCL has its own):
-    27 us instead of 0.36 ms median (4 ms at p90) for a 120 KB sum on 2 cores. False keeps gloo."""
+    through a shared-memory segment instead of gloo's loopback sockets (CPU planes; NCCL has its own): a 256 KiB
+    sum took 47 us instead of 2.2 ms on 2 cores (benchmarks/results/collectives_shm_quick.json). False keeps gloo."""
 
     batch_size: int = 8192
     """GLOBAL batch per update (>= 1); every rank samples batch_size / world_size."""
