@@ -72,3 +72,15 @@ def test_how_ranks_sum_is_not_part_of_a_runs_identity():
     for flags in ({"shared_memory": False}, {"overlap_grad_average": True}):
         assert run_identity(preset("pendulum", **flags)) == base, flags
     assert "shared_memory" not in base
+
+
+def test_a_subgroup_gets_its_own_segment_and_only_its_members_take_part():
+    ranks = spawn(workers.subgroup, 3, timeout_s=120)
+    assert all("shared memory" not in p for p in ranks[0]["planes"]), ranks[0]["planes"]
+    want = workers.rank_data(1, torch.float32, 1000) + workers.rank_data(2, torch.float32, 1000)
+    for res in ranks[1:]:
+        assert all("shared memory" in p and "ranks [1, 2]" in p for p in res["planes"]), res["planes"]
+        assert torch.equal(res["x"][10:], want[10:]) and torch.equal(res["x"][:10], 2 * want[:10])
+    world = torch.empty(10)
+    tree_sum_([workers.rank_data(r, torch.float32, 10) for r in range(3)], world)
+    assert all(torch.equal(res["world"], world) for res in ranks)

@@ -204,46 +204,51 @@ def _map(path: str, nbytes: int, token: str) -> torch.Tensor | None:
 
 
 def attach_shared_memory(planes: list[Plane], ctx: DistContext) -> list[Plane]:
-    """Give each CPU plane that spans the whole world of ``ctx`` a shared-memory segment, when every rank
-    maps the same one. Collective over the world (store barriers); a plane that cannot get one keeps gloo.
-    Every rank returns the same answer per plane."""
-    store, rank, world = ctx.store, ctx.rank, ctx.world_size
+    """Give each CPU plane of ``planes`` (all over the same ranks) a shared-memory segment, when every member
+    runs on one host and maps the same one; a plane that cannot get one keeps gloo, alike on every member.
+    Collective over the planes' members (store barriers); on other ranks (their planes are inactive) a no-op."""
+    store, rank = ctx.store, ctx.rank
     assert store is not None
-    wanted = [p for p in planes if p.active and p.device.type == "cpu" and p.size == world]
-    if not wanted or not _usable() or len(set(hosts(ctx))) > 1:  # several hosts: no segment can serve them all
+    wanted = [p for p in planes if p.active and p.device.type == "cpu"]
+    if not wanted or not _usable():
         return planes
+    members = wanted[0].ranks
+    if any(p.ranks != members for p in wanted):
+        raise ValueError(f"attach_shared_memory: planes over different ranks: {[str(p) for p in wanted]}")
+    names = hosts(ctx)
+    if len({names[r] for r in members}) > 1:  # several hosts: no one segment can serve them all
+        return planes
+    index, w = members.index(rank), len(members)
+    tag = f"shm/{'-'.join(map(str, members))}"
     made: dict[str, str] = {}
     for p in wanted:
-        key = f"shm/{p.name}"
-        slot = _SLOT_BYTES[p.name]
-        slot = max(_LINE, min(slot, _SEGMENT_BYTES // (2 * world)) // _LINE * _LINE)
-        if rank == 0:
+        slot = max(_LINE, min(_SLOT_BYTES[p.name], _SEGMENT_BYTES // (2 * w)) // _LINE * _LINE)
+        if index == 0:
             try:
-                path, token = _create(SharedMemorySum.nbytes(world, slot))
+                path, token = _create(SharedMemorySum.nbytes(w, slot))
                 made[p.name] = path
-                store.set(key, f"{slot}|{token}|{path}")
+                store.set(f"{tag}/{p.name}", f"{slot}|{token}|{path}")
             except OSError as err:
-                warnings.warn(f"hpcrl: no shared-memory segment for the {p.name} plane ({err}); its sums use gloo")
-                store.set(key, "")
+                warnings.warn(f"hpcrl: no shared-memory segment for the {p} ({err}); its sums use gloo")
+                store.set(f"{tag}/{p.name}", "")
     mapped: dict[str, SharedMemorySum] = {}
     for p in wanted:
-        value = store.get(f"shm/{p.name}").decode()
+        value = store.get(f"{tag}/{p.name}").decode()
         if value:
             slot_text, token, path = value.split("|", 2)
-            seg = _map(path, SharedMemorySum.nbytes(world, int(slot_text)), token)
+            seg = _map(path, SharedMemorySum.nbytes(w, int(slot_text)), token)
             if seg is not None:
-                mapped[p.name] = SharedMemorySum(seg, rank, p.ranks, int(slot_text), p.name, ctx.timeout)
-                mapped[p.name].pids[rank] = os.getpid()
-        store.set(f"shm/{p.name}/mapped/{rank}", "1" if p.name in mapped else "0")
-    barrier(ctx, "shm")  # every rank mapped (or failed to): rank 0 may unlink
-    if rank == 0:
-        for path in made.values():
-            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+                mapped[p.name] = SharedMemorySum(seg, index, members, int(slot_text), p.name, ctx.timeout)
+                mapped[p.name].pids[index] = os.getpid()
+        store.set(f"{tag}/{p.name}/mapped/{rank}", "1" if p.name in mapped else "0")
+    barrier(ctx, tag, ranks=members)  # every member mapped (or failed to): the creator may unlink
+    for path in made.values():
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
     out = []
     for p in planes:
         m = mapped.get(p.name)
         if m is not None and p in wanted:
-            if all(v == b"1" for v in store.multi_get([f"shm/{p.name}/mapped/{r}" for r in range(world)])):
+            if all(v == b"1" for v in store.multi_get([f"{tag}/{p.name}/mapped/{r}" for r in members])):
                 m.peers = [(pid, process_state.proc_start(pid)) if process_state.pid_alive(pid, "") else (0, "")
                            for pid in m.pids.tolist()]
                 p = replace(p, shm=m)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from hpcrl.comm import IDLE_TIMEOUT, DistContext, DistSetupError, Plane, new_plane, new_planes
+from hpcrl.comm.shm import attach_shared_memory
 
 from .topology import Topology
 from .wire import share_placements
@@ -91,6 +92,8 @@ def make_role_planes(ctx: DistContext, top: Topology) -> RolePlanes:
                              "GPU (fewer --trainers, more GPUs), or --trainer-device cpu")
     trainer_ranks = list(range(top.trainers))
     t_host, t_device = new_planes(trainer_ranks, ctx.rank, ctx.device, trainer_backend, ctx.timeout)
+    if ctx.host_plane.shm is not None:  # the world sums through shared memory: so do the trainers' CPU planes
+        t_host, t_device = attach_shared_memory([t_host, t_device], ctx)
     exchange = new_plane("host", range(top.world_size), ctx.rank, ctx.device, "gloo", IDLE_TIMEOUT)
 
     weight_ranks = [0] + [top.maker_rank(m) for m in range(top.makers)]

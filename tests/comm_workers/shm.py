@@ -73,3 +73,19 @@ def late_peer() -> dict:
 def switched_off() -> list[str]:
     ctx = init_distributed(timeout_s=30, shared_memory=False)
     return [str(ctx), str(ctx.device_plane), str(ctx.host_plane)]
+
+
+def subgroup() -> dict:
+    """Planes over ranks 1 and 2 of 3 (detached PPO's trainers are such a subgroup): only they take part."""
+    from hpcrl.comm import new_planes
+    from hpcrl.comm.shm import attach_shared_memory
+
+    ctx = init_distributed(timeout_s=60)
+    host, device = attach_shared_memory(list(new_planes([1, 2], ctx.rank, ctx.device, "gloo", ctx.timeout)), ctx)
+    x = rank_data(ctx.rank, torch.float32, 1000)
+    if device.active:
+        device.sum_(x)
+        host.sum_(x[:10])
+    world_x = rank_data(ctx.rank, torch.float32, 10)
+    ctx.device_plane.sum_(world_x)  # the world's segment still works beside the subgroup's
+    return {"planes": [str(host), str(device)], "x": x, "world": world_x}
