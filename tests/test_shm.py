@@ -84,3 +84,9 @@ def test_a_subgroup_gets_its_own_segment_and_only_its_members_take_part():
     world = torch.empty(10)
     tree_sum_([workers.rank_data(r, torch.float32, 10) for r in range(3)], world)
     assert all(torch.equal(res["world"], world) for res in ranks)
+
+
+def test_detached_ppo_trainers_sum_through_shared_memory():
+    trainers, _, maker = spawn(workers.ppo_trainer_planes, 3, timeout_s=120)
+    assert all("shared memory" in p and "ranks [0, 1]" in p for p in trainers), trainers
+    assert all("shared memory" not in p for p in maker), maker  # not a member: its trainer planes are inactive

@@ -89,3 +89,13 @@ def subgroup() -> dict:
     world_x = rank_data(ctx.rank, torch.float32, 10)
     ctx.device_plane.sum_(world_x)  # the world's segment still works beside the subgroup's
     return {"planes": [str(host), str(device)], "x": x, "world": world_x}
+
+
+def ppo_trainer_planes() -> list[str]:
+    """Detached PPO's role planes for 2 trainers : 1 maker on one host."""
+    from hpcrl.ppo.planes import make_role_planes
+    from hpcrl.ppo.topology import Topology
+
+    ctx = init_distributed(timeout_s=60, world_device_plane=False)
+    planes = make_role_planes(ctx, Topology(trainers=2, makers=1))
+    return [str(planes.trainer_host), str(planes.trainer_device)]
