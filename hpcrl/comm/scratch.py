@@ -1,6 +1,7 @@
-"""Scratch directories of local spawns (``hpcrl-spawn-<host>-<pid>-<start>-*`` in the temp dir): one
-per :func:`hpcrl.comm.spawn`, removed on every exit the parent lives through; those of dead parents
-(SIGKILL, power loss) are swept by the next spawn on the same host."""
+"""Scratch directories (``hpcrl-spawn-<host>-<pid>-<start>-*``): one per :func:`hpcrl.comm.spawn` in the temp
+dir, removed on every exit the parent lives through, and one per shared-memory segment in /dev/shm
+(:mod:`hpcrl.comm.shm`), removed once every rank mapped it; those of dead creators (SIGKILL, power loss) are
+swept by the next one made in the same place on the same host."""
 
 from __future__ import annotations
 
