@@ -76,6 +76,14 @@ def _freeze_and_wait(frozen: int, healthy: subprocess.Popen) -> tuple[float, str
     return time.time() - t0, err
 
 
+def _kill_and_wait(killed: subprocess.Popen, healthy: subprocess.Popen) -> tuple[float, str]:
+    """SIGKILL ``killed``; the seconds until ``healthy`` exited, and its stderr."""
+    killed.send_signal(signal.SIGKILL)
+    t0 = time.time()
+    _, err = healthy.communicate(timeout=HEARTBEAT_S + 60)
+    return time.time() - t0, err
+
+
 @pytest.mark.parametrize("timeout_args", [["--timeout-s", "30"], []], ids=["timeout-30", "default-timeout"])
 def test_frozen_rank_under_nproc_is_named_and_the_run_exits(tmp_path, timeout_args):
     """With the default --timeout-s (300) too: the heartbeat, not the collective timeout, ends the run."""
@@ -135,10 +143,7 @@ def test_a_killed_rank_is_named_in_one_line_by_the_rank_waiting_in_a_shared_memo
     procs = _torchrun_style(run)
     try:
         _started(run, procs)
-        procs[1].send_signal(signal.SIGKILL)
-        t0 = time.time()
-        _, err = procs[0].communicate(timeout=HEARTBEAT_S + 60)
-        took = time.time() - t0
+        took, err = _kill_and_wait(procs[1], procs[0])
     finally:
         for p in procs:
             p.kill()
@@ -158,10 +163,7 @@ def test_lost_store_host_is_named_in_one_line_and_its_frames_go_to_the_log(tmp_p
         if sig == signal.SIGSTOP:
             took, err = _freeze_and_wait(procs[0].pid, procs[1])
         else:
-            procs[0].send_signal(sig)
-            t0 = time.time()
-            _, err = procs[1].communicate(timeout=HEARTBEAT_S + 60)
-            took = time.time() - t0
+            took, err = _kill_and_wait(procs[0], procs[1])
     finally:
         for p in procs:
             p.kill()
