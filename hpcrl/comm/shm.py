@@ -106,17 +106,18 @@ class SharedMemorySum:
         for lo in range(0, flat.numel(), per):
             part = flat[lo : lo + per]
             self.round += 1
-            rows = self._rows(self.round & 1, part.dtype, part.numel())
+            rows = self._rows(self.round & 1, part)
             rows[self.index].copy_(part)
             self._publish()
             self._wait(self.round)
             tree_sum_(rows, part)
 
-    def _rows(self, parity: int, dtype: torch.dtype, n: int) -> list[torch.Tensor]:
-        key = (parity, dtype, n)
+    def _rows(self, parity: int, part: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's slot of set ``parity``, viewed as ``part``'s dtype and length (cached: sizes repeat)."""
+        key = (parity, part.dtype, part.numel())
         if key not in self._views:
-            size = torch.empty((), dtype=dtype).element_size()
-            self._views[key] = [row[: n * size].view(dtype) for row in self.slots[parity]]
+            nbytes = part.numel() * part.element_size()
+            self._views[key] = [row[:nbytes].view(part.dtype) for row in self.slots[parity]]
         return self._views[key]
 
     def _publish(self) -> None:
