@@ -160,7 +160,7 @@ def test_a_maker_lost_after_trainer_0_drained_is_dropped_not_waited_for(tmp_path
 def test_under_local_spawn_a_maker_frozen_for_good_does_not_hold_the_parent(tmp_path):
     """``python -m hpcrl.ppo`` spawning its ranks: once the trainer finished, the parent stops the frozen,
     dropped maker at once (it used to grant it a 30 s grace, then SIGTERM it to no effect, then SIGKILL)."""
-    from test_spawn import _ranks_of
+    from rank_procs import ranks_of
 
     run = tmp_path / "run"
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "OMP_NUM_THREADS": "1"}
@@ -173,7 +173,7 @@ def test_under_local_spawn_a_maker_frozen_for_good_does_not_hold_the_parent(tmp_
     reader.start()
     try:
         _wait_rows(run, 5, [proc], timeout=180)
-        os.kill(_ranks_of(proc.pid)[2], signal.SIGSTOP)  # rank 2: maker 1, for good
+        os.kill(ranks_of(proc.pid)[2], signal.SIGSTOP)  # rank 2: maker 1, for good
         proc.wait(timeout=120)
         exited = time.monotonic()
         reader.join(timeout=10)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from hpcrl.conventions import EXIT_FAILED
+from rank_procs import ranks_of
 from torchrun_style import torchrun_style
 
 pytestmark = pytest.mark.timeout(120)
@@ -39,17 +40,6 @@ def _started(run: Path, procs: list[subprocess.Popen], timeout: float = 90.0) ->
         time.sleep(0.05)
     assert (run / "config.json").exists(), "training did not start"
     time.sleep(1.0)
-
-
-def _start_time(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-
-
-def _ranks_of(parent: int) -> list[int]:
-    """The parent's spawned ranks in rank order (they are started one after another)."""
-    children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
-    ranks = [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
-    return sorted(ranks, key=lambda pid: (_start_time(pid), pid))
 
 
 def _gone(pid: int, timeout: float = 10.0) -> bool:
@@ -94,7 +84,7 @@ def test_frozen_rank_under_nproc_is_named_and_the_run_exits(tmp_path, timeout_ar
     ranks: list[int] = []
     try:
         _started(run, [proc])
-        ranks = _ranks_of(proc.pid)
+        ranks = ranks_of(proc.pid)
         assert len(ranks) == 2, ranks
         took, err = _freeze_and_wait(ranks[1], proc)
     finally:

@@ -32,7 +32,8 @@ from hpcrl.rundir_reuse import committed_steps
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
 
-from test_spawn import TINY, _ranks_of  # noqa: E402
+from rank_procs import ranks_of  # noqa: E402
+from test_spawn import TINY  # noqa: E402
 from test_spawn import _finish as _end  # noqa: E402  (communicate, then SIGKILL the group)
 
 pytestmark = [pytest.mark.extended, pytest.mark.timeout(480)]
@@ -85,7 +86,7 @@ def _ppo_job(rng: random.Random, run: Path, tmp: Path, resume: bool, budget: int
     late = 0  # maker faults sent once the last update's row was out: the maker may have finished already
     try:
         if budget and _wait_rows(run, len(_rows(run)) + rng.randint(2, 6), proc):
-            makers = _ranks_of(proc.pid)[2:]  # ranks 2, 3
+            makers = ranks_of(proc.pid)[2:]  # ranks 2, 3
             at_end = bool(_rows(run)) and _rows(run)[-1]["updates"] >= 100
             kind = rng.choice(["freeze", "kill", "sigterm"])
             if kind == "freeze":
@@ -126,7 +127,7 @@ def _sac_job(rng: random.Random, run: Path, tmp: Path, resume: bool, fault: bool
     kind = None
     try:
         if fault and _wait_rows(run, len(_rows(run)) + rng.randint(2, 8), proc):
-            ranks, kind = _ranks_of(proc.pid), rng.choice(["freeze", "kill", "sigterm"])
+            ranks, kind = ranks_of(proc.pid), rng.choice(["freeze", "kill", "sigterm"])
             t0 = time.monotonic()
             if kind == "freeze":
                 os.kill(ranks[rng.randrange(2)], signal.SIGSTOP)

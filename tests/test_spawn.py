@@ -26,6 +26,8 @@ from hpcrl.comm.local import SpawnConfigError
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # this module must be importable in the spawned ranks
 
+from rank_procs import ranks_of  # noqa: E402
+
 pytestmark = pytest.mark.timeout(90)
 
 LOG_EVERY = 5  # vector steps per metrics row
@@ -64,22 +66,6 @@ def _wait_for(cond, proc: subprocess.Popen | None, timeout: float = 60, what: st
             raise AssertionError(f"exited {proc.returncode} before {what}:\n{out[-2000:]}\n{err[-3000:]}")
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-def _ranks_of(parent: int) -> list[int]:
-    """The spawned ranks (children running multiprocessing's spawn_main) of ``parent``, in start order."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text().rsplit(")", 1)[-1].split()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(stat[1]) == parent and b"spawn_main" in cmdline:
-            found.append((int(stat[19]), int(entry.name)))
-    return [pid for _, pid in sorted(found)]
 
 
 def _alive(pid: int) -> bool:
@@ -236,24 +222,32 @@ def test_stop_signals_after_the_last_step_leave_a_finished_run_at_0(tmp_path):
 
 
 # -- orphans, scratch -------------------------------------------------------------------------------
-def test_sigkilled_parent_takes_its_ranks_and_its_scratch_dir_is_swept(tmp_path, monkeypatch):
+def test_sigkilled_parent_takes_its_ranks_and_its_scratch_dirs_are_swept(tmp_path, monkeypatch):
     proc = _cli("hpcrl.sac", [*TINY, "--nproc", "2", "--total-env-steps", "100000", "--checkpoint-every", "0",
                               "--run-dir", str(tmp_path / "run")], tmp_path)
+    roots = [tmp_path / "scratch", Path("/tmp")]  # the forkserver's socket dir is under /tmp: $TMPDIR is long
+
+    def left_by_parent() -> list[Path]:
+        return [d for root in roots for d in root.glob(f"{scratch.PREFIX}{scratch.host_tag()}-{proc.pid}-*")]
+
     try:
-        _wait_for(lambda: len(_ranks_of(proc.pid)) == 2, proc, what="two ranks")
-        ranks = _ranks_of(proc.pid)
+        _wait_for(lambda: len(ranks_of(proc.pid)) == 2, proc, what="two ranks")
+        ranks = ranks_of(proc.pid)
         assert len(_scratch_dirs(tmp_path)) == 1
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
         _wait_for(lambda: not any(_alive(p) for p in ranks), None, 10, "the orphaned ranks to die")
     finally:
         _finish(proc, 1)
-    assert len(_scratch_dirs(tmp_path)) == 1  # a SIGKILLed parent cannot clean up ...
+    # a SIGKILLed parent cannot clean up: the run's scratch dir and its forkserver's socket dir stay ...
+    assert len(_scratch_dirs(tmp_path)) == 1 and len(left_by_parent()) == 2
     live = tmp_path / "scratch" / f"{scratch.PREFIX}{scratch.host_tag()}-{os.getpid()}-{scratch.start_tag(os.getpid())}-x"
     live.mkdir()  # ... but a live owner's directory is kept
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "scratch"))
     assert spawn(_returns_rank, 1, timeout_s=60) == [0]  # ... the next spawn sweeps the dead one
     assert _scratch_dirs(tmp_path) == [live.name]
+    scratch.sweep_scratch("/tmp")  # what the next spawn whose temp dir is /tmp does
+    assert left_by_parent() == []
 
 
 # -- failures ---------------------------------------------------------------------------------------
@@ -293,7 +287,7 @@ def test_a_dead_maker_is_dropped_under_local_spawn(tmp_path):
                               "--heartbeat-timeout-s", "3", "--run-dir", str(run)], tmp_path)
     try:
         _wait_for(lambda: len(_rows(run)) >= 3, proc, what="three metrics rows")
-        ranks = _ranks_of(proc.pid)
+        ranks = ranks_of(proc.pid)
         assert len(ranks) == 3
         os.kill(ranks[2], signal.SIGKILL)  # rank 2: maker 1
         out, err = _finish(proc, 80)

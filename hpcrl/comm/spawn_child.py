@@ -6,6 +6,7 @@ import ctypes
 import json
 import os
 import pickle
+from multiprocessing import reduction
 import signal
 import sys
 import threading
@@ -22,17 +23,69 @@ _HOLD_S = 5.0  # a stop signal held for the rank function's own handler is deliv
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)  # what the ranks' StopRequest handles
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def _die_with_parent(parent_pid: int, launcher_pid: int) -> None:
     """Ask the kernel to SIGKILL this process when its parent dies (Linux), then make sure the parent
-    did not die before we asked (we would have been re-parented, and nobody would ever kill us)."""
+    did not die before we asked (we would have been re-parented, and nobody would ever kill us). The
+    parent is the forkserver, which exits with the launcher, or the launcher itself."""
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
         except (OSError, AttributeError):
             pass
-    if os.getppid() != parent_pid:
+    if os.getppid() != parent_pid or not _alive(launcher_pid):
         os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+class InheritedFd:
+    """One of the launcher's descriptors (its stdout, its stderr) as it is when a rank starts, given
+    to that rank: a forkserver's children would otherwise write wherever the launcher's streams
+    pointed when the server started (under pytest, a capture file of some earlier test)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        return _detach, (reduction.DupFd(self.fd),)  # valid only while a process is being started
+
+
+def _detach(dup: Any) -> int:
+    return dup.detach()
+
+
+def _adopt_launcher(env: dict[str, str], streams: Sequence[int | None], mask: Sequence[int] | None) -> None:
+    """What a spawned rank would have had from its launcher at start: its environment (the server's
+    is the launcher's of long ago), its stdout / stderr, and its signal mask (set last: the stop signals
+    stay blocked until the handlers that hold them are in place)."""
+    os.environ.clear()
+    os.environ.update(env)
+    for target, fd in enumerate(streams, start=1):
+        if fd is not None and fd != target:
+            os.dup2(fd, target)
+            os.close(fd)
+    if "numpy" in sys.modules:  # a fork shares the server's global numpy RNG; a spawned rank drew its own
+        sys.modules["numpy"].random.seed()
+    if mask is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def default_threads(env: dict[str, str]) -> int:
+    """torch's intra-op thread count for a process started with ``env``: ``OMP_NUM_THREADS`` when set,
+    else the CPUs this process may run on. Set explicitly in a rank: its torch was loaded by the server."""
+    try:
+        return max(1, int(env.get("OMP_NUM_THREADS", "")))
+    except ValueError:
+        return len(os.sched_getaffinity(0))
 
 
 class _Hold:
@@ -116,18 +169,16 @@ def record_peer_lost(message: str, peer: int | None) -> None:
 
 
 def run_child(fn: Callable[..., Any], args: Sequence[Any], env: dict[str, str], num_threads: int | None, tmp: str,
-           parent_pid: int, hold: Sequence[int], ignore_sigint: bool, unblock: Sequence[int]) -> None:
-    _die_with_parent(parent_pid)
-    os.environ.update(env)
+              parents: tuple[int, int], hold: Sequence[int], ignore_sigint: bool, mask: Sequence[int] | None,
+              streams: Sequence[int | None]) -> None:
+    _die_with_parent(*parents)
     rank = env["RANK"]
     _SCRATCH[:] = [tmp, rank]
     held = _Hold(hold)
     if ignore_sigint:  # the parent turns Ctrl-C into SIGTERM for us; the terminal's own SIGINT is noise
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if unblock:  # the parent blocked them while starting us, so none could kill us during the imports
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, unblock)
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
+    _adopt_launcher(env, streams, mask)
+    torch.set_num_threads(num_threads if num_threads is not None else default_threads(env))
     try:
         result = fn(*args)
     except Exception as err:

@@ -52,13 +52,16 @@ def listening(pid: int) -> list[tuple[str, int]]:
 
 
 def report_listeners() -> dict:
-    """After the bootstrap and a barrier (every gloo pair connected): this rank's and the spawn
-    parent's (the store host's) listening sockets."""
+    """After the bootstrap and a barrier (every gloo pair connected): this rank's, the spawn parent's
+    (the store host's) and the forkserver's (this rank's parent process) listening sockets."""
     from hpcrl.comm import barrier, init_distributed, shutdown
+    from hpcrl.rundir import LAUNCHED_PID_ENV
 
     ctx = init_distributed(timeout_s=30)
     barrier(ctx, "listeners")
-    out = {"rank": ctx.rank, "self": listening(os.getpid()), "parent": listening(os.getppid()),
+    launcher = int(os.environ[LAUNCHED_PID_ENV])
+    out = {"rank": ctx.rank, "self": listening(os.getpid()), "parent": listening(launcher),
+           "server": listening(os.getppid()) if os.getppid() != launcher else [],
            "signed": ctx.store.signed, "ifname": os.environ.get("GLOO_SOCKET_IFNAME")}
     barrier(ctx, "reported")  # nobody leaves (closing its listeners) before all have looked
     shutdown(timeout_s=15)
