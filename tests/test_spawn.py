@@ -146,13 +146,16 @@ def _wait_pids(pid_dir: Path, n: int, timeout: float = 60) -> list[int]:
 
 
 # -- stop signals -----------------------------------------------------------------------------------
-def test_sigterm_to_the_parent_checkpoints_and_exits_75(tmp_path):
+@pytest.mark.parametrize("to", ["parent", "group"])
+def test_sigterm_to_the_parent_checkpoints_and_exits_75(tmp_path, to):
+    """``parent``: the pid a user, systemd or docker sees; ``group``: every process of the job, as a
+    scheduler stops one (the forkserver too, whose death would take the ranks before they checkpoint)."""
     run = tmp_path / "run"
     proc = _cli("hpcrl.sac", [*TINY, "--nproc", "2", "--total-env-steps", "100000", "--checkpoint-every", "0",
                               "--run-dir", str(run)], tmp_path)
     try:
         _wait_for(lambda: len(_rows(run)) >= 2, proc, what="two metrics rows")
-        os.kill(proc.pid, signal.SIGTERM)  # the pid a user, systemd or docker sees; not the group
+        (os.kill if to == "parent" else os.killpg)(proc.pid, signal.SIGTERM)  # its own session: pgid = pid
         out, err = _finish(proc)
     finally:
         _finish(proc, 1)
@@ -163,6 +166,41 @@ def test_sigterm_to_the_parent_checkpoints_and_exits_75(tmp_path):
     step = int(checkpoint.latest(run).name.removeprefix("step_"))
     assert last_row <= step < last_row + LOG_EVERY, (last_row, step)
     assert _scratch_dirs(tmp_path) == []
+
+
+def _launch_view() -> dict:
+    """What a rank has from its launcher."""
+    import numpy as np
+
+    from hpcrl.rundir import LAUNCHED_PID_ENV
+
+    print(f"rank {os.environ['RANK']} on stdout", flush=True)
+    print(f"rank {os.environ['RANK']} on stderr", file=sys.stderr, flush=True)
+    parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+    return {"probe": os.environ.get("HPCRL_TEST_PROBE"), "threads": torch.get_num_threads(),
+            "draw": float(np.random.rand()), "mask": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, ())),
+            "launcher": int(os.environ[LAUNCHED_PID_ENV]), "forked": b"forkserver" in parent}
+
+
+def test_ranks_are_forks_that_get_what_the_launcher_has_at_launch(capfd, monkeypatch):
+    """The forkserver started long before (an earlier spawn here) must not leak its own state into a
+    rank: the environment, stdout/stderr and signal mask are the launcher's at this launch, the thread
+    count is what was asked (or what OMP_NUM_THREADS says), and numpy draws differ between ranks."""
+    with capfd.disabled():  # the server exists now, with this process's state of now (streams uncaptured)
+        spawn(_returns_rank, 1, timeout_s=60)
+    monkeypatch.setenv("HPCRL_TEST_PROBE", "after the server started")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    capfd.readouterr()
+    views = spawn(_launch_view, 2, timeout_s=60, num_threads=None)
+    out, err = capfd.readouterr()
+    assert all(v["forked"] and v["launcher"] == os.getpid() for v in views)
+    assert [v["probe"] for v in views] == ["after the server started"] * 2
+    assert [v["threads"] for v in views] == [2, 2]
+    assert views[0]["draw"] != views[1]["draw"]
+    assert views[0]["mask"] == views[1]["mask"] == sorted(signal.pthread_sigmask(signal.SIG_BLOCK, ()))
+    assert "rank 0 on stdout" in out and "rank 1 on stdout" in out, out
+    assert "rank 0 on stderr" in err and "rank 1 on stderr" in err, err
+    assert [v["threads"] for v in spawn(_launch_view, 1, timeout_s=60, num_threads=1)] == [1]
 
 
 def test_sigint_becomes_a_stop_and_a_second_one_kills(tmp_path):
