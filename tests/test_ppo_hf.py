@@ -114,6 +114,8 @@ def test_models_load_by_path_with_pad_fallback_and_chat_template(art):
     assert type(model.actor).__name__ == "LlamaForCausalLM"
     assert type(model.critic.backbone).__name__ == "LlamaModel"
     assert float(model.critic.value_head.weight.detach().abs().sum()) == 0.0
+    # what the launcher's forkserver imports once for every rank: the modeling code of the model built
+    assert wl.rank_modules() == ("hpcrl.ppo.workloads.hf", type(model.actor).__module__)
     chat = _wl(art, "chat")
     raw = _wl(art, "chat", chat_template=False)
     yes = chat.tokenizer.convert_tokens_to_ids("yes")

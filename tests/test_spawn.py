@@ -203,6 +203,19 @@ def test_ranks_are_forks_that_get_what_the_launcher_has_at_launch(capfd, monkeyp
     assert [v["threads"] for v in spawn(_launch_view, 1, timeout_s=60, num_threads=1)] == [1]
 
 
+def _loaded(module: str) -> bool:
+    return module in sys.modules
+
+
+@pytest.mark.parametrize("preload", [["colorsys"], []])
+def test_preloaded_modules_are_imported_by_the_server_not_by_each_rank(tmp_path, preload):
+    code = ("from hpcrl.comm import spawn; from test_spawn import _loaded; "
+            f"print(spawn(_loaded, 2, args=('colorsys',), timeout_s=60, preload={preload!r}))")
+    out = subprocess.run([sys.executable, "-c", code], env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == str([bool(preload)] * 2)
+
+
 def test_sigint_becomes_a_stop_and_a_second_one_kills(tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()

@@ -280,6 +280,7 @@ def spawn(
     env: dict[str, str] | None = None,
     forward_signals: Sequence[int] = FORWARD_SIGNALS,
     expendable: Collection[int] = (),
+    preload: Sequence[str] = (),
 ) -> list[Any]:
     """Run ``fn(*args)`` in ``nproc`` fresh processes as ranks 0..nproc-1; return their results.
 
@@ -298,6 +299,10 @@ def spawn(
     in ``expendable`` is reported (a warning line) and the others go on; its result is None. Expendable
     ranks still running ``_EXPENDABLE_GRACE_S`` after every other rank returned are stopped (result None).
     A configuration error stops the run whichever rank raised it.
+
+    ``preload``: modules every rank imports (the rank function's, a model library's), imported once by
+    the forkserver when this call starts it instead of by each rank; a server already running keeps
+    what it has (ranks import what it lacks themselves). Importing them must start no thread.
     """
     expendable = _check_ranks(nproc, expendable)
     procs: list = []
@@ -306,7 +311,7 @@ def spawn(
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         job.fwd.install()
-        _launch(job, fn, tuple(args), nproc, num_threads, env)
+        _launch(job, fn, tuple(args), nproc, num_threads, env, preload)
         _supervise(job, expendable, deadline, timeout_s)
         return _results(job, nproc, expendable)
     finally:
@@ -357,7 +362,7 @@ def _child_env(rank: int, nproc: int, port: int, tmp: str, secret: str, env: dic
 
 
 def _launch(job: _Job, fn: Callable[..., Any], args: tuple, nproc: int, num_threads: int | None,
-            env: dict[str, str] | None) -> None:
+            env: dict[str, str] | None, preload: Sequence[str]) -> None:
     """Host the store, make the scratch dir and start the ranks, the forwarded signals held meanwhile."""
     fwd = job.fwd
     blocked = fwd.signals if fwd.active and hasattr(signal, "pthread_sigmask") else ()
@@ -368,7 +373,7 @@ def _launch(job: _Job, fn: Callable[..., Any], args: tuple, nproc: int, num_thre
     # unblock them once their handlers are in place, so a signal during start-up stops them too.
     if blocked:  # its first launch unblocks SIGINT and SIGTERM in this thread (bpo-33613): launch it now
         multiprocessing.resource_tracker.ensure_running()
-    ctx, server = _start_method()
+    ctx, server = _start_method(preload)
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, blocked) if blocked else None
     mask = old_mask if old_mask is not None else _current_mask()
     try:
@@ -394,14 +399,14 @@ def _launch(job: _Job, fn: Callable[..., Any], args: tuple, nproc: int, num_thre
 _PRELOAD = ["hpcrl.forkserver_preload"]
 
 
-def _start_method() -> tuple[Any, int | None]:
+def _start_method(preload: Sequence[str]) -> tuple[Any, int | None]:
     """How ranks start, and the pid that will be their parent: forks of multiprocessing's forkserver with
     torch loaded (``hpcrl.forkserver_preload``; one server per launching process, started on first use),
     where the platform has one, else fresh interpreters ("spawn", parented by this process)."""
     if "forkserver" not in mp.get_all_start_methods() or not _socket_dir_fits():
         return mp.get_context("spawn"), None
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts; a server already running keeps its own
+    ctx.set_forkserver_preload([*_PRELOAD, *preload])  # read when the server starts; one running keeps its own
     multiprocessing.forkserver.ensure_running()
     return ctx, multiprocessing.forkserver._forkserver._forkserver_pid
 

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(cfg: DetachedConfig) -> list[dict]:
-    build_workload(cfg)  # fail on a bad workload or device before starting any process
+    workload, _ = build_workload(cfg)  # fail on a bad workload or device before starting any process
     for role in ("trainer", "maker"):
         resolve_kind(getattr(cfg, f"{role}_device"), cuda_count(), f"--{role}-device")
     if detect_launch().source != "single" or cfg.makers + cfg.trainers == 1:
@@ -124,7 +124,8 @@ def _run(cfg: DetachedConfig) -> list[dict]:
         signal.signal(sig, signal.SIG_IGN)
     world = cfg.makers + cfg.trainers
     return spawn(train, world, args=(cfg,), timeout_s=None, num_threads=cfg.threads,
-                 expendable=range(cfg.trainers, world))  # trainers drop dead makers and go on
+                 expendable=range(cfg.trainers, world),  # trainers drop dead makers and go on
+                 preload=[train.__module__, *workload.rank_modules()])
 
 
 def _exit(code: int) -> None:

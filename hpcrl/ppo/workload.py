@@ -154,6 +154,11 @@ class Workload(ABC):
         raise ConfigError(f"--strategy fsdp: workload {self.name!r} does not say which submodules to shard "
                           "(no shard_units method); use --strategy ddp")
 
+    def rank_modules(self) -> tuple[str, ...]:
+        """Modules every rank of this workload imports: loaded once by the launcher's forkserver
+        (:func:`hpcrl.comm.spawn`'s ``preload``) instead of by each rank. Default: the workload's module."""
+        return (type(self).__module__,)
+
     def save_artifacts(self, model_state: dict[str, torch.Tensor]) -> Any:
         """Trainer 0 after every checkpoint, with the full model state (e.g. a save_pretrained export).
         Default: nothing to save."""
@@ -362,6 +367,11 @@ class _PluginWorkload(Workload):
 
     def shard_units(self, model: nn.Module) -> list[nn.Module]:
         return self._call("shard_units", model)
+
+    def rank_modules(self) -> tuple[str, ...]:
+        """Modules every rank of this workload imports: loaded once by the launcher's forkserver
+        (:func:`hpcrl.comm.spawn`'s ``preload``) instead of by each rank. Default: the workload's module."""
+        return (type(self).__module__,)
 
     def save_artifacts(self, model_state: dict[str, torch.Tensor]) -> Any:
         return self._call("save_artifacts", model_state)

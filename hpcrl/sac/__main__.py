@@ -87,7 +87,7 @@ def _run(cfg: SACConfig) -> list[dict]:
         # the seeds of --seeds; the process exits when the last one is done).
         for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
-        return spawn(train, cfg.nproc, args=(cfg,), timeout_s=None)
+        return spawn(train, cfg.nproc, args=(cfg,), timeout_s=None, preload=[train.__module__])
     # one process, or one rank of srun / torchrun: before its rendezvous, so no rank of this node has
     # allocated anything while another one reads the memory left
     launch = detect_launch()

@@ -148,8 +148,9 @@ class HFWorkload(HFOptions, Workload):
         self.check()
         config = M.load_config(self.flag("model"), self.model)
         self.param_dtype = M.resolve_dtype(self.dtype, config, self.flag("dtype"), self.model)
+        self.model_types = [config.model_type]
         if self.critic is not None:
-            M.load_config(self.flag("critic"), self.critic)
+            self.model_types.append(M.load_config(self.flag("critic"), self.critic).model_type)
         if self.reward_model is not None:
             M.check_reward_model(self.reward_model)
         if self.lora_rank:
@@ -340,6 +341,12 @@ class HFWorkload(HFOptions, Workload):
     def build_maker_model(self, seed: int, device: torch.device | str = "cpu") -> HFActorCritic:
         """Makers generate and score with the actor only: no critic is loaded."""
         return self.build_model(seed, device, critic=False)
+
+    def rank_modules(self) -> tuple[str, ...]:
+        """This module, the models' modeling code (transformers imports it on first use: ~1-2 s a rank)
+        and peft with LoRA."""
+        modeling = [f"transformers.models.{t}.modeling_{t}" for t in (m.replace("-", "_") for m in self.model_types)]
+        return (type(self).__module__, *dict.fromkeys(modeling), *(["peft"] if self.lora_rank else []))
 
     def shard_units(self, model: HFActorCritic) -> list[nn.Module]:
         """FSDP units (``--strategy fsdp``): every decoder layer of actor, critic and a trainer-side
