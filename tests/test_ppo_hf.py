@@ -123,6 +123,16 @@ def test_models_load_by_path_with_pad_fallback_and_chat_template(art):
     assert all(len(c) == len(r) + 1 for c, r in zip(chat.prompt_ids, raw.prompt_ids))
 
 
+def test_kl_default_follows_the_algorithm_and_a_given_one_is_kept(art):
+    """docs/hf_learning.md: 0.05 held PPO near the reference and GRPO's KL term slowed it down on the
+    demo's task; 0.01 (ppo) and 0 (grpo, as TRL's beta) learned most."""
+    assert _wl(art).default_config().kl_coef == 0.01
+    assert _wl(art, algo="grpo", group_size=2).default_config().kl_coef == 0.0
+    assert _wl(art, algo="grpo", group_size=2, kl_coef=0.05).default_config().kl_coef == 0.05
+    with pytest.raises(ConfigError, match="kl-coef"):
+        _wl(art, kl_coef=-1.0)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_generate_left_padding_masks_and_behaviour_logp(art, arch):
     wl = _wl(art, arch, max_new_tokens=10)

@@ -218,10 +218,12 @@ class HFWorkload(HFOptions, Workload):
         return [texts[i] for i in idx]
 
     def default_config(self) -> PPOConfig:
-        """gamma = 1 (the episode is the response), lr 1e-5 (full fine-tuning; 1e-4 with LoRA)."""
+        """gamma = 1 (the episode is the response), lr 1e-5 (full fine-tuning of a pretrained model; 1e-4 with
+        LoRA; a tiny model such as the demo's wants 1e-3: docs/hf_learning.md), KL 0.01 (ppo) or 0 (grpo)."""
+        kl = self.kl_coef if self.kl_coef is not None else (0.0 if self.algo == "grpo" else 0.01)
         return PPOConfig(epochs=2, minibatches=2, lr=1e-4 if self.lora_rank else 1e-5, gamma=1.0, gae_lambda=0.95,
                          clip_coef=0.2, value_clip_coef=0.2, ent_coef=0.0, vf_coef=0.5, max_grad_norm=1.0,
-                         kl_coef=self.kl_coef)
+                         kl_coef=kl)
 
     # -- models ----------------------------------------------------------------------------------
     def _lora_config(self) -> Any:
