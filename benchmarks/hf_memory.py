@@ -93,7 +93,7 @@ def _batch(vocab: int, sequences: int, prompt: int, response: int, seed: int) ->
 
 
 def rank_main(model_dir: str, warm_dir: str, prompts: str, mode: str, lora: int,
-              cap_mib: float | None) -> dict[str, Any]:
+              cap_mib: float | None, checkpointing: bool = False) -> dict[str, Any]:
     """One trainer: Replica.build + one update; its memory figures (or how it failed under the cap)."""
     import torch.distributed as dist
 
@@ -111,7 +111,8 @@ def rank_main(model_dir: str, warm_dir: str, prompts: str, mode: str, lora: int,
 
         def workload(path: str) -> Any:
             wl = HFWorkload(model=path, prompts=prompts, reward_fn="hf_fixtures:target_fraction", algo="grpo",
-                            group_size=2, batch_size=2, max_prompt_tokens=8, max_new_tokens=8, lora_rank=lora)
+                            group_size=2, batch_size=2, max_prompt_tokens=8, max_new_tokens=8, lora_rank=lora,
+                            gradient_checkpointing=checkpointing)
             if mode == "full":
                 wl.builds_on_meta = False  # the path before the sharded load: build everything, then shard
             return wl
@@ -153,7 +154,7 @@ def rank_main(model_dir: str, warm_dir: str, prompts: str, mode: str, lora: int,
 
 
 def run(model_dir: Path, prompts: Path, mode: str, n: int, lora: int = 0, cap_mib: float | None = None,
-        timeout_s: float = 900) -> dict[str, Any]:
+        timeout_s: float = 900, checkpointing: bool = False) -> dict[str, Any]:
     """``n`` trainer ranks of ``mode``; the ranks' rows, or the first failure's line."""
     from hpcrl.comm import spawn
     from hpcrl.comm.spawn_errors import SpawnError
@@ -165,13 +166,14 @@ def run(model_dir: Path, prompts: Path, mode: str, n: int, lora: int = 0, cap_mi
         F.build_causal_lm(warm_dir)
     t0 = time.perf_counter()
     try:
-        ranks = spawn(rank_main, n, args=(str(model_dir), str(warm_dir), str(prompts), mode, lora, cap_mib),
-                      timeout_s=timeout_s)
+        ranks = spawn(rank_main, n, args=(str(model_dir), str(warm_dir), str(prompts), mode, lora, cap_mib,
+                                          checkpointing), timeout_s=timeout_s)
     except SpawnError as err:
-        return {"mode": mode, "trainers": n, "lora": lora, "cap_mib": cap_mib, "ok": False,
+        return {"mode": mode, "trainers": n, "lora": lora, "cap_mib": cap_mib, "checkpointing": checkpointing, "ok": False,
                 "error": str(err).strip().splitlines()[0][:300], "wall_s": time.perf_counter() - t0}
     ok = all(r["ok"] for r in ranks)
-    return {"mode": mode, "trainers": n, "lora": lora, "cap_mib": cap_mib, "ok": ok, "ranks": ranks,
+    return {"mode": mode, "trainers": n, "lora": lora, "cap_mib": cap_mib, "checkpointing": checkpointing, "ok": ok,
+            "ranks": ranks,
             "max_peak_rss_mib": max(r["peak_rss_mib"] for r in ranks),
             "max_model_part_mib": max(r.get("model_part_mib", float("nan")) for r in ranks),
             "wall_s": time.perf_counter() - t0, "loadavg": os.getloadavg()}
@@ -185,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--trainers", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--cap-trainers", type=int, default=4, help="trainers of the capped runs")
-    ap.add_argument("--cap-frac", type=float, default=0.6,
+    ap.add_argument("--cap-frac", type=float, default=0.85,
                     help="the cap: this fraction of the fp32 model's size, above each rank's own start")
     ap.add_argument("--cap-only", action="store_true", help="only the capped runs (full and sharded, LoRA)")
     args = ap.parse_args(argv)
@@ -207,11 +209,12 @@ def main(argv: list[str] | None = None) -> int:
         # sharded at every N; the references: ddp at N = 1 and the full-build path at the largest N
         plan = ([] if args.cap_only else [("sharded", n, 0, None) for n in args.trainers] + [("ddp", 1, 0, None)]
                 + [("full", max(args.trainers), 0, None)])
-        if not args.quick:  # LoRA: the optimizer state is the adapters', so the cap is about the weights
+        if not args.quick:  # LoRA: the optimizer state is the adapters', so the cap is about the weights;
+            # gradient checkpointing, as a run short of memory would: activations of one layer at a time
             cap = args.cap_frac * model_mib
             plan += [(m, args.cap_trainers, 8, cap) for m in ("full", "sharded")]
         for mode, n, lora, cap in plan:
-            row = run(model_dir, prompts, mode, n, lora, cap)
+            row = run(model_dir, prompts, mode, n, lora, cap, checkpointing=cap is not None)
             rows.append(row)
             print(f"{mode:8s} N={n} lora={lora} cap={'-' if cap is None else f'{cap:.0f} MiB'}: "
                   + (f"peak RSS {row['max_peak_rss_mib']:.0f} MiB, model part {row['max_model_part_mib']:.0f} MiB"
