@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Trainer update of the ``hf`` workload with and without ``--ppo.trim-padding``: tokens/s and padding.
+"""Trainer update of the ``hf`` workload padded, trimmed (``--ppo.trim-padding``) or packed
+(``--ppo.pack-sequences``): tokens/s and padding.
 
     python benchmarks/hf_trim_padding.py [--quick] [--json PATH] [--reps 3] [--threads 1] [--device cpu|cuda]
 
@@ -7,11 +8,11 @@ One random-init Llama (4 layers, hidden 256; built here, no download) and its wo
 prompts of 1 to 12 words left-padded to 16 tokens, responses sampled up to 48 tokens (the random model
 emits EOS at random, so lengths vary). The makers' work is done once: the same experience batches go
 through every variant, and the variants run interleaved ``--reps`` times, each from the same initial
-weights: padded (as before) or trimmed, each with the whole minibatch per forward or micro-batches of
-4 (trimmed: ordered by length first). Per variant: the median of the learner's own
-``trainer_tokens_per_s`` (real tokens x epochs / update wall time) and the padding share of the
-computed token positions (``padding_frac`` untrimmed, ``trimmed_padding_frac`` trimmed), which does
-not depend on timing. Writes JSON (default ``benchmarks/results/hf_trim_padding.json``).
+weights: padded (as before), trimmed or packed, each with the whole minibatch per forward or
+micro-batches of 4 (trimmed and packed: ordered by length first). Per variant: the median of the
+learner's own ``trainer_tokens_per_s`` (real tokens x epochs / update wall time) and the padding share
+of the computed token positions (``padding_frac`` padded, ``trimmed_padding_frac`` /
+``packed_padding_frac``), which does not depend on timing. Writes JSON (default ``benchmarks/results/hf_trim_padding.json``).
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def build(out: Path, hidden: int, layers: int) -> None:
             f.write(json.dumps({"prompt": " ".join(rng.choice(WORDS) for _ in range(1 + i % 12))}) + "\n")
 
 
+MODES = {"padded": {}, "trimmed": {"trim_padding": True}, "packed": {"pack_sequences": True}}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("--quick", action="store_true", help="2 layers, hidden 64, 1 rep (CI)")
@@ -88,22 +92,22 @@ def main(argv: list[str] | None = None) -> int:
         gen = torch.Generator().manual_seed(2)
         batch = collector.collect(model, gen)[0]
         init = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        variants = [(trim, micro) for micro in (None, 4) for trim in (False, True)]
-        runs: dict[tuple[bool, int | None], list[dict[str, float]]] = {v: [] for v in variants}
+        variants = [(mode, micro) for micro in (None, 4) for mode in MODES]
+        runs: dict[tuple[str, int | None], list[dict[str, float]]] = {v: [] for v in variants}
         for _ in range(reps + 1):  # the first round warms up (not counted)
-            for trim, micro in variants:
+            for mode, micro in variants:
                 wl = wls[micro]
                 model.load_state_dict(init)
-                cfg = dataclasses.replace(wl.default_config(), trim_padding=trim)
+                cfg = dataclasses.replace(wl.default_config(), **MODES[mode])
                 learner = wl.make_learner(model, cfg, GradAverager([p for p in model.parameters() if p.requires_grad],
                                                                    plane=Plane.local("device", device)))
-                runs[trim, micro].append(learner.update([batch], torch.Generator().manual_seed(5)))
+                runs[mode, micro].append(learner.update([batch], torch.Generator().manual_seed(5)))
         rows, results = [], []
-        for (trim, micro), hist in runs.items():
+        for (mode, micro), hist in runs.items():
             hist = hist[1:]
             tps = statistics.median(h["trainer_tokens_per_s"] for h in hist)
-            pad = hist[0]["trimmed_padding_frac"] if trim else None  # untrimmed: the batch's own share, below
-            results.append({"trim_padding": trim, "micro_batch_size": micro, "trainer_tokens_per_s": tps,
+            pad = hist[0].get(f"{mode}_padding_frac")  # padded: the batch's own share, below
+            results.append({"forward": mode, "micro_batch_size": micro, "trainer_tokens_per_s": tps,
                             "trainer_tokens_per_s_all": [h["trainer_tokens_per_s"] for h in hist],
                             "computed_padding_frac": pad, "policy_loss": hist[0]["policy_loss"]})
         # the untrimmed share of padding positions: every forward computes P + G columns per sequence
@@ -112,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in results:
             if r["computed_padding_frac"] is None:
                 r["computed_padding_frac"] = full_pad
-            rows.append([r["trim_padding"], r["micro_batch_size"] or "-", f"{r['trainer_tokens_per_s']:.0f}",
+            rows.append([r["forward"], r["micro_batch_size"] or "-", f"{r['trainer_tokens_per_s']:.0f}",
                          f"{r['computed_padding_frac']:.3f}", f"{r['policy_loss']:.6f}"])
         mask = batch["action_mask"]
         info["loadavg_end"] = loadavg()
@@ -124,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                              "prompt_len_mean": float(batch["attention_mask"][:, :16].sum(-1).float().mean())},
                    "results": results}
     print_table(f"hf trainer update, {layers} layers x {hidden} ({args.device}, {args.threads} thread(s))",
-                ["trim", "micro", "tokens/s", "padding share", "policy_loss"], rows)
+                ["forward", "micro", "tokens/s", "padding share", "policy_loss"], rows)
     path = write_json(args.json, payload)
     print(f"wrote {path}")
     return 0

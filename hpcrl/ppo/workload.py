@@ -78,6 +78,11 @@ class PPOConfig:
     """hf: each training forward (minibatch or micro-batch) drops the token columns that are padding in
     all of its sequences (prompt left-padding, response tail past its longest response): the same
     numbers, less compute; one host read of the batch's lengths per update, one per forward on a GPU."""
+    pack_sequences: bool = False
+    """hf: each training forward packs its sequences' real tokens (prompt and response, no padding) into
+    rows as wide as the longest of them, first fit by length; position ids restart and attention stays
+    within each sequence (transformers' packed-sequence masks, checked once per learner); the same
+    numbers to float rounding, computed on real tokens only. Instead of trim_padding."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -88,6 +93,10 @@ def check_variants(cfg: PPOConfig) -> None:
     """The loss variants' values and combinations, one ConfigError line naming the --ppo.* flag."""
     def bad(flag: str, value: Any, rule: str, fix: str) -> None:
         raise ConfigError(f"--ppo.{flag} {value}: must be {rule}; {fix}")
+
+    if cfg.pack_sequences and cfg.trim_padding:
+        bad("pack-sequences", True, "used without --ppo.trim-padding (packing already computes no padding)",
+            "drop --ppo.trim-padding")
 
     finite = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
     integer = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731

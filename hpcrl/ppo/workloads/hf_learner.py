@@ -47,6 +47,7 @@ class HFLearner(AdamLearner):
         check_learner_options(wl.algo, cfg, wl.micro_batch_size, wl.FLAG_PREFIX)
         super().__init__(model, cfg, grad_average)
         self.wl = wl
+        self.packing_checked = False
         if wl.ref_on == "trainers":
             print(f"hpcrl.ppo hf trainer: ref_logp on the trainers, reference: {_reference_held(model)}",
                   file=sys.stderr, flush=True)
@@ -110,7 +111,14 @@ class HFLearner(AdamLearner):
         samples, rewards = self._samples(b)
         critic = samples.old_values is not None
 
-        trim = _Trim(attn, b["action_mask"], wl.max_prompt_tokens) if cfg.trim_padding else None
+        trim = None
+        if cfg.pack_sequences:
+            if not self.packing_checked:
+                check_packing(model)
+                self.packing_checked = True
+            trim = _Pack(attn, b["action_mask"], wl.max_prompt_tokens)
+        elif cfg.trim_padding:
+            trim = _Trim(attn, b["action_mask"], wl.max_prompt_tokens)
 
         def forward(idx: Tensor) -> Outputs:
             if trim is not None:
@@ -185,13 +193,94 @@ class _Trim:
         pad = lambda x: None if x is None else torch.nn.functional.pad(x, (0, self.G - g))  # noqa: E731
         return Outputs(pad(logp), pad(entropy), pad(values))
 
+    name = "trimmed"
+
     def stats(self) -> dict[str, float]:
         """Padding shares of this update's training forwards (``real`` tokens counted once per forward)."""
         if not self.full:
             return {}
         epochs = self.full / (len(self.lead) * (self.P + self.G))  # forwards per sample
         real = self.real * epochs
-        return {"padding_frac": 1.0 - real / self.full, "trimmed_padding_frac": 1.0 - real / self.kept}
+        return {"padding_frac": 1.0 - real / self.full, f"{self.name}_padding_frac": 1.0 - real / self.kept}
+
+
+class _Pack(_Trim):
+    """``cfg.pack_sequences``: the training forward over the piece's real tokens only. Each sequence's
+    prompt (without its left padding) and response (up to its last real token) are laid end to end in
+    rows as wide as the longest sequence of the piece, longest first into the first row with room; the
+    position ids restart at 0 for each, which transformers turns into a block-diagonal causal mask when
+    no attention mask is given (:func:`check_packing`). A row's unused tail is one more "sequence" of its
+    own, never read. Outputs are gathered back into the padded ``[rows, G]`` layout, zeros beyond each
+    response. ``packed_padding_frac``: the share of computed positions in those tails."""
+
+    name = "packed"
+
+    def forward(self, model: Any, tokens: Tensor, attn: Tensor, response: Tensor, idx: Tensor, temperature: float,
+                critic: bool) -> Outputs:
+        rows = idx.tolist()
+        length = {i: self.P - self.lead[i] + self.resp[i] for i in rows}
+        width = max(length.values())
+        bins: list[list[int]] = []
+        used: list[int] = []
+        for i in sorted(rows, key=lambda i: -length[i]):  # first fit, longest first
+            b = next((b for b, u in enumerate(used) if u + length[i] <= width), len(used))
+            if b == len(used):
+                bins.append([])
+                used.append(0)
+            bins[b].append(i)
+            used[b] += length[i]
+        src = torch.zeros(len(bins), width, dtype=torch.long)  # flat index into tokens of each packed slot
+        pos = torch.zeros(len(bins), width, dtype=torch.long)
+        out_at = torch.zeros(len(rows), self.G, dtype=torch.long)  # flat index into the row-major logits
+        out_mask = torch.zeros(len(rows), self.G, dtype=torch.bool)
+        slot = {i: k for k, i in enumerate(rows)}
+        row_width = self.P + self.G
+        for b, members in enumerate(bins):
+            off = 0
+            for i in members:
+                n, p, g = length[i], self.P - self.lead[i], self.resp[i]
+                src[b, off:off + n] = i * row_width + torch.arange(self.lead[i], self.P + g)
+                pos[b, off:off + n] = torch.arange(n)
+                # the logits at the position before each response token score it
+                out_at[slot[i], :g] = b * width + off + p - 1 + torch.arange(g)
+                out_mask[slot[i], :g] = True
+                off += n
+            pos[b, off:] = torch.arange(width - off)  # the tail: a block of its own
+        self.full += len(rows) * row_width
+        self.kept += len(bins) * width
+        device = tokens.device
+        src, pos, out_at, out_mask = (x.to(device) for x in (src, pos, out_at, out_mask))
+        t = tokens.reshape(-1)[src]
+        out = model.actor(input_ids=t, attention_mask=None, position_ids=pos, use_cache=False)
+        logits = out.logits.reshape(-1, out.logits.shape[-1])[out_at.reshape(-1)]
+        logp_all = torch.log_softmax(logits.float() / temperature, -1).view(len(rows), self.G, -1)
+        resp = response[idx]
+        logp = logp_all.gather(-1, resp.unsqueeze(-1)).squeeze(-1) * out_mask
+        entropy = -(logp_all.exp() * logp_all).sum(-1) * out_mask
+        values = None
+        if critic:
+            v = model.critic(t, None, pos).float()
+            values = v.reshape(-1)[out_at.reshape(-1)].view(len(rows), self.G) * out_mask
+        return Outputs(logp, entropy, values)
+
+
+def check_packing(model: Any) -> None:
+    """The actor separates packed sequences (transformers' packed-sequence masks: position ids that
+    restart, no attention mask), else a ConfigError: packing would let sequences attend to each other.
+    Two short sequences, alone and packed into one row: the second's logits must not change."""
+    tokens = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]], device=model.compute_device)
+    ar = torch.arange(4, device=tokens.device)
+    alone_pos, packed_pos = ar[None], torch.cat([ar, ar])[None]
+    with torch.no_grad():
+        nets = [lambda t, pos: model.actor(input_ids=t, attention_mask=None, position_ids=pos, use_cache=False).logits]
+        if model.critic is not None:
+            nets.append(lambda t, pos: model.critic(t, None, pos))
+        apart = all(torch.allclose(net(tokens[1:], alone_pos)[0].float(), net(tokens.reshape(1, -1), packed_pos)[0, 4:].float(),
+                                   atol=1e-4, rtol=1e-3) for net in nets)
+    if not apart:
+        raise ConfigError("--ppo.pack-sequences: this model's attention does not keep packed sequences apart "
+                          "(transformers builds block-diagonal masks from restarting position ids since 4.53, for "
+                          "models on its shared masking code); drop the flag, or use --ppo.trim-padding True")
 
 
 @torch.no_grad()

@@ -211,6 +211,10 @@ class PPOOptions:
     """--workload hf: each training forward skips the token columns that are padding in all its sequences
     (same numbers, less compute; with --hf.micro-batch-size, pieces of like lengths)."""
 
+    pack_sequences: bool | None = None
+    """--workload hf: each training forward packs its sequences' real tokens into rows, no padding (position
+    ids and attention per sequence; same numbers to float rounding). Instead of --ppo.trim-padding."""
+
     def check(self) -> None:
         c = GroupCheck(self, "ppo")
         c.optional_integer("epochs", 1, 1000, "passes per step", 4)
@@ -236,6 +240,8 @@ class PPOOptions:
         c.optional_real("min_lr_ratio", 0.0, 1.0, example=0.1)
         if self.trim_padding is not None and not isinstance(self.trim_padding, bool):
             c.fail("trim_padding", "True or False", "e.g. --ppo.trim-padding True, or leave it unset")
+        if self.pack_sequences is not None and not isinstance(self.pack_sequences, bool):
+            c.fail("pack_sequences", "True or False", "e.g. --ppo.pack-sequences True, or leave it unset")
         # the combinations (cosine without --ppo.decay-updates, ...): PPOConfig's check_variants
 
     def overrides(self) -> tuple[dict[str, Any], dict[str, Any]]:
