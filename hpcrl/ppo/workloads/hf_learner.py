@@ -231,7 +231,8 @@ class _Pack(_Trim):
             used[b] += length[i]
         src = torch.zeros(len(bins), width, dtype=torch.long)  # flat index into tokens of each packed slot
         pos = torch.zeros(len(bins), width, dtype=torch.long)
-        out_at = torch.zeros(len(rows), self.G, dtype=torch.long)  # flat index into the row-major logits
+        out_row = torch.zeros(len(rows), self.G, dtype=torch.long)  # where each output is read: packed row,
+        out_col = torch.zeros(len(rows), self.G, dtype=torch.long)  # column
         out_mask = torch.zeros(len(rows), self.G, dtype=torch.bool)
         slot = {i: k for k, i in enumerate(rows)}
         row_width = self.P + self.G
@@ -242,25 +243,30 @@ class _Pack(_Trim):
                 src[b, off:off + n] = i * row_width + torch.arange(self.lead[i], self.P + g)
                 pos[b, off:off + n] = torch.arange(n)
                 # the logits at the position before each response token score it
-                out_at[slot[i], :g] = b * width + off + p - 1 + torch.arange(g)
+                out_row[slot[i], :g] = b
+                out_col[slot[i], :g] = off + p - 1 + torch.arange(g)
                 out_mask[slot[i], :g] = True
                 off += n
             pos[b, off:] = torch.arange(width - off)  # the tail: a block of its own
         self.full += len(rows) * row_width
         self.kept += len(bins) * width
+        # logits only at the columns some output is read from (the vocabulary projection is the big one)
+        cols = torch.unique(out_col[out_mask])
+        col_at = torch.zeros(width, dtype=torch.long)
+        col_at[cols] = torch.arange(len(cols))
         device = tokens.device
-        src, pos, out_at, out_mask = (x.to(device) for x in (src, pos, out_at, out_mask))
+        at_logit = (out_row * len(cols) + col_at[out_col]).reshape(-1).to(device)
+        at_value = (out_row * width + out_col).reshape(-1).to(device)
+        src, pos, cols, out_mask = (x.to(device) for x in (src, pos, cols, out_mask))
         t = tokens.reshape(-1)[src]
-        out = model.actor(input_ids=t, attention_mask=None, position_ids=pos, use_cache=False)
-        logits = out.logits.reshape(-1, out.logits.shape[-1])[out_at.reshape(-1)]
+        out = model.actor(input_ids=t, attention_mask=None, position_ids=pos, use_cache=False, logits_to_keep=cols)
+        logits = out.logits.reshape(-1, out.logits.shape[-1])[at_logit]
         logp_all = torch.log_softmax(logits.float() / temperature, -1).view(len(rows), self.G, -1)
-        resp = response[idx]
-        logp = logp_all.gather(-1, resp.unsqueeze(-1)).squeeze(-1) * out_mask
+        logp = logp_all.gather(-1, response[idx].unsqueeze(-1)).squeeze(-1) * out_mask
         entropy = -(logp_all.exp() * logp_all).sum(-1) * out_mask
         values = None
         if critic:
-            v = model.critic(t, None, pos).float()
-            values = v.reshape(-1)[out_at.reshape(-1)].view(len(rows), self.G) * out_mask
+            values = model.critic(t, None, pos).float().reshape(-1)[at_value].view(len(rows), self.G) * out_mask
         return Outputs(logp, entropy, values)
 
 
