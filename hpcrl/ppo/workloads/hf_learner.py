@@ -281,12 +281,14 @@ def check_packing(model: Any) -> None:
         nets = [lambda t, pos: model.actor(input_ids=t, attention_mask=None, position_ids=pos, use_cache=False).logits]
         if model.critic is not None:
             nets.append(lambda t, pos: model.critic(t, None, pos))
-        apart = all(torch.allclose(net(tokens[1:], alone_pos)[0].float(), net(tokens.reshape(1, -1), packed_pos)[0, 4:].float(),
-                                   atol=1e-4, rtol=1e-3) for net in nets)
+        pairs = [(net(tokens[1:], alone_pos)[0].float(), net(tokens.reshape(1, -1), packed_pos)[0, 4:].float())
+                 for net in nets]
+    # loose enough for bf16 rounding across shapes; attending to another sequence moves outputs far more
+    apart = all(torch.allclose(a, b, rtol=1e-2, atol=1e-2 * float(a.abs().max())) for a, b in pairs)
     if not apart:
         raise ConfigError("--ppo.pack-sequences: this model's attention does not keep packed sequences apart "
-                          "(transformers builds block-diagonal masks from restarting position ids since 4.53, for "
-                          "models on its shared masking code); drop the flag, or use --ppo.trim-padding True")
+                          "(recent transformers build block-diagonal masks from restarting position ids, for models "
+                          "on their shared masking code); drop the flag, or use --ppo.trim-padding True")
 
 
 @torch.no_grad()
