@@ -301,6 +301,31 @@ def test_sigkilled_parent_takes_its_ranks_and_its_scratch_dirs_are_swept(tmp_pat
     assert left_by_parent() == []
 
 
+def _sleeps(pid_dir: str) -> None:
+    Path(pid_dir, f"rank-{os.environ['RANK']}").write_text(str(os.getpid()))
+    time.sleep(600)  # no store, no heartbeat: nothing but the death signal can end it
+
+
+def test_ranks_that_never_look_at_their_peers_die_with_a_sigkilled_launcher(tmp_path):
+    """The death signal alone, not a lost store or peer, ends ranks that are past their start (the
+    forkserver they are forked from must exit with the launcher although CPython hands every child the
+    launcher's end of the pipe that tells the server its launcher is gone)."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    code = f"from hpcrl.comm import spawn; from test_spawn import _sleeps; spawn(_sleeps, 2, args=({str(pids)!r},))"
+    proc = subprocess.Popen([sys.executable, "-c", code], env=_env(tmp_path), start_new_session=True)
+    ranks = []
+    try:
+        ranks = _wait_pids(pids, 2)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        _wait_for(lambda: not any(_alive(p) for p in ranks), None, 5, "the orphaned ranks to die")
+    finally:
+        for pid in ranks:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 # -- failures ---------------------------------------------------------------------------------------
 def test_the_rank_that_failed_first_is_named(tmp_path):
     pids = tmp_path / "pids"

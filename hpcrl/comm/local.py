@@ -52,7 +52,6 @@ The parent supervises like an agent:
 from __future__ import annotations
 
 import multiprocessing.connection
-import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
 import pickle
@@ -72,7 +71,8 @@ import torch.multiprocessing as mp
 
 from hpcrl import rundir
 
-from .scratch import PREFIX, host_tag, make_scratch_dir, start_tag
+from .rank_start import current_mask, is_open, start_method
+from .scratch import make_scratch_dir
 from .secret import SECRET_ENV, new_secret
 from .spawn_child import _SCRATCH, STOP_SIGNALS, InheritedFd, run_child, write_atomic
 from .spawn_errors import (CONFIG_ERRORS, DATA_ERRORS, SpawnConfigError, SpawnDataError, SpawnError, is_config_error,
@@ -373,16 +373,16 @@ def _launch(job: _Job, fn: Callable[..., Any], args: tuple, nproc: int, num_thre
     # unblock them once their handlers are in place, so a signal during start-up stops them too.
     if blocked:  # its first launch unblocks SIGINT and SIGTERM in this thread (bpo-33613): launch it now
         multiprocessing.resource_tracker.ensure_running()
-    ctx, server = _start_method(preload)
+    ctx, server = start_method(preload)
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, blocked) if blocked else None
-    mask = old_mask if old_mask is not None else _current_mask()
+    mask = old_mask if old_mask is not None else current_mask()
     try:
         job.store = _loopback_store(nproc)
         secret = new_secret()
         job.tmp = tmp = make_scratch_dir()
         job.exits = _Exits(job.procs, tmp, fwd)
         fwd.marker = Path(tmp, _INTERRUPTED)
-        streams = [InheritedFd(fd) if _is_open(fd) else None for fd in (1, 2)]
+        streams = [InheritedFd(fd) if is_open(fd) else None for fd in (1, 2)]
         for rank in range(nproc):
             child_env = {**os.environ, **_child_env(rank, nproc, job.store.port, tmp, secret, env)}
             p = ctx.Process(target=run_child, name=f"rank{rank}",
@@ -394,62 +394,6 @@ def _launch(job: _Job, fn: Callable[..., Any], args: tuple, nproc: int, num_thre
     finally:
         if old_mask is not None:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)  # pending signals are forwarded now
-
-
-_PRELOAD = ["hpcrl.forkserver_preload"]
-
-
-def _start_method(preload: Sequence[str]) -> tuple[Any, int | None]:
-    """How ranks start, and the pid that will be their parent: forks of multiprocessing's forkserver with
-    torch loaded (``hpcrl.forkserver_preload``; one server per launching process, started on first use),
-    where the platform has one, else fresh interpreters ("spawn", parented by this process)."""
-    if "forkserver" not in mp.get_all_start_methods() or not _socket_dir_fits():
-        return mp.get_context("spawn"), None
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([*_PRELOAD, *preload])  # read when the server starts; one running keeps its own
-    multiprocessing.forkserver.ensure_running()
-    return ctx, multiprocessing.forkserver._forkserver._forkserver_pid
-
-
-_SUN_PATH_MAX = 107  # bytes of a unix socket's path; the forkserver's is <temp dir>/listener-XXXXXXXX
-
-
-def _socket_dir_fits() -> bool:
-    """Give multiprocessing's temp dir of this process (where the forkserver listens) the form of a
-    :func:`make_scratch_dir`, so a SIGKILLed launcher's is swept like its other scratch dirs, under /tmp
-    when $TMPDIR is too long for a socket path (as Python 3.13 does); False: no short one to be had."""
-    import tempfile
-    from multiprocessing import process, util
-
-    config = process.current_process()._config
-    if config.get("tempdir") is None:
-        name = f"{PREFIX}{host_tag()}-{os.getpid()}-{start_tag(os.getpid())}-12345678/listener-12345678"
-        fits = [r for r in (tempfile.gettempdir(), "/tmp") if len(os.path.join(r, name)) <= _SUN_PATH_MAX]
-        if not fits or not os.access(fits[0], os.W_OK):
-            return False
-        path = make_scratch_dir(fits[0])
-        util.Finalize(None, _remove_temp_dir, args=(shutil.rmtree, path), exitpriority=-100)
-        config["tempdir"] = path
-    return len(os.path.join(config["tempdir"], "listener-12345678")) <= _SUN_PATH_MAX
-
-
-def _remove_temp_dir(rmtree: Callable[..., None], path: str) -> None:  # rmtree held: called late at exit
-    rmtree(path, ignore_errors=True)
-    from multiprocessing import process
-
-    process.current_process()._config["tempdir"] = None
-
-
-def _current_mask() -> set[int] | None:
-    return signal.pthread_sigmask(signal.SIG_BLOCK, ()) if hasattr(signal, "pthread_sigmask") else None
-
-
-def _is_open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-    except OSError:
-        return False
-    return True
 
 
 def _supervise(job: _Job, expendable: frozenset[int], deadline: float | None, timeout_s: float | None) -> None:

@@ -33,8 +33,22 @@ def _die_with_parent(parent_pid: int, launcher_pid: int) -> None:
             libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
         except (OSError, AttributeError):
             pass
+    if parent_pid != launcher_pid:
+        _release_forkserver()
     if os.getppid() != parent_pid or not _alive(launcher_pid):
         os._exit(1)
+
+
+def _release_forkserver() -> None:
+    """The forkserver exits when the pipe from its launcher reaches EOF, but CPython hands the launcher's
+    end of it to every child too: while a rank held it, a SIGKILLed launcher left the server, and so the
+    ranks, running. Closed here, the launcher's death ends the server and the death signal ends the ranks."""
+    from multiprocessing import forkserver
+
+    fd = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+    if fd is not None:
+        forkserver._forkserver._forkserver_alive_fd = None
+        os.close(fd)
 
 
 def _alive(pid: int) -> bool:
