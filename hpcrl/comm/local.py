@@ -67,7 +67,6 @@ from pathlib import Path
 from typing import Any, Callable, Collection, Sequence
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hpcrl import rundir
 
@@ -284,9 +283,10 @@ def spawn(
 ) -> list[Any]:
     """Run ``fn(*args)`` in ``nproc`` fresh processes as ranks 0..nproc-1; return their results.
 
-    ``fn`` must be importable (module level: ranks receive it pickled by name) and its result picklable. Each child gets ``MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK`` (plus
-    ``env``) and ``torch.set_num_threads(num_threads)`` unless ``num_threads`` is None: N ranks
-    with all-core thread pools oversubscribe a small machine badly.
+    ``fn`` must be importable (module level: ranks receive it pickled by name) and its result
+    picklable. Each child gets ``MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK`` (plus ``env``)
+    and ``torch.set_num_threads(num_threads)`` (None: ``OMP_NUM_THREADS``, else every CPU it may use):
+    N ranks with all-core thread pools oversubscribe a small machine badly.
 
     ``forward_signals`` (default SIGTERM, SIGUSR2, SIGINT; ``()`` to leave signals alone) are
     forwarded to the live ranks while they run (see the module doc; SIGINT as SIGTERM, a second one

@@ -6,12 +6,12 @@ import ctypes
 import json
 import os
 import pickle
-from multiprocessing import reduction
 import signal
 import sys
 import threading
 import time
 import traceback
+from multiprocessing import reduction
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
