@@ -210,6 +210,8 @@ def test_a_duck_typed_plugin_gets_every_hook(capsys):
     assert wl.default_config() == PPOConfig()
     wl.after_publish(model)
     assert wl.save_artifacts(model.state_dict()) is None
+    assert all(m.startswith("hpcrl.") for m in wl.rank_modules())  # a plugin's own code is not preloaded
+    assert Workload.rank_modules(DuckWorkload()) == ()  # nor a Workload subclass's outside hpcrl
     with pytest.raises(ConfigError, match="--strategy fsdp: workload 'duck' does not say which submodules"):
         wl.shard_units(model)
     collector = wl.make_collector(0, torch.device("cpu"))
@@ -231,6 +233,7 @@ def test_a_plugin_missing_methods_is_refused_by_name():
 def test_built_in_workloads_are_on_the_contract():
     wl = make_workload("cartpole", num_envs=2, rollout_len=4)
     assert isinstance(wl, Workload) and as_workload(wl) is wl
+    assert wl.rank_modules() == (type(wl).__module__,) and wl.rank_modules()[0].startswith("hpcrl.ppo.workloads")
     model = wl.build_model(0, torch.device("cpu"))
     assert isinstance(wl.make_collector(0, torch.device("cpu")), Collector)
     learner = wl.make_learner(model, wl.default_config(), NoGradAverage())

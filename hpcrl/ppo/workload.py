@@ -165,8 +165,11 @@ class Workload(ABC):
 
     def rank_modules(self) -> tuple[str, ...]:
         """Modules every rank of this workload imports: loaded once by the launcher's forkserver
-        (:func:`hpcrl.comm.spawn`'s ``preload``) instead of by each rank. Default: the workload's module."""
-        return (type(self).__module__,)
+        (:func:`hpcrl.comm.spawn`'s ``preload``) instead of by each rank; importing them must start no
+        thread (a fork inherits none). Default: the workload's module when it is hpcrl's own (a plugin's
+        imports stay in its ranks unless it overrides this)."""
+        module = type(self).__module__
+        return (module,) if module.startswith("hpcrl.") else ()
 
     def save_artifacts(self, model_state: dict[str, torch.Tensor]) -> Any:
         """Trainer 0 after every checkpoint, with the full model state (e.g. a save_pretrained export).
@@ -379,8 +382,11 @@ class _PluginWorkload(Workload):
 
     def rank_modules(self) -> tuple[str, ...]:
         """Modules every rank of this workload imports: loaded once by the launcher's forkserver
-        (:func:`hpcrl.comm.spawn`'s ``preload``) instead of by each rank. Default: the workload's module."""
-        return (type(self).__module__,)
+        (:func:`hpcrl.comm.spawn`'s ``preload``) instead of by each rank; importing them must start no
+        thread (a fork inherits none). Default: the workload's module when it is hpcrl's own (a plugin's
+        imports stay in its ranks unless it overrides this)."""
+        module = type(self).__module__
+        return (module,) if module.startswith("hpcrl.") else ()
 
     def save_artifacts(self, model_state: dict[str, torch.Tensor]) -> Any:
         return self._call("save_artifacts", model_state)
