@@ -347,7 +347,7 @@ class _PluginWorkload(Workload):
         self.inner = inner
         self.name = str(getattr(inner, "name", "") or type(inner).__name__)
         hooks = ("publish_tensors", "after_publish", "default_config", "build_maker_model", "shard_units",
-                 "save_artifacts")
+                 "rank_modules", "save_artifacts")
         self._hooks = {name: _method(inner, name) for name in hooks}
 
     def _call(self, name: str, *args: Any) -> Any:
@@ -381,12 +381,8 @@ class _PluginWorkload(Workload):
         return self._call("shard_units", model)
 
     def rank_modules(self) -> tuple[str, ...]:
-        """Modules every rank of this workload imports: loaded once by the launcher's forkserver
-        (:func:`hpcrl.comm.spawn`'s ``preload``) instead of by each rank; importing them must start no
-        thread (a fork inherits none). Default: the workload's module when it is hpcrl's own (a plugin's
-        imports stay in its ranks unless it overrides this)."""
-        module = type(self).__module__
-        return (module,) if module.startswith("hpcrl.") else ()
+        hook = self._hooks["rank_modules"]  # a plugin's own imports are preloaded only where it names them
+        return tuple(hook()) if hook is not None else ()
 
     def save_artifacts(self, model_state: dict[str, torch.Tensor]) -> Any:
         return self._call("save_artifacts", model_state)
