@@ -17,6 +17,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from hpcrl.process_state import pid_alive
+
 from .spawn_errors import is_config_error, is_data_error
 
 _HOLD_S = 5.0  # a stop signal held for the rank function's own handler is delivered by default after this
@@ -35,7 +37,7 @@ def _die_with_parent(parent_pid: int, launcher_pid: int) -> None:
             pass
     if parent_pid != launcher_pid:
         _release_forkserver()
-    if os.getppid() != parent_pid or not _alive(launcher_pid):
+    if os.getppid() != parent_pid or not pid_alive(launcher_pid, ""):
         os._exit(1)
 
 
@@ -49,16 +51,6 @@ def _release_forkserver() -> None:
     if fd is not None:
         forkserver._forkserver._forkserver_alive_fd = None
         os.close(fd)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 class InheritedFd:
