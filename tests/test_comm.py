@@ -26,7 +26,7 @@ from hpcrl.comm import env as dist_env
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # comm_workers must be importable here and in spawned ranks
 
-from comm_workers import fail, grad, ranks  # noqa: E402
+from comm_workers import fail, grad, ranks, shutdown  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -313,6 +313,18 @@ def test_grad_average_single_rank_is_untouched():
 
 
 # --- barrier, divergence check, packed reductions (same 2-rank run) --------------------------------
+
+
+@pytest.mark.timeout(90)
+def test_rank_0_stops_waiting_for_an_expendable_rank_frozen_before_shutdown():
+    """A detached-PPO maker frozen after its last sample but before its exit key (a soak's rare end-of-run
+    hang): rank 0 used to wait the full shutdown timeout for it; its stalled heartbeat now drops it."""
+    t0 = time.monotonic()
+    out = hd.spawn(shutdown.main, 3, timeout_s=80, expendable=[2])
+    assert out[2] is None  # stopped by the launcher, which the run told it was dropped
+    assert out[0]["dropped"] == [2] and out[1]["dropped"] == []
+    assert out[0]["waited_s"] < 4 * shutdown.HEARTBEAT_S, out[0]  # the full wait was 25 s
+    assert time.monotonic() - t0 < 20
 
 
 @pytest.mark.timeout(90)

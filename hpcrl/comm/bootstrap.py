@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Sequence
 import warnings
 from dataclasses import replace
@@ -23,7 +24,7 @@ from .barrier import barrier, register_host, unverified_host_of
 from .context import DistContext, DistSetupError, Source
 from .devices import cuda_count, rank_device
 from .env import LaunchInfo, detect_launch
-from .heartbeat import PeerWatch
+from .heartbeat import PeerWatch, Watcher, describe, liveness_store
 from .native_log import terminal_fd
 from .planes import STRICT_BACKEND, Plane, register_strict_backend, strict_planes
 from .shm import SharedMemoryPeerError, attach_shared_memory
@@ -257,27 +258,37 @@ def unwatch_peers(done: bool = False) -> None:
         watch.close(done)
 
 
-def shutdown(timeout_s: float | None = None, gone: Sequence[int] = ()) -> None:
+def shutdown(timeout_s: float | None = None, gone: Sequence[int] = (), expendable: Sequence[int] = (),
+             heartbeat_timeout_s: float | None = None) -> list[int]:
     """Leave the job: destroy the process group. Safe to call when nothing was initialized.
 
     Rank 0 first waits up to ``timeout_s`` (default: the context's timeout) for every other rank
     to reach shutdown, because it usually hosts the store and leaving first would pull it from
     under peers still using it (NCCL creates communicators lazily through it). On an error path
-    pass a short ``timeout_s``; ranks known to be ``gone`` (detached PPO's lost makers) are not waited for.
+    pass a short ``timeout_s``; ranks known to be ``gone`` (detached PPO's lost makers) are not waited for,
+    nor is an ``expendable`` rank whose heartbeat (:class:`~hpcrl.comm.heartbeat.Heartbeat`, kept beating
+    through this call) stalls for ``heartbeat_timeout_s`` before it arrives: a maker frozen after its last
+    sample is lost to nobody. Returns the ranks rank 0 stopped waiting for that way.
     """
     global _active
     ctx, _active = _active, None
     if ctx is None or not ctx.is_distributed:
-        return
+        return []
     store = ctx.store
     assert store is not None
     if ctx.rank != 0:  # rank 0 keeps watching while it waits for the others below
         unwatch_peers(done=True)
+    dropped: list[int] = []
     try:
         store.set(f"exit/{ctx.rank}", "1")
         if ctx.rank == 0:
             timeout = ctx.timeout if timeout_s is None else timedelta(seconds=timeout_s)
-            store.wait([f"exit/{r}" for r in range(ctx.world_size) if r not in set(gone)], timeout)
+            waited = [r for r in range(ctx.world_size) if r not in set(gone)]
+            watched = [r for r in expendable if r in waited] if heartbeat_timeout_s else []
+            if watched:
+                dropped = _await_exits(store, waited, watched, timeout, heartbeat_timeout_s)
+            else:
+                store.wait([f"exit/{r}" for r in waited], timeout)
     except UntrustedKeyError as err:  # an exit key an impostor wrote: do not take it as the rank's exit
         warnings.warn(f"hpcrl.comm.shutdown on rank {ctx.rank}: {err}")
     except RuntimeError as err:
@@ -288,7 +299,36 @@ def shutdown(timeout_s: float | None = None, gone: Sequence[int] = ()) -> None:
             who = "the store is gone; not every rank may have"
         warnings.warn(f"hpcrl.comm.shutdown on rank {ctx.rank}: {who} reach shutdown ({err})")
     unwatch_peers(done=True)
-    if dist.is_initialized() and not gone:
+    for r in dropped:
+        _say(f"hpcrl: {describe(ctx, r)} stopped beating before it reached the end of the run; not waited for")
+    if dist.is_initialized() and not gone and not dropped:
         # With ranks gone, operations towards them may still be pending inside the groups: tearing the
         # groups down under them can abort the process; the process exit releases them instead.
         dist.destroy_process_group()
+    return dropped
+
+
+def _await_exits(store: dist.Store, ranks: list[int], expendable: list[int], timeout: timedelta,
+                 heartbeat_timeout_s: float) -> list[int]:
+    """Wait for ``ranks``' exit keys (RuntimeError after ``timeout``, as ``store.wait``), except for an
+    ``expendable`` one whose heartbeat stalls first: those are returned, not waited for."""
+    watcher = Watcher(liveness_store(store, heartbeat_timeout_s), expendable, heartbeat_timeout_s)
+    deadline, left, dropped = time.monotonic() + timeout.total_seconds(), set(ranks), []
+    while True:
+        left = {r for r in left if not store.check([f"exit/{r}"])}
+        if not left:
+            return dropped
+        stalled = [r for r in watcher.dead() if r in left]
+        for r in stalled:
+            watcher.forget(r)
+            left.discard(r)
+            dropped.append(r)
+        if not left:
+            return dropped
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout.total_seconds():g} s")
+        try:  # woken by the next exit key, or within a poll to look at heartbeats again
+            store.wait([f"exit/{min(left)}"], timedelta(seconds=0.5))
+        except RuntimeError:
+            pass
+

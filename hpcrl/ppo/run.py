@@ -10,6 +10,7 @@ import tyro
 
 from hpcrl import checkpoint, rundir
 from hpcrl.comm import StopRequest, detect_launch, init_distributed, shutdown
+from hpcrl.comm.local import record_dropped
 from hpcrl.comm.native_log import divert_native_stderr, restore_native_stderr
 from hpcrl.conventions import ppo_role
 
@@ -112,9 +113,13 @@ def train(cfg: DetachedConfig, events: Events = ignore) -> dict[str, float]:
                 trainer = Trainer(ctx, top, cfg, workload, ppo, groups, stop, events)
                 out = trainer.run()
                 gone = [top.maker_rank(m) for m in trainer.dead]
+            # Trainer 0 waits for the live ranks only: a lost maker never reaches it, and one that freezes
+            # from here on (its heartbeat, still beating through shutdown, stalls) is dropped, not waited for.
+            makers = [top.maker_rank(m) for m in range(top.makers)]
+            for rank in shutdown(gone=gone, expendable=makers, heartbeat_timeout_s=cfg.heartbeat_timeout_s):
+                record_dropped(rank)
         finally:
             beat.stop()
-        shutdown(gone=gone)  # trainer 0 waits for the live ranks only: a lost maker never reaches it
     finally:
         restore_native_stderr()
         lock.release()
