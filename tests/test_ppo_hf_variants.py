@@ -110,6 +110,38 @@ def test_trimmed_and_packed_forwards_are_the_padded_path(art, mode, arch, algo, 
     assert "padding_frac" not in got[False][1]
 
 
+@pytest.mark.parametrize("mode", ["padded", "trim_padding", "pack_sequences"])
+def test_token_budget_micro_batches_are_one_large_minibatch_on_a_transformer(art, mode):
+    """--hf.micro-batch-tokens: each training forward computes at most that many token positions (as the
+    mode computes them) and the update lands where one pass over the whole minibatch does (ppo: the critic's
+    values too). Prompts of 1-5 words, 8 new tokens: sequences of unequal cost."""
+    wl = _wl(art, prompts=str(art["varied"]), batch_size=8)
+    batch = _batches(wl, 1)
+    got, costs = {}, []
+    for budget in (None, 40):
+        wl = _wl(art, prompts=str(art["varied"]), batch_size=8, micro_batch_tokens=budget)
+        on = {} if mode == "padded" else {mode: True}
+        cfg = dataclasses.replace(wl.default_config(), lr=3e-3, max_grad_norm=1e6, **on)
+        model, learner = _learner(wl, cfg)
+        actor_forward = model.actor.forward
+
+        def counted(*args, **kw):  # the token positions each training forward computes
+            ids = kw.get("input_ids", args[0] if args else None)
+            costs.append((budget, ids.numel()))
+            return actor_forward(*args, **kw)
+
+        model.actor.forward = counted
+        stats = learner.update(batch, torch.Generator().manual_seed(5))
+        got[budget] = ([p.detach().clone() for p in learner.params], stats)
+    for a, b in zip(got[40][0], got[None][0]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    for k in ("policy_loss", "entropy", "approx_kl", "grad_norm", "value_loss"):
+        assert got[40][1][k] == pytest.approx(got[None][1][k], rel=1e-4, abs=1e-6), k
+    budgeted = [n for b, n in costs if b == 40]
+    assert max(n for b, n in costs if b is None) > 40 and len(budgeted) > len(costs) - len(budgeted)
+    assert all(n <= 40 for n in budgeted), budgeted
+
+
 def test_packing_is_refused_where_the_model_does_not_keep_sequences_apart(art, monkeypatch):
     """A model whose attention ignores restarting position ids (transformers before its packed-sequence
     masks, or a model off its shared masking code) would let packed sequences attend to each other: the

@@ -15,7 +15,8 @@ from torch import nn
 from hpcrl.config_check import ConfigError
 from hpcrl.ppo.losses import adaptive_kl_coef, group_advantages, loss_weights, lr_at
 from hpcrl.ppo.sync import NoGradAverage
-from hpcrl.ppo.update import Coefs, GradStep, Outputs, Plan, Samples, micro_batches, ppo_losses, ppo_update, read_stats
+from hpcrl.ppo.update import (Coefs, GradStep, Outputs, Plan, Samples, micro_batches, ppo_losses, ppo_update, read_stats,
+                              token_micro_batches)
 from hpcrl.ppo.workload import PPOConfig
 
 
@@ -140,6 +141,23 @@ def test_micro_batches_cut_consecutive_pieces():
     assert micro_batches(5, 2) == [slice(0, 2), slice(2, 4), slice(4, 5)]
 
 
+def test_token_micro_batches_fill_a_budget():
+    """Pieces grow while the forward's cost stays within the budget; one sample over it runs alone; a size
+    cap closes a piece too. Costs as the hf forwards count them: packed (sum) and rectangular (rows x max)."""
+    lengths = {0: 2, 1: 3, 2: 3, 3: 5, 4: 9, 5: 4}
+    packed = lambda rows: sum(lengths[i] for i in rows)  # noqa: E731
+    rect = lambda rows: len(rows) * max(lengths[i] for i in rows)  # noqa: E731
+    rows = [0, 1, 2, 3, 4, 5]
+    assert token_micro_batches(rows, 8, packed) == [slice(0, 3), slice(3, 4), slice(4, 5), slice(5, 6)]
+    assert token_micro_batches(rows, 10, rect) == [slice(0, 3), slice(3, 4), slice(4, 5), slice(5, 6)]
+    assert token_micro_batches(rows, 100, packed, size=4) == [slice(0, 4), slice(4, 6)]
+    for budget in (1, 6, 13, 100):
+        for cost in (packed, rect):
+            pieces = token_micro_batches(rows, budget, cost)
+            assert [i for p in pieces for i in rows[p]] == rows  # consecutive, every sample once
+            assert all(p.stop - p.start == 1 or cost(rows[p]) <= budget for p in pieces)
+
+
 @pytest.mark.parametrize("critic", [True, False], ids=["ppo", "grpo"])
 @pytest.mark.parametrize("norm", ["token", "sequence", "dr-grpo"])
 def test_micro_batches_equal_one_large_minibatch(critic, norm):
@@ -163,6 +181,32 @@ def test_micro_batches_equal_one_large_minibatch(critic, norm):
         assert got_stats.keys() == want_stats.keys()
         for k in want_stats:
             assert got_stats[k] == pytest.approx(want_stats[k], rel=1e-5, abs=1e-7), (micro, k)
+
+
+@pytest.mark.parametrize("norm", ["token", "sequence"])
+def test_token_budget_micro_batches_equal_one_large_minibatch(norm):
+    """Pieces cut by a token budget over samples of unequal cost (ordered by it, pieces of 1 to 5 samples)
+    give the whole-minibatch update's parameters and stats."""
+    coefs = Coefs(clip=0.2, value_clip=0.5, vf=0.7, ent=0.01)
+    lengths = torch.tensor([1, 7, 3, 2, 9, 4, 4, 1, 6, 2, 3, 8, 5, 1])
+    cost = lambda rows: sum(int(lengths[i]) for i in rows)  # noqa: E731
+    results, cuts = {}, []
+    for budget in (None, 9, 12):
+        params, samples, forward = _toy(14)
+        step = GradStep(torch.optim.SGD(params, lr=0.5), params, NoGradAverage(), max_grad_norm=1e6)
+        counted = lambda idx: cuts.append((budget, len(idx))) or forward(idx)  # noqa: E731
+        stats = read_stats(ppo_update(counted, samples, coefs, Plan(2, 2), step, torch.Generator().manual_seed(3),
+                                      loss_norm=norm, piece_key=lengths, micro_batch_tokens=budget,
+                                      piece_cost=cost))
+        results[budget] = ([p.detach().clone() for p in params], stats)
+    assert max(n for b, n in cuts if b == 9) < 7 == max(n for b, n in cuts if b is None)  # 9 cut the minibatches
+    for budget in (9, 12):
+        for a, b in zip(results[budget][0], results[None][0]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        for k, v in results[None][1].items():
+            assert results[budget][1][k] == pytest.approx(v, rel=1e-5, abs=1e-7), (budget, k)
+    with pytest.raises(ValueError, match="micro_batch_tokens needs piece_cost"):
+        ppo_update(forward, samples, coefs, Plan(1, 1), step, torch.Generator(), micro_batch_tokens=4)
 
 
 def test_micro_batch_gradients_equal_the_minibatch_gradient():

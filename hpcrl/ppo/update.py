@@ -19,7 +19,7 @@ from .losses import LossNorm, approx_kl, entropy_bonus, loss_weights, policy_los
 from .workload import PPOConfig
 
 __all__ = ["Coefs", "GradStep", "Outputs", "Plan", "Samples", "micro_batches", "minibatch_indices", "ppo_losses",
-           "ppo_update", "read_stats"]
+           "ppo_update", "read_stats", "token_micro_batches"]
 
 
 @dataclass(frozen=True)
@@ -169,10 +169,26 @@ def micro_batches(n: int, size: int | None) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+def token_micro_batches(rows: list[int], budget: int, cost: Callable[[list[int]], int],
+                        size: int | None = None) -> list[slice]:
+    """Consecutive slices of ``rows`` (a minibatch's sample indices, in order) whose forward costs at most
+    ``budget`` tokens by ``cost(samples)`` (and holds at most ``size`` samples): each piece grows while the
+    next sample still fits; a sample over the budget alone runs alone."""
+    pieces, start = [], 0
+    for end in range(1, len(rows) + 1):
+        full = size is not None and end - start > size
+        if end - start > 1 and (full or cost(rows[start:end]) > budget):
+            pieces.append(slice(start, end - 1))
+            start = end - 1
+    return pieces + [slice(start, len(rows))] if rows else [slice(0, 0)]
+
+
 def ppo_update(forward: Callable[[Tensor], Outputs], samples: Samples, coefs: Coefs, plan: Plan, step: GradStep,
                generator: torch.Generator, stats_dtype: torch.dtype | None = None,
                logp_gap: bool = False, micro_batch_size: int | None = None,
-               loss_norm: LossNorm = "token", piece_key: Tensor | None = None) -> dict[str, Tensor]:
+               loss_norm: LossNorm = "token", piece_key: Tensor | None = None,
+               micro_batch_tokens: int | None = None,
+               piece_cost: Callable[[list[int]], int] | None = None) -> dict[str, Tensor]:
     """Run ``plan`` over ``samples``: for each minibatch ``idx``, ``forward(idx)`` -> :func:`ppo_losses`
     -> ``step``. Returns each stat's mean over the minibatches as a device tensor (summed in
     ``stats_dtype``, default the stat's own), plus ``grad_norm``; with ``logp_gap`` also
@@ -185,16 +201,26 @@ def ppo_update(forward: Callable[[Tensor], Outputs], samples: Samples, coefs: Co
     step equals the one on the whole minibatch (to float rounding) whatever the pieces' sizes.
     ``piece_key`` (``[n]``, e.g. sequence lengths): with micro-batches, each minibatch's samples are
     ordered by it before they are cut into pieces (sequences of like length share a piece, so a
-    forward that trims padding trims more); a minibatch is a set, so this changes no number but rounding."""
+    forward that trims padding trims more); a minibatch is a set, so this changes no number but rounding.
+    ``micro_batch_tokens``: pieces cut by a token budget instead (or as well), ``piece_cost(sample
+    indices)`` being what a forward over them computes (:func:`token_micro_batches`; a host read of the
+    minibatch's indices each)."""
     n = samples.behaviour_logp.shape[0]
     sums: dict[str, Tensor] = {}
     steps = 0
     gap = None
-    weighted = bool(micro_batch_size) or loss_norm != "token"
+    if micro_batch_tokens is not None and piece_cost is None:
+        raise ValueError("ppo_update: micro_batch_tokens needs piece_cost (the tokens a forward over samples costs)")
+    cut = bool(micro_batch_size) or micro_batch_tokens is not None
+    weighted = cut or loss_norm != "token"
     for _ in range(plan.epochs):
         for idx in minibatch_indices(n, plan, generator, samples.behaviour_logp.device):
-            if piece_key is not None and micro_batch_size:
+            if piece_key is not None and cut:
                 idx = idx[piece_key[idx].argsort(stable=True)]  # on the device: no host read
+            if micro_batch_tokens is not None:
+                pieces = token_micro_batches(idx.tolist(), micro_batch_tokens, piece_cost, micro_batch_size)
+            else:
+                pieces = micro_batches(idx.shape[0], micro_batch_size)
             mb = samples[idx]
             weights = None
             if weighted:
@@ -202,7 +228,7 @@ def ppo_update(forward: Callable[[Tensor], Outputs], samples: Samples, coefs: Co
                            loss_weights(mb.mask, "token", mb.behaviour_logp))
             mb_stats: dict[str, Tensor] = {}
             step.zero_grad()
-            for piece in micro_batches(idx.shape[0], micro_batch_size):
+            for piece in pieces:
                 part = mb[piece] if weighted else mb
                 out = forward(idx[piece])
                 loss, stats = ppo_losses(out, part, coefs, None if weights is None

@@ -61,6 +61,8 @@ class HFLearner(AdamLearner):
         having the same shape) or, with LoRA, the actor with its adapters disabled."""
         wl, model = self.wl, self.model
         step = min(rows, wl.micro_batch_size or rows)
+        if wl.micro_batch_tokens is not None:  # padded forwards: the budget in whole rows
+            step = min(step, max(1, wl.micro_batch_tokens // tokens.shape[1]))
         response = tokens[:, wl.max_prompt_tokens:]
         out = []
         for i in range(0, tokens.shape[0], step):
@@ -133,9 +135,12 @@ class HFLearner(AdamLearner):
         minibatches = min(cfg.minibatches, n // wl.group_size if wl.algo == "grpo" else n) or 1
         step = GradStep(self.optimizer, self.params, self.grad_average, cfg.max_grad_norm)
         coefs = dataclasses.replace(Coefs.of(cfg), kl=self.kl_coef)
+        width = tokens.shape[1]
+        cost = (lambda rows: len(rows) * width) if trim is None else trim.cost  # noqa: E731  (padded: all of it)
         stats = ppo_update(forward, samples, coefs, Plan(cfg.epochs, minibatches), step, generator,
                            stats_dtype=torch.float64, logp_gap=True, micro_batch_size=wl.micro_batch_size,
-                           loss_norm=cfg.loss_norm, piece_key=None if trim is None else trim.key)
+                           loss_norm=cfg.loss_norm, piece_key=None if trim is None else trim.key,
+                           micro_batch_tokens=wl.micro_batch_tokens, piece_cost=cost)
         stats.update(_sequence_stats(samples, b["ref_logp"].float(), b["score"].float(), rewards),
                      maker_tokens_per_s=tps.mean(), tokens=attn.sum())
         if cfg.kl_target is not None:
@@ -173,11 +178,19 @@ class _Trim:
         self.full = 0
         self.kept = 0
 
+    def _span(self, rows: list[int]) -> tuple[int, int]:
+        """(first kept column, response columns kept) of a forward over ``rows``."""
+        return min(self.lead[i] for i in rows), max(1, max(self.resp[i] for i in rows))
+
+    def cost(self, rows: list[int]) -> int:
+        """Token positions a forward over ``rows`` computes (``--micro-batch-tokens`` counts these)."""
+        lead, g = self._span(rows)
+        return len(rows) * (self.P - lead + g)
+
     def forward(self, model: Any, tokens: Tensor, attn: Tensor, response: Tensor, idx: Tensor, temperature: float,
                 critic: bool) -> Outputs:
         rows = idx.tolist()  # on a GPU: a sync per forward (the piece's shape is a host number)
-        lead = min(self.lead[i] for i in rows)
-        g = max(1, max(self.resp[i] for i in rows))
+        lead, g = self._span(rows)
         p = self.P - lead
         self.full += len(rows) * (self.P + self.G)
         self.kept += len(rows) * (p + g)
@@ -215,20 +228,30 @@ class _Pack(_Trim):
 
     name = "packed"
 
-    def forward(self, model: Any, tokens: Tensor, attn: Tensor, response: Tensor, idx: Tensor, temperature: float,
-                critic: bool) -> Outputs:
-        rows = idx.tolist()
+    def _bins(self, rows: list[int]) -> tuple[list[list[int]], int, dict[int, int]]:
+        """(the packed rows' members, their width, each sequence's length): first fit, longest first, into
+        rows as wide as the longest sequence."""
         length = {i: self.P - self.lead[i] + self.resp[i] for i in rows}
         width = max(length.values())
         bins: list[list[int]] = []
         used: list[int] = []
-        for i in sorted(rows, key=lambda i: -length[i]):  # first fit, longest first
+        for i in sorted(rows, key=lambda i: -length[i]):
             b = next((b for b, u in enumerate(used) if u + length[i] <= width), len(used))
             if b == len(used):
                 bins.append([])
                 used.append(0)
             bins[b].append(i)
             used[b] += length[i]
+        return bins, width, length
+
+    def cost(self, rows: list[int]) -> int:
+        bins, width, _ = self._bins(rows)
+        return len(bins) * width
+
+    def forward(self, model: Any, tokens: Tensor, attn: Tensor, response: Tensor, idx: Tensor, temperature: float,
+                critic: bool) -> Outputs:
+        rows = idx.tolist()
+        bins, width, length = self._bins(rows)
         src = torch.zeros(len(bins), width, dtype=torch.long)  # flat index into tokens of each packed slot
         pos = torch.zeros(len(bins), width, dtype=torch.long)
         out_row = torch.zeros(len(rows), self.G, dtype=torch.long)  # where each output is read: packed row,

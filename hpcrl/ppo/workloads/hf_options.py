@@ -78,6 +78,12 @@ class HFOptions:
     micro_batch_size: int | None = None
     """Sequences per forward / backward pass on a trainer; gradients are accumulated over the
     minibatch (equal to one pass over the whole minibatch). None: the whole minibatch at once."""
+    micro_batch_tokens: int | None = None
+    """Token budget per forward / backward pass on a trainer (dynamic micro-batches): a minibatch's
+    sequences, ordered by length, are cut into pieces whose forward computes at most this many token
+    positions (the real tokens' rows with --ppo.pack-sequences, rows x the piece's width otherwise), so
+    short sequences share a pass and long ones get their own; a sequence over the budget runs alone.
+    With --micro-batch-size, a piece also holds at most that many sequences. Equal to one large minibatch."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (trainers: less memory, ~1 more forward per step)."""
     maker_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
@@ -158,6 +164,10 @@ class HFOptions:
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or not 1 <= m <= 1 << 20):
             self.fail("micro_batch_size", "an integer >= 1 (sequences per forward / backward pass)",
                       "e.g. --micro-batch-size 4, or leave it unset (the whole minibatch)")
+        m = self.micro_batch_tokens
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or not 1 <= m <= 1 << 40):
+            self.fail("micro_batch_tokens", "an integer >= 1 (token positions per forward / backward pass)",
+                      "e.g. --micro-batch-tokens 4096, or leave it unset (--micro-batch-size alone decides)")
         if self.dtype not in ("auto", "fp32", "bf16"):
             self.fail("dtype", "one of auto, fp32, bf16", "e.g. --dtype auto (the stored dtype) or --dtype fp32")
         if self.ref_on not in ("makers", "trainers"):
