@@ -3,13 +3,16 @@
 (``--ppo.pack-sequences``): tokens/s and padding.
 
     python benchmarks/hf_trim_padding.py [--quick] [--json PATH] [--reps 3] [--threads 1] [--device cpu|cuda]
+                                         [--budget 256]
 
 One random-init Llama (4 layers, hidden 256; built here, no download) and its word-level tokenizer;
 prompts of 1 to 12 words left-padded to 16 tokens, responses sampled up to 48 tokens (the random model
 emits EOS at random, so lengths vary). The makers' work is done once: the same experience batches go
 through every variant, and the variants run interleaved ``--reps`` times, each from the same initial
-weights: padded (as before), trimmed or packed, each with the whole minibatch per forward or
-micro-batches of 4 (trimmed and packed: ordered by length first). Per variant: the median of the
+weights: padded (as before), trimmed or packed, each with the whole minibatch per forward,
+micro-batches of 4, or micro-batches of at most ``--budget`` computed token positions
+(``--hf.micro-batch-tokens``: 4 padded rows' worth by default; trimmed and packed pieces are ordered by
+length first). Per variant: the median of the
 learner's own ``trainer_tokens_per_s`` (real tokens x epochs / update wall time) and the padding share
 of the computed token positions (``padding_frac`` padded, ``trimmed_padding_frac`` /
 ``packed_padding_frac``), which does not depend on timing. Writes JSON (default ``benchmarks/results/hf_trim_padding.json``).
@@ -72,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--budget", type=int, default=4 * 64, help="--hf.micro-batch-tokens of the budget variants")
     args = ap.parse_args(argv)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     torch.set_num_threads(args.threads)
@@ -86,14 +90,15 @@ def main(argv: list[str] | None = None) -> int:
         build(out, hidden, layers)
         common = dict(model=str(out), prompts=str(out / "prompts.jsonl"), reward_fn="hf_trim_padding:reward",
                       max_prompt_tokens=16, max_new_tokens=48, batch_size=args.batch)
-        wls = {micro: HFWorkload(**common, micro_batch_size=micro) for micro in (None, 4)}
+        micros = {None: {}, 4: {"micro_batch_size": 4}, f"{args.budget} tok": {"micro_batch_tokens": args.budget}}
+        wls = {micro: HFWorkload(**common, **kw) for micro, kw in micros.items()}
         model = wls[None].build_model(0, device)
         collector = wls[None].make_collector(11, device)
         gen = torch.Generator().manual_seed(2)
         batch = collector.collect(model, gen)[0]
         init = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        variants = [(mode, micro) for micro in (None, 4) for mode in MODES]
-        runs: dict[tuple[str, int | None], list[dict[str, float]]] = {v: [] for v in variants}
+        variants = [(mode, micro) for micro in micros for mode in MODES]
+        runs: dict[tuple[str, int | str | None], list[dict[str, float]]] = {v: [] for v in variants}
         for _ in range(reps + 1):  # the first round warms up (not counted)
             for mode, micro in variants:
                 wl = wls[micro]
@@ -107,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             hist = hist[1:]
             tps = statistics.median(h["trainer_tokens_per_s"] for h in hist)
             pad = hist[0].get(f"{mode}_padding_frac")  # padded: the batch's own share, below
-            results.append({"forward": mode, "micro_batch_size": micro, "trainer_tokens_per_s": tps,
+            results.append({"forward": mode, "micro_batch_size": micros[micro].get("micro_batch_size"),
+                            "micro_batch_tokens": micros[micro].get("micro_batch_tokens"), "trainer_tokens_per_s": tps,
                             "trainer_tokens_per_s_all": [h["trainer_tokens_per_s"] for h in hist],
                             "computed_padding_frac": pad, "policy_loss": hist[0]["policy_loss"]})
         # the untrimmed share of padding positions: every forward computes P + G columns per sequence
@@ -116,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in results:
             if r["computed_padding_frac"] is None:
                 r["computed_padding_frac"] = full_pad
-            rows.append([r["forward"], r["micro_batch_size"] or "-", f"{r['trainer_tokens_per_s']:.0f}",
+            micro = r["micro_batch_size"] or (f"{r['micro_batch_tokens']} tok" if r["micro_batch_tokens"] else "-")
+            rows.append([r["forward"], micro, f"{r['trainer_tokens_per_s']:.0f}",
                          f"{r['computed_padding_frac']:.3f}", f"{r['policy_loss']:.6f}"])
         mask = batch["action_mask"]
         info["loadavg_end"] = loadavg()

@@ -24,8 +24,8 @@ from hpcrl.config_check import ConfigError  # noqa: E402
 from hpcrl.ppo.config import parse_args  # noqa: E402
 from hpcrl.ppo.run import build_workload  # noqa: E402
 from hpcrl.ppo.workloads.hf import HFWorkload, group_advantages, left_pad  # noqa: E402
-from hpcrl.ppo.workloads.hf_generate import (SamplingParams, filter_logits, generate, generate_recompute,  # noqa: E402
-                                             position_ids, response_mask, token_logp)
+from hpcrl.ppo.workloads.hf_generate import (SamplingParams, filter_logits, generate, generate_by_length,  # noqa: E402
+                                             generate_recompute, position_ids, response_mask, token_logp)
 from hpcrl.ppo.workloads.hf_prompts import PromptStream, epoch_order  # noqa: E402
 from test_ppo_update import HostReads  # noqa: E402
 
@@ -191,6 +191,37 @@ def test_kv_cache_generate_matches_recompute_greedy(art):
     assert torch.equal(c, d) and torch.equal(cm, dm)
     e, em = generate_recompute(model, wide, wmask.long(), params, wl.eos_id, wl.pad_id, torch.Generator())
     assert torch.equal(em, am) and torch.equal(e * em.long(), a * am.long())
+
+
+def test_generation_in_length_buckets_keeps_each_row_and_trims_each_bucket(art):
+    """--hf.generate-buckets: the rows ordered by prompt length and generated in sub-batches, each prefilled
+    from its own longest prompt; greedy answers are the one-call ones row for row (the rows keep their
+    places), sampled ones are reproducible from the seed, and the collector's batch takes the same path."""
+    wl = _wl(art, "gpt2")
+    model = wl.build_model(0).actor.eval()
+    prompts = [wl.prompt_ids[i] for i in (0, 5, 1, 4, 2, 3)]
+    ids, mask = left_pad(prompts, wl.max_prompt_tokens, wl.pad_id)
+    greedy = SamplingParams(max_new_tokens=8, top_k=1)
+    one, one_mask = generate(model, ids, mask.long(), greedy, wl.eos_id, wl.pad_id, seed=0)
+    widths: list[int] = []
+    hook = model.register_forward_pre_hook(lambda m, args, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    three, three_mask = generate_by_length(model, ids, mask.long(), greedy, wl.eos_id, wl.pad_id, 0, buckets=3)
+    hook.remove()
+    assert torch.equal(three_mask, one_mask) and torch.equal(three * one_mask.long(), one * one_mask.long())
+    lengths = sorted(len(p) for p in prompts)
+    assert lengths[1] < lengths[5]  # prompts of unequal length: the buckets' widths differ
+    prefills = [w for w in widths if w > 1]  # the steps after a prefill feed one token each
+    assert prefills == [lengths[1], lengths[3], lengths[5]], (prefills, lengths)
+    sampled = [generate_by_length(model, ids, mask.long(), SamplingParams(max_new_tokens=8), wl.eos_id, wl.pad_id,
+                                  7, buckets=2) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*sampled))
+    bucketed = _wl(art, "gpt2", generate_buckets=2)
+    a = _wl(art, "gpt2").make_collector(1).collect(_wl(art, "gpt2").build_model(0), torch.Generator().manual_seed(0))
+    b = bucketed.make_collector(1).collect(bucketed.build_model(0), torch.Generator().manual_seed(0))
+    assert torch.equal(a[0]["tokens"][:, :wl.max_prompt_tokens], b[0]["tokens"][:, :wl.max_prompt_tokens])
+    assert not torch.equal(a[0]["tokens"], b[0]["tokens"])  # each bucket samples from a seed of its own
+    with pytest.raises(ConfigError, match=r"^--generate-buckets 0: must be an integer >= 1"):
+        _wl(art, "gpt2", generate_buckets=0)
 
 
 def test_reward_model_scores_one_per_sequence(art):
@@ -639,6 +670,24 @@ def test_generate_benchmark_quick_writes_json(tmp_path):
     row = json.loads(out.read_text())["rows"][0]
     assert row["kv_cache_tok_s"] > 0 and row["recompute_tok_s"] > 0 and row["new_tokens"] == 16
     assert row["speedup"] == pytest.approx(row["recompute_s"] / row["kv_cache_s"])
+
+
+@pytest.mark.parametrize("bench", ["hf_generate_buckets", "hf_trim_padding"])
+def test_generation_bucket_and_trainer_padding_benchmarks_quick_write_json(tmp_path, bench):
+    out = tmp_path / f"{bench}.json"
+    proc = subprocess.run([sys.executable, str(TESTS.parent / "benchmarks" / f"{bench}.py"), "--quick", "--json",
+                           str(out)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    if bench == "hf_generate_buckets":
+        row = data["rows"][0]
+        assert row["buckets_1_tok_s"] > 0 and row["buckets_4_tok_s"] > 0 and row["new_tokens"] == 8
+    else:  # every forward / micro-batch variant ran, on the same batch: the same loss
+        results = data["results"]
+        assert len(results) == 9 and len({round(r["policy_loss"], 5) for r in results}) == 1
+        budgeted = [r for r in results if r["micro_batch_tokens"]]
+        assert len(budgeted) == 3 and all(0 <= r["computed_padding_frac"] < 1 for r in budgeted)
 
 
 @pytest.mark.slow

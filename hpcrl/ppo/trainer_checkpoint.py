@@ -70,7 +70,7 @@ FORMAT = "ppo-dcp-1"  # learner.pt["format"] of a sharded checkpoint
 # model or the update.
 IDENTITY_FIELDS = ("seed", "workload", "env", "lm", "hf", "ppo", "plugin_args")
 # option-group fields that do not change the math: not identity
-NOT_IDENTITY = {"hf": ("micro_batch_size", "micro_batch_tokens", "ref_on")}
+NOT_IDENTITY = {"hf": ("micro_batch_size", "micro_batch_tokens", "generate_buckets", "ref_on")}
 
 
 def _plain(value: Any) -> Any:

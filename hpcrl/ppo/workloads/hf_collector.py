@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..workload import Collector
 from .hf_eval import score_responses
-from .hf_generate import generate, left_pad, token_logp
+from .hf_generate import generate_by_length, left_pad, token_logp
 from .hf_prompts import PromptStream
 
 if TYPE_CHECKING:
@@ -60,7 +60,8 @@ class HFCollector(Collector):
         model.actor.eval()
         net = wl.maker_actor(model)
         t0 = time.perf_counter()
-        response, amask = generate(net, prompt, pmask.long(), wl.sampling, wl.eos_id, wl.pad_id, seed)
+        response, amask = generate_by_length(net, prompt, pmask.long(), wl.sampling, wl.eos_id, wl.pad_id, seed,
+                                             wl.generate_buckets)
         gen_s = max(time.perf_counter() - t0, 1e-9)
         tokens = torch.cat([prompt, response.to(device)], 1)
         attn = torch.cat([pmask, amask.to(device)], 1)

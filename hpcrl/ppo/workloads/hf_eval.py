@@ -20,7 +20,7 @@ from torch import Tensor
 from hpcrl.config_check import ConfigError
 
 from . import hf_models as M
-from .hf_generate import generate, left_pad
+from .hf_generate import generate_by_length, left_pad
 
 if TYPE_CHECKING:
     from .hf import HFActorCritic, HFWorkload
@@ -66,8 +66,8 @@ def evaluate(wl: HFWorkload, model: HFActorCritic, updates: int) -> dict[str, fl
         answers = []
         for k in range(1 + wl.eval_samples):
             seed = (updates * 1_000_003 + start * 1024 + k) % 2**62
-            response, amask = generate(actor, prompt, pmask.long(), wl.sampling if k else greedy, wl.eos_id,
-                                       wl.pad_id, seed)
+            response, amask = generate_by_length(actor, prompt, pmask.long(), wl.sampling if k else greedy,
+                                                 wl.eos_id, wl.pad_id, seed, wl.generate_buckets)
             response, amask = response.to(device), amask.to(device)
             tokens, attn = torch.cat([prompt, response], 1), torch.cat([pmask, amask], 1)
             answers.append(score_responses(wl, inputs, tokens, attn, response, amask, f"eval {updates}").tolist())

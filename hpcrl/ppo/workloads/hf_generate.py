@@ -8,7 +8,7 @@ response up to and including its first EOS; ``action_mask [B, G]`` is that respo
 tokens only (:func:`position_ids`), as ``generate`` does with left padding.
 
 :func:`generate` is ``transformers``' batched ``generate`` (KV cache, temperature / top-p / top-k,
-EOS stop); :func:`generate_recompute` is the cache-less loop (one full forward per new token) kept
+EOS stop), :func:`generate_by_length` the same over sub-batches of like prompt length; :func:`generate_recompute` is the cache-less loop (one full forward per new token) kept
 as the benchmark's baseline (``benchmarks/hf_generate.py``).
 """
 
@@ -110,6 +110,26 @@ def generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, params
                              synced_gpus=False, **kw)
     response, generated = _pad_response(out, input_ids.shape[1], params.max_new_tokens, pad_id)
     return response, response_mask(response, eos_id, generated)
+
+
+@torch.no_grad()
+def generate_by_length(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, params: SamplingParams,
+                       eos_id: int, pad_id: int, seed: int, buckets: int) -> tuple[Tensor, Tensor]:
+    """:func:`generate` over ``buckets`` sub-batches of like prompt length: the rows ordered by prompt length
+    (stably) and cut into ``buckets`` runs of equal count, each generated from its own longest prompt and
+    seeded ``seed + k``; the results go back to the rows' places. Short prompts then stop paying for the long
+    ones' padding in the prefill and in every step's attention. Which prompts form the batch, and its row
+    order, do not change (a resumed run generates the same), only how it is computed. ``buckets`` 1: one call."""
+    n = input_ids.shape[0]
+    if buckets <= 1 or n < 2:
+        return generate(model, input_ids, attention_mask, params, eos_id, pad_id, seed)
+    order = attention_mask.sum(1).argsort(stable=True)
+    response = input_ids.new_full((n, params.max_new_tokens), pad_id)
+    mask = torch.zeros(n, params.max_new_tokens, device=input_ids.device)
+    for k, rows in enumerate(order.tensor_split(min(buckets, n))):
+        r, m = generate(model, input_ids[rows], attention_mask[rows], params, eos_id, pad_id, seed + k)
+        response[rows], mask[rows] = r.to(response.device), m.to(mask.device)
+    return response, mask
 
 
 @torch.no_grad()

@@ -86,6 +86,11 @@ class HFOptions:
     With --micro-batch-size, a piece also holds at most that many sequences. Equal to one large minibatch."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (trainers: less memory, ~1 more forward per step)."""
+    generate_buckets: int = 1
+    """Generate each batch as this many sub-batches of like prompt length (rows ordered by prompt length, cut
+    in equal counts; eval batches too): each runs from its own longest prompt, so short prompts stop paying
+    for long ones' padding in the prefill and every step's attention. The batch's prompts and row order stay
+    the same. Pays off when prompts are long and vary widely (measured in the README); 1 = one call."""
     maker_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
     """Makers' precision: bf16 copy, or int8 by torch's dynamic quantization of the Linear layers (CPU),
     rebuilt from the received full-precision weights at every swap; trainers stay fp32. The maker's own
@@ -164,6 +169,10 @@ class HFOptions:
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or not 1 <= m <= 1 << 20):
             self.fail("micro_batch_size", "an integer >= 1 (sequences per forward / backward pass)",
                       "e.g. --micro-batch-size 4, or leave it unset (the whole minibatch)")
+        m = self.generate_buckets
+        if not isinstance(m, int) or isinstance(m, bool) or not 1 <= m <= 1 << 20:
+            self.fail("generate_buckets", "an integer >= 1 (sub-batches per generated batch)",
+                      "e.g. --generate-buckets 2, or 1 (the whole batch in one call)")
         m = self.micro_batch_tokens
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or not 1 <= m <= 1 << 40):
             self.fail("micro_batch_tokens", "an integer >= 1 (token positions per forward / backward pass)",
