@@ -11,7 +11,7 @@
 #      trainer + CPU maker; FastSAC with --amp fp16 (GradScaler on the GPU) and clipping; FastSAC resharded on
 #      resume onto the GPU (2 CPU ranks write the checkpoint, 1 GPU rank resumes it); detached PPO on
 #      the hf workload (a tiny Llama built here) with FSDP bf16 trainer + bf16 maker (packed training
-#      forwards), a DCP checkpoint of
+#      forwards in token-budget micro-batches, generation in length buckets), a DCP checkpoint of
 #      CUDA shards resumed under ddp, and with FSDP CPU
 #      offload (where transformers is installed); then play (and
 #      ONNX export where onnx/onnxruntime exist) on the trained policy. $OUT/gpu_check.json: exit code,
@@ -63,7 +63,7 @@ grep -q "resharded 2 → 1 ranks" "$OUT/runs/sac_reshard_2cpu_to_1gpu.log" || ru
 if "$PY" -c "import transformers, tokenizers" 2>/dev/null; then  # RLHF on a tiny Llama built here (no network)
   PYTHONPATH=tests "$PY" -c "import hf_fixtures as F, pathlib as p; d = p.Path('$OUT/hf'); F.build_causal_lm(d / 'llama'); F.write_prompts(d / 'prompts.jsonl')" > /dev/null 2>&1
   HF=(--workload hf --hf.model "$OUT/hf/llama" --hf.prompts "$OUT/hf/prompts.jsonl" --hf.reward-fn hf_fixtures:target_fraction --hf.max-prompt-tokens 8 --hf.max-new-tokens 16 --makers 1 --trainers 1 --trainer-device cuda --maker-device cuda --total-steps 10)
-  PYTHONPATH=tests entry ppo_hf_fsdp_bf16 120 "$PY" -m hpcrl.ppo "${HF[@]}" --strategy fsdp --trainer-dtype bf16 --hf.maker-dtype bf16 --ppo.pack-sequences True
+  PYTHONPATH=tests entry ppo_hf_fsdp_bf16 120 "$PY" -m hpcrl.ppo "${HF[@]}" --strategy fsdp --trainer-dtype bf16 --hf.maker-dtype bf16 --ppo.pack-sequences True --hf.micro-batch-tokens 64 --hf.generate-buckets 2
   PYTHONPATH=tests entry ppo_hf_fsdp_offload 120 "$PY" -m hpcrl.ppo "${HF[@]}" --strategy fsdp --offload
   # DCP checkpoints from CUDA shards (staged to host, written by the writer thread), then a resume that
   # loads them back onto the GPU under ddp (a strategy change; one GPU has no second trainer): rc 98
