@@ -19,10 +19,11 @@ def compiled_config(compile: bool):
 
 
 def run(compile: bool, updates: int = UPDATES, rank: int = 0, world: int = 1, ctx=None,
-        early: int = 2, warm: int = 5) -> dict:
+        early: int = 2, warm: int = 5, half_from: int | None = None) -> dict:
     """``updates`` updates on this rank's rows of each global batch; the final state, the outputs of the
     last update, the state after ``early`` updates (``"early"``) and Dynamo's frame / graph counts after
-    ``warm`` updates and at the end (``"dynamo"``: equal when nothing recompiled after warm-up)."""
+    ``warm`` updates and at the end (``"dynamo"``: equal when nothing recompiled after warm-up).
+    ``half_from``: from that update on, half of those rows (a batch of other shapes)."""
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
@@ -33,15 +34,18 @@ def run(compile: bool, updates: int = UPDATES, rank: int = 0, world: int = 1, ct
     count = lambda: (counters["frames"]["total"], counters["stats"]["unique_graphs"])  # noqa: E731
     for step in range(updates):
         batch, noise = global_data(step)
-        outs.append(agent.update(Batch(*[None if t is None else rows(t, rank, world) for t in batch]),
-                                 UpdateNoise(*[rows(t, rank, world) for t in noise])))
+        part = (lambda t: rows(rows(t, rank, world), 0, 2)) if half_from is not None and step >= half_from else (
+            lambda t: rows(t, rank, world))
+        outs.append(agent.update(Batch(*[None if t is None else part(t) for t in batch]),
+                                 UpdateNoise(*[part(t) for t in noise])))
         if step + 1 == early:
             early_state = state(agent, [])
         if step + 1 == warm:
             dynamo.append(count())
     dynamo.append(count())
     return {**state(agent, outs), "early": early_state, "dynamo": dynamo,
-            "compile_s": agent._compiled.compile_s if compile else 0.0}
+            "compile_s": agent._compiled.compile_s if compile else 0.0,
+            "unguarded": agent._compiled.unguarded if compile else 0}
 
 
 def state(agent: FastSAC, outs: list[dict]) -> dict:

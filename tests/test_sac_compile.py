@@ -64,6 +64,17 @@ def test_no_recompiles_after_warm_up(compiled):
     assert compiled["compile_s"] > 0
     after_warm_up, at_the_end = compiled["dynamo"]  # frames and graphs after 5 updates, after 100
     assert after_warm_up[1] > 0 and at_the_end == after_warm_up
+    # every update after the first of each variant ran with only the guards telling the variants apart
+    assert compiled["unguarded"] == workers.UPDATES - 2
+
+
+@pytest.mark.extended
+def test_a_batch_of_other_shapes_after_warm_up_is_guarded_again():
+    """Skipping guards is only safe for the shapes the graphs were compiled for: a smaller batch after
+    warm-up runs fully guarded (a recompile), and equals the eager update on it."""
+    eager, compiled = workers.run(False, 8, half_from=5), workers.run(True, 8, half_from=5)
+    assert compiled["unguarded"] == 3  # updates 3, 4, 5: the warm, full-size ones
+    assert_states_close(compiled, eager, {g: (1e-5, 1e-6) for g in LOOSE}, "8 updates, half batch from 6")
 
 
 def test_compile_refuses_what_it_cannot_capture():

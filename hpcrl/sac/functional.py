@@ -102,11 +102,12 @@ def adam_(h: AdamHyper, param: torch.Tensor, grad: torch.Tensor, state) -> None:
 
 
 def clip_(grad: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """``clip_grad_norm_([grad], max_norm, foreach=True)`` (or ``get_total_norm`` when 0): the
-    pre-clip norm, ``grad`` scaled in place."""
-    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([grad], 2.0)), 2.0)
+    """What ``clip_grad_norm_([grad], max_norm)`` does to one tensor (``get_total_norm`` when 0): the
+    pre-clip norm, ``grad`` scaled in place. Plain ops, not its ``_foreach_*`` kernels: those have no C
+    shim, so the captured graph's C++ wrapper would call them through a fallback (to float rounding the same)."""
+    norm = torch.linalg.vector_norm(grad, 2.0)
     if max_norm > 0:
-        torch._foreach_mul_([grad], torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        grad.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     return norm
 
 
