@@ -8,8 +8,9 @@ response up to and including its first EOS; ``action_mask [B, G]`` is that respo
 tokens only (:func:`position_ids`), as ``generate`` does with left padding.
 
 :func:`generate` is ``transformers``' batched ``generate`` (KV cache, temperature / top-p / top-k,
-EOS stop), :func:`generate_by_length` the same over sub-batches of like prompt length; :func:`generate_recompute` is the cache-less loop (one full forward per new token) kept
-as the benchmark's baseline (``benchmarks/hf_generate.py``).
+EOS stop), :func:`generate_by_length` the same over sub-batches of like prompt length;
+:func:`generate_recompute` is the cache-less loop (one full forward per new token) kept as the
+benchmark's baseline (``benchmarks/hf_generate.py``).
 """
 
 from __future__ import annotations
