@@ -3,7 +3,8 @@
 
     python benchmarks/vs_cleanrl.py --task halfcheetah|hopper --seed K --system cleanrl|hpcrl
                                     [--env-steps 50000] [--eval-every 5000] [--eval-episodes 5]
-                                    [--threads 1] [--hpcrl-preset P] [--hpcrl-flags "..."] [--out DIR]
+                                    [--threads 1] [--hpcrl-preset P] [--hpcrl-flags "..."]
+                                    [--cleanrl-flags "..."] [--out DIR]
     python benchmarks/vs_cleanrl.py --merge [--out DIR]
     python benchmarks/vs_cleanrl.py --quick --system cleanrl|hpcrl --seed K --out DIR   (Pendulum-v1, tiny)
 
@@ -14,7 +15,8 @@ against env steps and against wall time; the issue's targets) and ``DIR/vs_clean
 
 - cleanrl: CleanRL's ``sac_continuous_action.py`` (vendored byte for byte in benchmarks/peers/cleanrl,
   checked against PEER_FILES before it runs) with its own defaults and CLI (``--env-id ENV-v4
-  --total-timesteps N --no-cuda --seed K``), a process of the peer venv (tools/peer_venv.sh: gymnasium
+  --total-timesteps N --no-cuda --seed K``, plus ``--cleanrl-flags``: e.g. its warm-up cut with
+  ``--learning-starts 512``), a process of the peer venv (tools/peer_venv.sh: gymnasium
   0.29.1, which has the v4 MuJoCo tasks and the vector API the script needs), through
   benchmarks/peers/run_cleanrl.py, which evaluates it on the way.
 - hpcrl: ``python -m hpcrl.sac --preset P --env gym:ENV-v5 [--hpcrl-flags] ...`` (main venv,
@@ -71,6 +73,7 @@ ENV_NOTE = ("CleanRL runs the v4 tasks of gymnasium 0.29.1 (mujoco<3.2, what its
             "that Hopper-v5 pays the healthy reward only while healthy (v4 also on the terminating step, so "
             "at most +1 per episode for v4); v5 otherwise adds options and reset infos only "
             "(gymnasium's v5 version history). The MuJoCo versions differ, so trajectories differ numerically.")
+SOLVED = {"pendulum": -250.0}  # task -> the mean eval return that counts as solved (time to solve)
 QUICK = {"env_steps": 400, "eval_every": 200, "eval_episodes": 2}
 QUICK_CLEANRL = ["--learning-starts", "100", "--batch-size", "32"]
 QUICK_HPCRL = ("--num-envs 2 --batch-size 32 --buffer-size 256 --actor-hidden 16 --critic-hidden 16 "
@@ -120,7 +123,7 @@ def run_cleanrl(a: argparse.Namespace, work: Path) -> dict[str, Any]:
         raise SystemExit(f"vs_cleanrl: {a.peer_python} missing: run `bash tools/peer_venv.sh` first")
     env_id = TASKS[a.task][0]
     script = ["--env-id", env_id, "--total-timesteps", str(a.env_steps), "--no-cuda", "--seed", str(a.seed),
-              *(QUICK_CLEANRL if a.quick else [])]
+              *(QUICK_CLEANRL if a.quick else []), *shlex.split(a.cleanrl_flags)]
     cmd = [str(a.peer_python), str(HERE / "peers" / "run_cleanrl.py"), "--out", str(work / "curve.json"),
            "--eval-every", str(a.eval_every), "--eval-episodes", str(a.eval_episodes), "--threads", str(a.threads),
            "--workdir", str(work), "--", *script]
@@ -128,7 +131,8 @@ def run_cleanrl(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     doc = json.loads((work / "curve.json").read_text())
     return {"env_id": env_id, "points": doc["points"], "versions": doc.get("versions", {}),
             "command": shlex.join(["python", "cleanrl/sac_continuous_action.py", *script]),
-            "runner": shlex.join(cmd), "hyper_parameters": "CleanRL's defaults" + (" + quick sizes" if a.quick else "")}
+            "runner": shlex.join(cmd), "hyper_parameters": "CleanRL's defaults" + (" + quick sizes" if a.quick else "")
+            + (f" + {a.cleanrl_flags}" if a.cleanrl_flags else "")}
 
 
 def hpcrl_argv(a: argparse.Namespace) -> tuple[list[str], Any]:
@@ -198,7 +202,7 @@ def run_part(a: argparse.Namespace) -> Path:
     points = snap(got.pop("points"), a.eval_every)
     setup = {"task": a.task, "system": a.system, "env_steps": a.env_steps, "eval_every": a.eval_every,
              "eval_episodes": a.eval_episodes, "threads": a.threads, "quick": a.quick,
-             "hpcrl_preset": a.hpcrl_preset, "hpcrl_flags": a.hpcrl_flags}
+             "hpcrl_preset": a.hpcrl_preset, "hpcrl_flags": a.hpcrl_flags, "cleanrl_flags": a.cleanrl_flags}
     results = {**setup, "seed": a.seed, **got, "process_wall_s": round(time.perf_counter() - t0, 1),
                "load_before": load_before, "load_after": loadavg(), "env_note": ENV_NOTE,
                "curve": {k: [p.get(k) for p in points] for k in ("env_steps", "env_steps_actual", "wall_s",
@@ -246,10 +250,22 @@ def at_step(agg: dict[str, Any], step: int) -> float | None:
     return agg["return_mean"][agg["env_steps"].index(step)] if step in agg["env_steps"] else None
 
 
-def targets(peer: dict[str, Any], ours: dict[str, Any], env_steps: int) -> dict[str, Any]:
+def solved_at(agg: dict[str, Any], goal: float) -> tuple[int | None, float | None]:
+    """(env steps, wall s) of the first eval point whose mean return reaches ``goal``."""
+    return next(((s, w) for s, r, w in zip(agg["env_steps"], agg["return_mean"], agg["wall_s_mean"]) if r >= goal),
+                (None, None))
+
+
+def targets(peer: dict[str, Any], ours: dict[str, Any], env_steps: int, task: str = "") -> dict[str, Any]:
     """The targets: returns at half and all of the budget; hpcrl's wall time to CleanRL's final mean
-    return over CleanRL's wall time for the budget (when CleanRL's final is above its first eval)."""
+    return over CleanRL's wall time for the budget (when CleanRL's final is above its first eval); for a
+    task with a :data:`SOLVED` return, each system's time to reach it and CleanRL's over hpcrl's."""
     out: dict[str, Any] = {}
+    if task in SOLVED:
+        (c_steps, c_wall), (h_steps, h_wall) = solved_at(peer, SOLVED[task]), solved_at(ours, SOLVED[task])
+        out["time_to_solve"] = {"solved_return": SOLVED[task], "cleanrl_env_steps": c_steps, "cleanrl_wall_s": c_wall,
+                                "hpcrl_env_steps": h_steps, "hpcrl_wall_s": h_wall,
+                                "speedup": None if c_wall is None or h_wall is None else round(c_wall / h_wall, 3)}
     for step in (env_steps // 2, env_steps):
         c, h = at_step(peer, step), at_step(ours, step)
         out[f"at_{step}"] = {"cleanrl": c, "hpcrl": h, "hpcrl_minus_cleanrl": None if c is None or h is None
@@ -270,9 +286,10 @@ def merge_figures(tasks: dict[str, dict]) -> dict[str, dict]:
         for key, tgt in t.get("targets", {}).items():
             for name, v in tgt.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
-                    better = not name.endswith("wall_s") and name != "ratio"
-                    figs[f"{task}_{key}_{name}"] = schema.figure(v, "s" if name.endswith("wall_s") else
-                                                                 ("x" if name == "ratio" else "return"), better)
+                    better = not name.endswith(("wall_s", "env_steps")) and name != "ratio"
+                    unit = ("s" if name.endswith("wall_s") else "env steps" if name.endswith("env_steps")
+                            else "x" if name in ("ratio", "speedup") else "return")
+                    figs[f"{task}_{key}_{name}"] = schema.figure(v, unit, better)
     return figs
 
 
@@ -293,7 +310,7 @@ def merge(out: Path) -> Path:
         tasks[task] = {system: aggregate(parts) for system, parts in sorted(systems.items())}
         if {"cleanrl", "hpcrl"} <= systems.keys():
             tasks[task]["targets"] = targets(tasks[task]["cleanrl"], tasks[task]["hpcrl"],
-                                             systems["cleanrl"][0]["results"]["env_steps"])
+                                             systems["cleanrl"][0]["results"]["env_steps"], task)
     results = {"tasks": tasks, "parts": [p.name for p in paths], "env_note": ENV_NOTE, "png": "vs_cleanrl.png",
                "peer": {"repo": "vwxyzjn/cleanrl", "commit": PEER_COMMIT, "files": PEER_FILES}}
     doc = schema.make("vs_cleanrl", schema.header("cpu", 1, {"parts": len(paths)}), merge_figures(tasks), results)
@@ -356,6 +373,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads of either system")
     p.add_argument("--hpcrl-preset", default="", help="default: halfcheetah (pendulum for --quick)")
     p.add_argument("--hpcrl-flags", default="", help="more `python -m hpcrl.sac` flags (before the protocol's)")
+    p.add_argument("--cleanrl-flags", default="", help="more CleanRL script flags (after its defaults' CLI)")
     p.add_argument("--peer-python", default=str(PEER_PYTHON), help="the peer venv's python (tools/peer_venv.sh)")
     p.add_argument("--out", default="", help="default benchmarks/results (a temp dir with --quick)")
     p.add_argument("--work", default="", help="run dirs and logs; default runs/vs_cleanrl (under --out with --quick)")

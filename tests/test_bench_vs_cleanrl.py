@@ -85,13 +85,25 @@ def test_targets_time_hpcrl_to_cleanrls_final_return() -> None:
     assert got["time_to_cleanrl_final"]["hpcrl_wall_s"] == 4.0 and got["time_to_cleanrl_final"]["ratio"] == 0.2
     flat = {**peer, "return_mean": [50.0, 10.0]}  # CleanRL ended below its first eval: no goal to time
     assert "time_to_cleanrl_final" not in vs_cleanrl.targets(flat, ours, 200)
+    assert "time_to_solve" not in got  # a task without a solved return
+
+
+def test_pendulum_time_to_solve_is_the_first_point_above_the_solved_return() -> None:
+    peer = {"env_steps": [1000, 2000, 3000], "return_mean": [-900.0, -300.0, -200.0], "wall_s_mean": [4.0, 8.0, 12.0]}
+    ours = {"env_steps": [1000, 2000, 3000], "return_mean": [-800.0, -240.0, -150.0], "wall_s_mean": [1.0, 2.0, 3.0]}
+    got = vs_cleanrl.targets(peer, ours, 3000, "pendulum")["time_to_solve"]
+    assert got == {"solved_return": -250.0, "cleanrl_env_steps": 3000, "cleanrl_wall_s": 12.0, "hpcrl_env_steps": 2000,
+                   "hpcrl_wall_s": 2.0, "speedup": 6.0}
+    never = {**ours, "return_mean": [-900.0, -800.0, -700.0]}
+    assert vs_cleanrl.targets(peer, never, 3000, "pendulum")["time_to_solve"]["speedup"] is None
 
 
 def test_quick_runs_both_systems_and_merges(tmp_path: Path, peer_venv: Path) -> None:
     out = tmp_path / "out"
     for system in ("cleanrl", "hpcrl"):
         proc = subprocess.run([sys.executable, "benchmarks/vs_cleanrl.py", "--quick", "--system", system,
-                               "--seed", "1", "--out", str(out), "--peer-python", str(peer_venv)],
+                               "--seed", "1", "--out", str(out), "--peer-python", str(peer_venv),
+                               *(["--cleanrl-flags=--learning-starts 120"] if system == "cleanrl" else [])],
                               cwd=REPO, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert (out / "vs_cleanrl" / f"pendulum-{system}-seed1.json").exists()
@@ -110,7 +122,8 @@ def test_quick_runs_both_systems_and_merges(tmp_path: Path, peer_venv: Path) -> 
         assert all(w > 0 for w in agg["wall_s_mean"])
     assert task["cleanrl"]["versions"]["gymnasium"] == "0.29.1"
     assert task["cleanrl"]["command"].startswith("python cleanrl/sac_continuous_action.py --env-id Pendulum-v1")
-    assert {"at_200", "at_400"} <= set(task["targets"])
+    assert task["cleanrl"]["command"].endswith("--learning-starts 120")  # after the quick sizes' 100: it wins
+    assert {"at_200", "at_400", "time_to_solve"} <= set(task["targets"])
     assert doc["results"]["peer"]["files"] == vs_cleanrl.PEER_FILES
     assert (out / "vs_cleanrl.png").stat().st_size > 10_000
 
