@@ -227,7 +227,8 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 
 def aggregate(parts: list[dict]) -> dict[str, Any]:
     """One (task, system)'s seeds -> mean and std (over seeds, ddof 0) at the eval points all seeds have."""
-    setups = {json.dumps({k: v for k, v in p["header"]["config"].items()}, sort_keys=True) for p in parts}
+    # parts written before --cleanrl-flags existed ran without any
+    setups = {json.dumps({"cleanrl_flags": "", **p["header"]["config"]}, sort_keys=True) for p in parts}
     if len(setups) > 1:
         raise ValueError(f"parts of one task and system ran with different setups: {sorted(setups)}")
     curves = [p["results"]["curve"] for p in parts]
