@@ -685,7 +685,8 @@ def test_generation_bucket_and_trainer_padding_benchmarks_quick_write_json(tmp_p
         assert row["buckets_1_tok_s"] > 0 and row["buckets_4_tok_s"] > 0 and row["new_tokens"] == 8
     else:  # every forward / micro-batch variant ran, on the same batch: the same loss
         results = data["results"]
-        assert len(results) == 9 and len({round(r["policy_loss"], 5) for r in results}) == 1
+        losses = [r["policy_loss"] for r in results]
+        assert len(results) == 9 and max(losses) - min(losses) < 1e-5, losses
         budgeted = [r for r in results if r["micro_batch_tokens"]]
         assert len(budgeted) == 3 and all(0 <= r["computed_padding_frac"] < 1 for r in budgeted)
 
