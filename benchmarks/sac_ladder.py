@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """FastSAC update ladder: updates/s of ``FastSAC.update`` per rung, the rungs timed interleaved.
 
-    python benchmarks/sac_ladder.py [--quick] [--json PATH]
+    python benchmarks/sac_ladder.py [--quick] [--json PATH] [--sizes ...] [--world] [--cleanrl]
 
 Rungs (``SACConfig`` fields): ``per_head`` (per-head critic, per-parameter tensors: the old path),
 ``flat`` (flat parameters only: the default), ``batched`` (batched critic only), ``batched_flat`` (both),
@@ -25,6 +25,14 @@ the default on one host), through gloo, and through gloo with --overlap-grad-ave
 path the alpha-beta prediction: t(W=2) = t(half batch, W=1) + the critic and 1/policy_frequency of the
 actor all-reduce from the all_reduce/ring fit in results/cost_model.json (gloo, this machine), and the
 ideal-split one t(W=1)/2 + that communication.
+
+``--cleanrl`` adds the real CleanRL SAC (``sac_continuous_action.py``, vendored unmodified, run by
+benchmarks/peers/run_cleanrl.py in the peer venv: tools/peer_venv.sh) on Pendulum-v1, 1 thread: after its
+warm-up (``--learning-starts``) every env step is one update of its two Q networks plus, on average, one of
+its actor and alpha (policy_frequency 2, two actor steps every second step), at its own sizes (hidden
+256, batch 256). Seconds per such step = the wall between its evals at the end of the warm-up and
+``CLEANRL_STEPS`` later, over those steps (its env step included: ~2 % of it). A process of its own after
+the rungs, not interleaved with them: compare it to the rungs of the same run only.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ RUNGS: dict[str, dict[str, bool]] = {
 }
 SIZES = {"pendulum": (3, 1), "halfcheetah": (17, 6), "halfcheetah-cpu": (17, 6)}  # (obs_dim, action_dim) of each preset's env
 BASE = "per_head"
+CLEANRL_WARMUP, CLEANRL_STEPS = 512, 1500  # env steps before its first update; timed steps after it
 
 
 def fixed_batch(batch: int, obs_dim: int, action_dim: int) -> tuple[Batch, UpdateNoise]:
@@ -217,6 +226,39 @@ def bench_world(name: str, repeats: int, min_repeat_s: float, batch: int | None)
             "threads_per_rank": 1, "note": "W=2 runs 2 processes on the machine's cores; W=1 one process"}
 
 
+def bench_cleanrl(quick: bool) -> dict[str, Any]:
+    """Seconds per update step of the real CleanRL SAC on Pendulum-v1 (see the module doc)."""
+    import json
+    import subprocess
+    import tempfile
+
+    from benchmarks import vs_cleanrl as vs
+
+    bad = vs.peer_mismatches()
+    if bad or not vs.PEER_PYTHON.exists():
+        raise SystemExit(f"sac_ladder --cleanrl: the peer is not ready ({bad or vs.PEER_PYTHON}): "
+                         "run `bash tools/peer_venv.sh` first")
+    warmup, steps = (100, 300) if quick else (CLEANRL_WARMUP, CLEANRL_STEPS)
+    with tempfile.TemporaryDirectory(prefix="sac_ladder_cleanrl_") as tmp:
+        script = ["--env-id", "Pendulum-v1", "--total-timesteps", str(warmup + steps), "--learning-starts",
+                  str(warmup), "--no-cuda", "--seed", "0"]
+        cmd = [str(vs.PEER_PYTHON), str(vs.HERE / "peers" / "run_cleanrl.py"), "--out", f"{tmp}/curve.json",
+               "--eval-every", str(warmup), "--eval-episodes", "1", "--threads", "1", "--workdir", tmp, "--", *script]
+        load = loadavg()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if proc.returncode != 0:
+            raise RuntimeError(f"sac_ladder --cleanrl: {' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+        points = json.loads(Path(tmp, "curve.json").read_text())["points"]
+    at = {p["env_steps"]: p for p in points}
+    first = min(at, key=lambda s: abs(s - warmup))  # the eval filed at the end of the warm-up
+    last = max(at)
+    step_s = (at[last]["wall_s"] - at[first]["wall_s"]) / (at[last]["env_steps_actual"] - at[first]["env_steps_actual"])
+    return {"env_id": "Pendulum-v1", "command": "python cleanrl/sac_continuous_action.py " + " ".join(script),
+            "warmup_steps": warmup, "timed_steps": at[last]["env_steps_actual"] - at[first]["env_steps_actual"],
+            "update_step_s": step_s, "update_steps_per_s": 1.0 / step_s, "loadavg": [load, loadavg()],
+            "work_per_step": "1 critic update (2 Q nets, hidden 256, batch 256) + on average 1 actor and alpha update"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("--quick", action="store_true", help="few, short repeats; halfcheetah at batch 1024")
@@ -224,6 +266,7 @@ def main() -> int:
     ap.add_argument("--sizes", default="pendulum,halfcheetah", help="comma-separated presets to run")
     ap.add_argument("--world", action="store_true", help="add the W = 1 vs W = 2 rung (2 processes)")
     ap.add_argument("--no-rungs", action="store_true", help="skip the single-process rungs (with --world)")
+    ap.add_argument("--cleanrl", action="store_true", help="add the real CleanRL SAC's update step on Pendulum")
     args = ap.parse_args()
     torch.set_num_threads(1)
     repeats, min_repeat_s = (3, 0.05) if args.quick else (9, 0.3)
@@ -237,6 +280,7 @@ def main() -> int:
     qbatch = {"halfcheetah": 1024 if args.quick else None}
     sizes = {} if args.no_rungs else {n: bench_size(n, repeats, min_repeat_s, qbatch.get(n)) for n in names}
     world = {n: bench_world(n, repeats, min_repeat_s, qbatch.get(n)) for n in names} if args.world else {}
+    cleanrl = bench_cleanrl(args.quick) if args.cleanrl else None
     rows = [[name, rung, fmt_time(r["update_s"]), f"{r['updates_per_s']:.1f}", f"{r['speedup_vs_per_head']:.2f}x",
              fmt_time(r["cpu_update_s"]), f"{r['cpu_speedup_vs_per_head']:.2f}x", f"{r['cpu_frac']:.2f}"] for name, size in sizes.items() for rung, r in size["rungs"].items()]
     print_table("FastSAC.update, 1 thread, rungs interleaved (median)",
@@ -265,9 +309,17 @@ def main() -> int:
         figures[f"{name}_compiled_vs_flat_cpu"] = schema.figure(r["flat"]["cpu_update_s"] / r["compiled"]["cpu_update_s"],
                                                                "x", True)
         figures[f"{name}_compile_s"] = schema.figure(r["compiled"]["compile_s"], "s", False)
+    if cleanrl is not None:
+        print(f"real CleanRL SAC, Pendulum-v1: {fmt_time(cleanrl['update_step_s'])} per update step "
+              f"({cleanrl['update_steps_per_s']:.1f}/s; {cleanrl['work_per_step']})")
+        figures["cleanrl_pendulum_update_step_s"] = schema.figure(cleanrl["update_step_s"], "s", False)
+        if "pendulum" in sizes:
+            for rung in ("flat", "compiled"):
+                figures[f"pendulum_{rung}_vs_cleanrl_step"] = schema.figure(
+                    cleanrl["update_step_s"] / sizes["pendulum"]["rungs"][rung]["update_s"], "x", True)
     config = {"quick": args.quick, "sizes": names, "world": args.world, "repeats": repeats, "min_repeat_s": min_repeat_s, "threads": 1,
-              "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
-    results = {"machine": machine_info(CPU, 1), "sizes": sizes, "world": world,
+              "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "cleanrl": args.cleanrl}
+    results = {"machine": machine_info(CPU, 1), "sizes": sizes, "world": world, "cleanrl": cleanrl,
                "note": "ratios are what counts: the machine may be shared (see loadavg and cpu_frac)"}
     path = write_json(out_path, schema.make("sac_ladder", schema.header("cpu", 1, config), figures, results))
     print(f"\nwrote {path}")

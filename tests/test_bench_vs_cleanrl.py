@@ -148,3 +148,15 @@ def test_cpu_presets_validate_and_fit_the_protocol(task: str, update_to_data: fl
     got.check()
     assert (got.preset, got.total_env_steps, got.eval_every * got.num_envs, got.eval_episodes) == \
         (f"{task}-cpu", 50_000, 5_000, 5)
+
+
+def test_the_ladder_times_the_real_cleanrl_update_step(peer_venv: Path) -> None:
+    """benchmarks/sac_ladder.py --cleanrl: the real script, past its warm-up, timed per env step."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import sac_ladder
+
+    got = sac_ladder.bench_cleanrl(quick=True)
+    assert got["command"] == ("python cleanrl/sac_continuous_action.py --env-id Pendulum-v1 --total-timesteps 400 "
+                              "--learning-starts 100 --no-cuda --seed 0")
+    assert got["timed_steps"] >= 100 and 1e-4 < got["update_step_s"] < 1.0
+    assert got["update_steps_per_s"] == pytest.approx(1 / got["update_step_s"])
