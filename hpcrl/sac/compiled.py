@@ -16,8 +16,9 @@ Same arithmetic in the same order as :meth:`FastSAC.update` (the eager path), so
 rounding (inductor fuses elementwise ops; tests/test_sac_compile.py states the tolerance). Every graph
 has static shapes and reads nothing back to the host, so on CUDA it runs as a CUDA graph
 (``mode="reduce-overhead"``); on CPU a C++ wrapper calls its kernels (inductor's ``cpp_wrapper``), and
-once both variants are compiled only the guards that tell them apart are checked (:meth:`CompiledUpdate._stance`). Compiled code is cached on disk by inductor (``TORCHINDUCTOR_CACHE_DIR``,
-else its default under /tmp), so a second run on the same machine skips most of the one-time cost that
+once both variants are compiled only the guards that tell them apart are checked (:meth:`CompiledUpdate._stance`).
+Compiled code is cached on disk by inductor (``TORCHINDUCTOR_CACHE_DIR``, else its default under /tmp),
+so a second run on the same machine skips most of the one-time cost that
 :attr:`CompiledUpdate.compile_s` reports. Gradients are computed inside a graph, so the bucketed overlap
 of the all-reduce with backward (``--overlap-grad-average``) does not apply here: the collective waits
 for the whole gradient graph.

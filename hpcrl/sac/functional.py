@@ -104,7 +104,8 @@ def adam_(h: AdamHyper, param: torch.Tensor, grad: torch.Tensor, state) -> None:
 def clip_(grad: torch.Tensor, max_norm: float) -> torch.Tensor:
     """What ``clip_grad_norm_([grad], max_norm)`` does to one tensor (``get_total_norm`` when 0): the
     pre-clip norm, ``grad`` scaled in place. Plain ops, not its ``_foreach_*`` kernels: those have no C
-    shim, so the captured graph's C++ wrapper would call them through a fallback (to float rounding the same)."""
+    shim, and the captured graph's C++ wrapper calling ``_foreach_norm`` through its fallback segfaulted
+    (torch 2.13, CPU). To float rounding the same."""
     norm = torch.linalg.vector_norm(grad, 2.0)
     if max_norm > 0:
         grad.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
