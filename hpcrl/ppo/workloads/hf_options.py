@@ -172,11 +172,12 @@ class HFOptions:
         m = self.generate_buckets
         if not isinstance(m, int) or isinstance(m, bool) or not 1 <= m <= 1 << 20:
             self.fail("generate_buckets", "an integer >= 1 (sub-batches per generated batch)",
-                      "e.g. --generate-buckets 2, or 1 (the whole batch in one call)")
+                      f"e.g. {self.flag('generate_buckets')} 2, or 1 (the whole batch in one call)")
         m = self.micro_batch_tokens
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or not 1 <= m <= 1 << 40):
             self.fail("micro_batch_tokens", "an integer >= 1 (token positions per forward / backward pass)",
-                      "e.g. --micro-batch-tokens 4096, or leave it unset (--micro-batch-size alone decides)")
+                      f"e.g. {self.flag('micro_batch_tokens')} 4096, or leave it unset (the micro-batch size alone "
+                      "decides)")
         if self.dtype not in ("auto", "fp32", "bf16"):
             self.fail("dtype", "one of auto, fp32, bf16", "e.g. --dtype auto (the stored dtype) or --dtype fp32")
         if self.ref_on not in ("makers", "trainers"):
