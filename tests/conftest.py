@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,11 +21,25 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """pyproject's `--dist loadfile`: a module's tests share one pytest-xdist worker, so its module fixtures
+    (multi-rank runs several tests assert on) run once; and the modules that submit to the local Slurm
+    cluster share one worker (its 2 nodes hold one test's jobs; two at once made a job wait a minute for
+    nodes). (`--dist loadgroup` with xdist_group marks did neither: pytest-xdist 3.8 tags a test by rewriting
+    `item._nodeid`, which pytest 9's `nodeid` no longer reads, so the groups were ignored.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ModuleScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return "slurm" if Path(module).name.startswith("test_slurm") else module
+
+    return ModuleScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    # pyproject's `--dist loadfile`: a module's tests share one pytest-xdist worker, so its module fixtures
-    # (multi-rank runs several tests assert on) run once. (`--dist loadgroup` with xdist_group marks per
-    # module meant to do that, but pytest-xdist 3.8 tags a test by rewriting `item._nodeid`, which pytest 9's
-    # `nodeid` no longer reads: the groups were ignored and module fixtures ran once per worker.)
     # `cuda` tests are GPU parity checks (benchmarks/gpu_check.sh runs them on a lent GPU).
     if torch.cuda.is_available():
         return
