@@ -183,6 +183,17 @@ def token_micro_batches(rows: list[int], budget: int, cost: Callable[[list[int]]
     return pieces + [slice(start, len(rows))] if rows else [slice(0, 0)]
 
 
+def _cut(idx: Tensor, key: Tensor | None, size: int | None, tokens: int | None,
+         cost: Callable[[list[int]], int] | None) -> tuple[Tensor, list[slice]]:
+    """A minibatch's indices ordered by ``key`` (when given), and its pieces: by ``tokens`` of ``cost``
+    (and at most ``size`` samples) or by ``size`` alone."""
+    if key is not None:
+        idx = idx[key[idx].argsort(stable=True)]  # on the device: no host read
+    if tokens is not None:
+        return idx, token_micro_batches(idx.tolist(), tokens, cost, size)
+    return idx, micro_batches(idx.shape[0], size)
+
+
 def ppo_update(forward: Callable[[Tensor], Outputs], samples: Samples, coefs: Coefs, plan: Plan, step: GradStep,
                generator: torch.Generator, stats_dtype: torch.dtype | None = None,
                logp_gap: bool = False, micro_batch_size: int | None = None,
@@ -215,12 +226,10 @@ def ppo_update(forward: Callable[[Tensor], Outputs], samples: Samples, coefs: Co
     weighted = cut or loss_norm != "token"
     for _ in range(plan.epochs):
         for idx in minibatch_indices(n, plan, generator, samples.behaviour_logp.device):
-            if piece_key is not None and cut:
-                idx = idx[piece_key[idx].argsort(stable=True)]  # on the device: no host read
-            if micro_batch_tokens is not None:
-                pieces = token_micro_batches(idx.tolist(), micro_batch_tokens, piece_cost, micro_batch_size)
+            if cut:
+                idx, pieces = _cut(idx, piece_key, micro_batch_size, micro_batch_tokens, piece_cost)
             else:
-                pieces = micro_batches(idx.shape[0], micro_batch_size)
+                pieces = [slice(0, idx.shape[0])]
             mb = samples[idx]
             weights = None
             if weighted:
