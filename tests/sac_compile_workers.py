@@ -14,21 +14,22 @@ from hpcrl.sac import FastSAC, UpdateNoise
 UPDATES = 100
 
 
-def compiled_config(compile: bool):
-    return dataclasses.replace(small_config("flat"), compile=compile)
+def compiled_config(compile: bool, cache: str = "none"):
+    return dataclasses.replace(small_config("flat"), compile=compile, compile_cache=cache)
 
 
 def run(compile: bool, updates: int = UPDATES, rank: int = 0, world: int = 1, ctx=None,
-        early: int = 2, warm: int = 5, half_from: int | None = None) -> dict:
+        early: int = 2, warm: int = 5, half_from: int | None = None, cache: str = "none") -> dict:
     """``updates`` updates on this rank's rows of each global batch; the final state, the outputs of the
     last update, the state after ``early`` updates (``"early"``) and Dynamo's frame / graph counts after
     ``warm`` updates and at the end (``"dynamo"``: equal when nothing recompiled after warm-up).
-    ``half_from``: from that update on, half of those rows (a batch of other shapes)."""
+    ``half_from``: from that update on, half of those rows (a batch of other shapes). ``cache``: --compile-cache
+    ("none": Dynamo's path, compiled in this process; a directory: the graphs stored there, or loaded from it)."""
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
     plane = ctx.device_plane if ctx is not None else Plane.local("device")
-    agent = FastSAC(compiled_config(compile), OBS, ACT, -torch.ones(ACT), torch.ones(ACT), torch.device("cpu"),
+    agent = FastSAC(compiled_config(compile, cache), OBS, ACT, -torch.ones(ACT), torch.ones(ACT), torch.device("cpu"),
                     plane=plane)
     outs, early_state, dynamo = [], None, []
     count = lambda: (counters["frames"]["total"], counters["stats"]["unique_graphs"])  # noqa: E731
@@ -45,7 +46,12 @@ def run(compile: bool, updates: int = UPDATES, rank: int = 0, world: int = 1, ct
     dynamo.append(count())
     return {**state(agent, outs), "early": early_state, "dynamo": dynamo,
             "compile_s": agent._compiled.compile_s if compile else 0.0,
-            "unguarded": agent._compiled.unguarded if compile else 0}
+            "unguarded": agent._compiled.unguarded if compile else 0,
+            "graphs": _graphs(agent._compiled.store) if compile else None}
+
+
+def _graphs(store) -> dict | None:
+    return None if store is None else {"loaded": store.loaded, "compiled": store.compiled, "unstored": store.unstored}
 
 
 def state(agent: FastSAC, outs: list[dict]) -> dict:
@@ -60,6 +66,6 @@ def state(agent: FastSAC, outs: list[dict]) -> dict:
     }
 
 
-def compiled_rank(updates: int) -> dict:
+def compiled_rank(updates: int, cache: str = "none") -> dict:
     ctx = init_distributed(timeout_s=60)
-    return run(True, updates, ctx.rank, ctx.world_size, ctx)
+    return run(True, updates, ctx.rank, ctx.world_size, ctx, cache=cache)

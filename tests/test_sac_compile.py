@@ -40,8 +40,21 @@ def eager():
 
 
 @pytest.fixture(scope="module")
-def compiled():
-    return workers.run(True)
+def cache(tmp_path_factory):
+    """This module's --compile-cache: the first compiled run stores its graphs, later ones load them."""
+    return str(tmp_path_factory.mktemp("compile_cache"))
+
+
+@pytest.fixture(scope="module")
+def compiled(cache):
+    # one thread, as in the ranks that load its graphs (inductor compiles for the thread count: part of the
+    # key); module fixtures run before conftest's per-test thread setting
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return workers.run(True, cache=cache)
+    finally:
+        torch.set_num_threads(prev)
 
 
 # One eager and one compiled run serve every check below: a compile costs tens of seconds here.
@@ -62,19 +75,40 @@ def test_compiled_matches_eager_over_100_updates(eager, compiled):
 
 def test_no_recompiles_after_warm_up(compiled):
     assert compiled["compile_s"] > 0
-    after_warm_up, at_the_end = compiled["dynamo"]  # frames and graphs after 5 updates, after 100
-    assert after_warm_up[1] > 0 and at_the_end == after_warm_up
-    # every update after the first of each variant ran with only the guards telling the variants apart
-    assert compiled["unguarded"] == workers.UPDATES - 2
+    # the two variants (with and without the actor step) compiled once, stored, and nothing compiled after
+    assert compiled["graphs"] == {"loaded": 0, "compiled": 2, "unstored": None}
+    after_warm_up, at_the_end = compiled["dynamo"]  # Dynamo's frames and graphs after 5 updates, after 100
+    assert at_the_end == after_warm_up
+    assert compiled["unguarded"] == workers.UPDATES  # stored graphs keep no guards
+
+
+def test_a_later_process_loads_the_stored_update(compiled, cache):
+    """What --compile-cache is for: a second run on this machine loads both graphs instead of compiling
+    them, faster, and they compute bit for bit what the first run's did."""
+    again = spawn(workers.compiled_rank, 1, args=(workers.UPDATES, cache), timeout_s=300)[0]
+    assert again["graphs"] == {"loaded": 2, "compiled": 0, "unstored": None}
+    assert again["compile_s"] < compiled["compile_s"]
+    for group in ("actor", "critic", "critic_target"):
+        for name, value in compiled[group].items():
+            assert torch.equal(again[group][name], value), f"{group}.{name}"
+    assert torch.equal(again["log_alpha"], compiled["log_alpha"])
 
 
 @pytest.mark.extended
-def test_a_batch_of_other_shapes_after_warm_up_is_guarded_again():
-    """Skipping guards is only safe for the shapes the graphs were compiled for: a smaller batch after
-    warm-up runs fully guarded (a recompile), and equals the eager update on it."""
-    eager, compiled = workers.run(False, 8, half_from=5), workers.run(True, 8, half_from=5)
-    assert compiled["unguarded"] == 3  # updates 3, 4, 5: the warm, full-size ones
-    assert_states_close(compiled, eager, {g: (1e-5, 1e-6) for g in LOOSE}, "8 updates, half batch from 6")
+def test_a_batch_of_other_shapes_after_warm_up_is_guarded_again(compiled, cache):
+    """Running without guards is only safe for the shapes the graphs were compiled for: a smaller batch after
+    warm-up runs Dynamo's fully guarded path (a compile), and equals the eager update on it; so does
+    Dynamo's path with guards skipped after warm-up (--compile-cache none)."""
+    eager = workers.run(False, 8, half_from=5)
+    stored, dynamo = workers.run(True, 8, half_from=5, cache=cache), workers.run(True, 8, half_from=5)
+    assert stored["unguarded"] == 5  # updates 1-5, full size, by the stored graphs
+    assert stored["graphs"]["compiled"] == 0  # the module's stored graphs, loaded
+    assert dynamo["unguarded"] == 3  # updates 3, 4, 5: the warm, full-size ones
+    for got in (stored, dynamo):
+        assert_states_close(got, eager, {g: (1e-5, 1e-6) for g in LOOSE}, "8 updates, half batch from 6")
+    for group in ("actor", "critic", "critic_target"):  # the same kernels either way
+        for name, value in dynamo[group].items():
+            assert torch.equal(stored[group][name], value), f"{group}.{name}"
 
 
 def test_compile_refuses_what_it_cannot_capture():
@@ -88,9 +122,9 @@ def test_compile_refuses_what_it_cannot_capture():
 
 
 @pytest.mark.extended
-def test_two_ranks_compiled_equal_one_rank_compiled(compiled):
+def test_two_ranks_compiled_equal_one_rank_compiled(compiled, cache):
     """W=2 compiled vs W=1 compiled on the concatenated batches (tests/test_sac_dp.py does it for eager)."""
-    results = spawn(workers.compiled_rank, 2, args=(workers.UPDATES,), timeout_s=580)
+    results = spawn(workers.compiled_rank, 2, args=(workers.UPDATES, cache), timeout_s=580)
     for rank, res in enumerate(results):
         assert_states_close(res, compiled, LOOSE, f"rank {rank}")
     for group in ("actor", "critic", "critic_target"):  # same reduced gradients, same compiled step

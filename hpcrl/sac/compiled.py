@@ -15,11 +15,11 @@ collectives on the device plane (the named break points)::
 Same arithmetic in the same order as :meth:`FastSAC.update` (the eager path), so the two agree to float
 rounding (inductor fuses elementwise ops; tests/test_sac_compile.py states the tolerance). Every graph
 has static shapes and reads nothing back to the host, so on CUDA it runs as a CUDA graph
-(``mode="reduce-overhead"``); on CPU a C++ wrapper calls its kernels (inductor's ``cpp_wrapper``), and
-once both variants are compiled only the guards that tell them apart are checked (:meth:`CompiledUpdate._stance`).
-Compiled code is cached on disk by inductor (``TORCHINDUCTOR_CACHE_DIR``, else its default under /tmp),
-so a second run on the same machine skips most of the one-time cost that
-:attr:`CompiledUpdate.compile_s` reports. Gradients are computed inside a graph, so the bucketed overlap
+(``mode="reduce-overhead"``), and once both variants are compiled only the guards that tell them apart
+are checked (:meth:`CompiledUpdate._stance`). On CPU a C++ wrapper calls its kernels (inductor's
+``cpp_wrapper``) and each graph is compiled ahead of time and stored per machine (``--compile-cache``,
+hpcrl/sac/graph_store.py): a later run loads it in ~1.5 s instead of tracing and compiling again, and runs it
+without guards on batches of the compiled shapes. :attr:`CompiledUpdate.compile_s` reports the one-time cost. Gradients are computed inside a graph, so the bucketed overlap
 of the all-reduce with backward (``--overlap-grad-average``) does not apply here: the collective waits
 for the whole gradient graph.
 """
@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import TYPE_CHECKING, NamedTuple
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ import torch.distributed as dist
 from hpcrl.config_check import ConfigError
 
 from .functional import Functional, adam_state
+from .graph_store import GraphStore, default_dir, graph_key
 
 if TYPE_CHECKING:
     from hpcrl.replay import Batch
@@ -111,12 +113,17 @@ class CompiledUpdate:
         if cuda:  # buffers the graphs mutate keep their addresses: CUDA graphs may capture them
             for t in (*self.bufs, *self.grads):
                 torch._dynamo.mark_static_address(t)
+        # CPU: the graphs compiled once per machine (hpcrl/sac/graph_store.py). CUDA (its graphs are not
+        # serialised here) and --compile-cache none: Dynamo's guarded graphs, compiled in every process.
+        cache = agent.cfg.compile_cache
+        self.store = None if cuda or cache == "none" else GraphStore(Path(cache) if cache else default_dir())
+        self._stored: dict[str, Callable] = {}
         # A CUDA graph's outputs are overwritten by its next replay; the loop keeps metrics across updates.
         self._keep = (lambda t: t.detach().clone()) if cuda else (lambda t: t.detach())
         self.compile_s = 0.0  # wall seconds of the first update without and with the actor step (compilation)
         self._warm = {False: False, True: False}
-        self._shapes: tuple | None = None  # the batch's shapes the graphs were compiled for
-        self.unguarded = 0  # updates that ran with only the guards telling the variants apart
+        self._spec: tuple | None = None  # the batch's shapes, strides and dtypes the graphs were compiled for
+        self.unguarded = 0  # updates that ran without Dynamo's guards (stored graphs, or all but the variant's)
 
     def _states(self) -> States:
         """The optimizers' state tensors, read each update (a resume replaces them)."""
@@ -131,35 +138,65 @@ class CompiledUpdate:
         data = Data(batch.q_obs, batch.action, batch.reward, batch.next_obs, batch.q_next_obs, batch.discount,
                     batch.obs, noise.next_eps, noise.actor_eps)
         states = self._states()
-        with self._stance(data, actor_due):
+        fits = self._fits(data)
+        run = self._run if fits and self.store is not None else (lambda name, fn, guarded, owner, *args: guarded(*args))
+        with self._stance(fits):
             if self.local:
-                out = self._whole(self.bufs, self.grads, states, data, actor_due)
+                out = run(f"whole-{int(actor_due)}", CompiledUpdate._whole_eager, self._whole, self,
+                          self.bufs, self.grads, states, data, actor_due)
             else:
-                critic_loss, alpha_loss, alpha = self._critic_grad(self.bufs, self.grads, data)
+                critic_loss, alpha_loss, alpha = run("critic_grad", Functional.critic_grad, self._critic_grad,
+                                                     self.fn, self.bufs, self.grads, data)
                 agent.critic_average.all_reduce()
-                out = self._critic_step(self.bufs, self.grads, states, data, alpha, actor_due)
+                out = run(f"critic_step-{int(actor_due)}", CompiledUpdate._critic_step_eager, self._critic_step,
+                          self, self.bufs, self.grads, states, data, alpha, actor_due)
                 out.update(critic_loss=critic_loss, alpha_loss=alpha_loss)
                 if actor_due:
                     agent.actor_average.all_reduce()
-                    out["actor_grad_norm"] = self._actor_step(self.bufs, self.grads, states)
+                    out["actor_grad_norm"] = run("actor_step", Functional.actor_step, self._actor_step,
+                                                 self.fn, self.bufs, self.grads, states)
         agent.counters.critic_steps += 1
         agent.counters.actor_steps += int(actor_due)
         self._count_compile(actor_due, start)
         return {k: self._keep(v) for k, v in out.items()}
 
-    def _stance(self, data: Data, actor_due: bool):
+    def _fits(self, data: Data) -> bool:
+        """Whether the batch has the shapes, strides and dtypes of the first one (what the graphs were compiled
+        for; the buffers, optimizer state and devices are fixed for the agent's life, and a resume loads tensors
+        of the same shapes)."""
+        spec = tuple((t.shape, t.stride(), t.dtype) for t in data)
+        if self._spec is None:
+            self._spec = spec
+        return spec == self._spec
+
+    def _run(self, name: str, fn: Callable, guarded: Callable, owner: object, *args):
+        """The stored graph ``name`` of ``fn`` (an unbound function of ``owner``) on ``args``: loaded or
+        compiled on its first call. Never guarded: only called on batches that :meth:`_fits`."""
+        graph = self._stored.get(name)
+        if graph is None:
+            fn_args = (owner, *args)
+            key = graph_key(name, fn_args, self.agent.cfg, self._modules(), self._constants())
+            graph = self._stored[name] = self.store.graph(name, fn, fn_args, key)
+        return graph(owner, *args)
+
+    def _modules(self) -> dict[str, torch.nn.Module]:
+        agent = self.agent
+        return {"actor": agent.actor, "critic": agent.critic, "critic_target": agent.critic_target}
+
+    def _constants(self) -> dict:
+        """What the graphs take from :class:`Functional` as constants (learning rates, tau, layouts, ...)."""
+        return {k: v for k, v in vars(self.fn).items() if k != "agent"}
+
+    def _stance(self, fits: bool):
         """Dynamo's guards, checked on every call, cost ~0.1 ms per update at the pendulum preset (~5 %):
         thousands of them (module structure, layouts, tensor metadata) for graphs whose inputs never change
-        in a run. Once both variants are compiled and the batch has the shapes they were compiled for (a
-        tuple compare here; the buffers, optimizer state and devices are fixed for the agent's life, and a
-        resume loads tensors of the same shapes), only the guards that tell the two variants apart run
-        (``skip_guard_eval_unsafe``); anything else runs fully guarded (and recompiles if it must)."""
-        shapes = tuple(t.shape for t in data)
-        if self._shapes is None:
-            self._shapes = shapes
-        if all(self._warm.values()) and shapes == self._shapes:
+        in a run. Stored graphs (CPU) have none; on Dynamo's path, once both variants are compiled and the
+        batch :meth:`_fits`, only the guards that tell the two variants apart run (``skip_guard_eval_unsafe``).
+        Anything else runs fully guarded (and recompiles if it must)."""
+        if fits and (self.store is not None or all(self._warm.values())):
             self.unguarded += 1
-            return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+            if self.store is None:
+                return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
         return contextlib.nullcontext()
 
     def _count_compile(self, actor_due: bool, start: float) -> None:
@@ -168,11 +205,20 @@ class CompiledUpdate:
             return
         self._warm[actor_due] = True
         self.compile_s += time.perf_counter() - start
-        if all(self._warm.values()) and (not dist.is_initialized() or dist.get_rank() == 0):
+        if not all(self._warm.values()) or (dist.is_initialized() and dist.get_rank() != 0):
+            return
+        store = self.store
+        if store is None:
             from torch._inductor.runtime.cache_dir_utils import cache_dir  # inductor: ~1 s to import, --compile only
 
             print(f"hpcrl.sac: --compile: update compiled in {self.compile_s:.1f} s "
                   f"(inductor cache {cache_dir()})", flush=True)
+            return
+        print(f"hpcrl.sac: --compile: update ready in {self.compile_s:.1f} s: {store.loaded} graphs loaded from, "
+              f"{store.compiled} compiled into {store.directory}", flush=True)
+        if store.unstored:
+            print(f"hpcrl.sac: --compile: could not store a compiled graph ({store.unstored}): the next run "
+                  "compiles it again", flush=True)
 
     # -- the captured graphs: compositions of hpcrl/sac/functional.py's pieces
 

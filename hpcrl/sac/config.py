@@ -148,6 +148,10 @@ class SACConfig:
     compile: bool = False
     """torch.compile the whole update (losses, backward, optimizer steps, Polyak; CUDA graphs on a GPU),
     hpcrl/sac/compiled.py; needs flat parameters and --amp none|bf16."""
+    compile_cache: str = ""
+    """Where --compile on CPU stores the compiled update, so that later runs on this machine load it instead of
+    compiling again (hpcrl/sac/graph_store.py); "" = beside inductor's cache (TORCHINDUCTOR_CACHE_DIR, else
+    /tmp/torchinductor_$USER), "none" = compile in every run (Dynamo's guarded path, as on CUDA)."""
 
     actor_hidden: int = 512
     """Width of the first hidden layer (then /2, /4): >= 4."""
@@ -268,6 +272,8 @@ class SACConfig:
         c.real("max_grad_norm", 0.0, hint="gradient-norm clip; 0 = off")
         c.boolean("symmetry")
         c.boolean("compile")
+        if self.compile_cache:
+            c.text("compile_cache")
 
     def _check_networks(self, c: Check) -> None:
         """Actor and critic shapes, the return support and the reward scale."""
