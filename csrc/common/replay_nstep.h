@@ -32,21 +32,35 @@ struct NStepWindow {
   int32_t source;   // NextObsSource
 };
 
+// Where the newest write landed: logical time ptr - 1 = lap * capacity + slot. Computed once per call,
+// so a row finds its slot's logical time with a compare instead of a 64-bit division.
+struct Newest {
+  int64_t ptr;
+  int64_t lap;
+  int64_t slot;
+};
+
+HPCRL_HD Newest newest_of(int64_t ptr, int64_t capacity) {
+  return Newest{ptr, (ptr - 1) / capacity, (ptr - 1) % capacity};
+}
+
 // Window starting at physical slot `slot` of env `env`. Included steps stop after the first
 // terminated/truncated step (rewards of the next episode never leak in) and never reach the write
 // head (logical time >= ptr does not exist yet), so a window cannot read across the ring's seam.
 // Preconditions (checked by the callers): 0 <= slot < min(ptr, capacity), 0 <= env < num_envs.
 HPCRL_HD NStepWindow nstep_window(const float* reward, const uint8_t* flags, int64_t capacity,
-                                  int64_t num_envs, int64_t env, int64_t slot, int64_t ptr,
+                                  int64_t num_envs, int64_t env, int64_t slot, const Newest& newest,
                                   int64_t n_step, float gamma) {
-  // Logical time of the slot: the newest write that landed on it.
-  const int64_t t = slot + capacity * ((ptr - 1 - slot) / capacity);
+  // Logical time of the slot: the newest write that landed on it, slot + capacity * ((ptr - 1 - slot) /
+  // capacity) = the newest write's lap, or the lap before for a slot past the newest write's.
+  const int64_t ptr = newest.ptr;
+  const int64_t t = slot + capacity * (slot > newest.slot ? newest.lap - 1 : newest.lap);
   const int64_t available = ptr - t;  // steps from t up to (excluding) the write head, >= 1
   const int64_t n = n_step < available ? n_step : available;
   NStepWindow w{0.0f, 1.0f, 0, slot, kNextFromRing};
   uint8_t f = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t s = (slot + j) % capacity;
+  int64_t s = slot;  // (slot + j) % capacity, wrapped by a compare instead of a 64-bit division per step
+  for (int64_t j = 0; j < n; ++j, s = s + 1 == capacity ? 0 : s + 1) {
     const int64_t i = s * num_envs + env;
     w.ret += w.discount * reward[i];
     w.discount *= gamma;

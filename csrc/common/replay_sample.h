@@ -33,19 +33,35 @@ HPCRL_HD Philox4 philox4x32_10(Philox4 c, uint32_t k0, uint32_t k1) {
   return c;
 }
 
+// What every row of one call shares, computed once per call: the number of written (env, slot) pairs
+// and the physical slot of the oldest written step.
+struct PairRange {
+  uint64_t pairs;    // num_envs * filled
+  int64_t num_envs;
+  int64_t capacity;
+  int64_t base;      // (ptr - filled) % capacity
+};
+
+HPCRL_HD PairRange pair_range(int64_t num_envs, int64_t capacity, int64_t ptr) {
+  const int64_t filled = ptr < capacity ? ptr : capacity;
+  return PairRange{static_cast<uint64_t>(num_envs * filled), num_envs, capacity, (ptr - filled) % capacity};
+}
+
 // Row `counter` of the stream of `seed`: a pair index in [0, num_envs * filled) (64 random bits
 // modulo the range: a bias below range / 2^64), mapped like ReplayShard.sample's torch.randint draw:
 // env = i % E, slot = (ptr - filled + i / E) % C, i.e. uniform over the written (env, slot) pairs.
-HPCRL_HD void sample_pair(uint64_t seed, uint64_t counter, int64_t num_envs, int64_t capacity, int64_t ptr,
-                          int64_t* env, int64_t* slot) {
+// Two 64-bit divisions per row (the modulo and i / E); the slot's wrap is a compare, since
+// base + i / E < 2 C. The same pairs as the per-row formula above, bit for bit.
+HPCRL_HD void sample_pair(uint64_t seed, uint64_t counter, const PairRange& range, int64_t* env, int64_t* slot) {
   const Philox4 r = philox4x32_10(
       Philox4{{static_cast<uint32_t>(counter), static_cast<uint32_t>(counter >> 32), 0u, 0u}},
       static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
-  const int64_t filled = ptr < capacity ? ptr : capacity;
   const uint64_t bits = (static_cast<uint64_t>(r.v[1]) << 32) | r.v[0];
-  const int64_t i = static_cast<int64_t>(bits % static_cast<uint64_t>(num_envs * filled));
-  *env = i % num_envs;
-  *slot = (ptr - filled + i / num_envs) % capacity;
+  const int64_t i = static_cast<int64_t>(bits % range.pairs);
+  const int64_t q = i / range.num_envs;
+  *env = i - q * range.num_envs;
+  const int64_t s = range.base + q;
+  *slot = s < range.capacity ? s : s - range.capacity;
 }
 
 }  // namespace hpcrl

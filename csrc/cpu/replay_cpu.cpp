@@ -85,9 +85,10 @@ void gather_rows(const ReplayStorage& s, const at::Tensor& env_idx, const at::Te
     }
     prefetch_span(obs + (slot * num_envs + e) * obs_dim, obs_bytes);
   };
+  const PairRange range = pair_range(num_envs, capacity, ptr);
+  const Newest newest = newest_of(ptr, capacity);
   auto draw_row = [&](int64_t b) {
-    sample_pair(draw->seed, draw->offset + static_cast<uint64_t>(b), num_envs, capacity, ptr, draw->env + b,
-                draw->slot + b);
+    sample_pair(draw->seed, draw->offset + static_cast<uint64_t>(b), range, draw->env + b, draw->slot + b);
   };
   at::parallel_for(0, batch, kGrainRows, [&](int64_t begin, int64_t end) {
     // The chunk's pairs first, in a tight loop the compiler vectorizes: drawing each row inline, next
@@ -104,7 +105,7 @@ void gather_rows(const ReplayStorage& s, const at::Tensor& env_idx, const at::Te
       const int64_t row = slot * num_envs + e;
       std::memcpy(o_obs + b * obs_dim, obs + row * obs_dim, obs_bytes);
       std::memcpy(o_act + b * act_dim, action + row * act_dim, act_bytes);
-      const NStepWindow w = nstep_window(reward, flags, capacity, num_envs, e, slot, ptr, n_step, g);
+      const NStepWindow w = nstep_window(reward, flags, capacity, num_envs, e, slot, newest, n_step, g);
       o_rew[b] = w.ret;
       o_disc[b] = w.discount;
       o_n[b] = w.k;
@@ -114,7 +115,7 @@ void gather_rows(const ReplayStorage& s, const at::Tensor& env_idx, const at::Te
       } else if (w.source == kNextFromFinal) {
         next = final_pool + final_ref[w.last * num_envs + e] * obs_dim;
       } else {
-        next = obs + (((w.last + 1) % capacity) * num_envs + e) * obs_dim;
+        next = obs + ((w.last + 1 == capacity ? 0 : w.last + 1) * num_envs + e) * obs_dim;
       }
       std::memcpy(o_next + b * obs_dim, next, obs_bytes);
     }

@@ -66,10 +66,12 @@ __global__ void __launch_bounds__(kThreads, 3)
   const int64_t D = a.obs_dim;
   const int64_t A = a.act_dim;
 
+  const hpcrl::PairRange range = hpcrl::pair_range(E, a.capacity, a.ptr);
+  const hpcrl::Newest newest = hpcrl::newest_of(a.ptr, a.capacity);
   for (int64_t b = gtid / group; b < a.batch; b += row_stride) {
     int64_t env, slot;
     if (a.sampling) {  // every lane of the group draws the same pair (counter-based: no shared state)
-      hpcrl::sample_pair(a.seed, a.offset + static_cast<uint64_t>(b), E, a.capacity, a.ptr, &env, &slot);
+      hpcrl::sample_pair(a.seed, a.offset + static_cast<uint64_t>(b), range, &env, &slot);
       if (lane == 0) {
         a.out_env[b] = env;
         a.out_slot[b] = slot;
@@ -79,7 +81,7 @@ __global__ void __launch_bounds__(kThreads, 3)
       slot = a.slot_idx[b];
     }
     const hpcrl::NStepWindow w =
-        hpcrl::nstep_window(a.reward, a.flags, a.capacity, E, env, slot, a.ptr, a.n_step, a.gamma);
+        hpcrl::nstep_window(a.reward, a.flags, a.capacity, E, env, slot, newest, a.n_step, a.gamma);
 
     if (lane == 0) {
       a.out_reward[b] = w.ret;
@@ -99,7 +101,7 @@ __global__ void __launch_bounds__(kThreads, 3)
       ref = ref < 0 ? 0 : (ref >= a.pool_size ? a.pool_size - 1 : ref);
       next = a.final_pool + ref * D;
     } else {
-      next = a.obs + (((w.last + 1) % a.capacity) * E + env) * D;
+      next = a.obs + ((w.last + 1 == a.capacity ? 0 : w.last + 1) * E + env) * D;
     }
     copy_row(a.out_next_obs + b * D, next, D, lane, group, vec4_obs);
   }
