@@ -299,6 +299,21 @@ def test_philox_matches_the_published_answer_and_the_kernels_draw_the_reference_
         assert torch.equal(env, want_env) and torch.equal(slot, want_slot)
 
 
+@pytest.mark.parametrize("num_envs, capacity, steps", [(1, 1, 1), (1, 5, 3), (1, 7, 50), (2, 3, 3), (3, 64, 200),
+                                                     (7, 9, 9), (16, 100, 333), (13, 1000, 1001)])
+def test_the_kernels_draw_the_reference_pairs_for_any_ring(num_envs, capacity, steps):
+    """The CPU kernel divides by multiplying (per-call magic numbers) and wraps slots by a compare: the
+    same pairs as the reference's plain modulo and division, one env or many, ring full or not."""
+    shard = ReplayShard(num_envs, capacity, obs_dim=1, action_dim=1, n_step=1, gamma=0.9)
+    shard.ptr = steps  # the draw reads only the ring's shape and write count
+    env, slot = torch.empty(20_000, dtype=torch.int64), torch.empty(20_000, dtype=torch.int64)
+    for seed, offset in [(3, 0), (2**63 + 11, 2**40)]:
+        ops.replay_sample(shard.obs, shard.action, shard.reward, shard.flags, shard.final_ref, shard.final_pool,
+                          shard.head_next_obs, shard.ptr, 1, 0.9, seed, offset, env, slot)
+        want_env, want_slot = reference.sample_pairs(seed, offset, 20_000, num_envs, capacity, steps)
+        assert torch.equal(env, want_env) and torch.equal(slot, want_slot)
+
+
 @pytest.mark.parametrize("backend", ["extension", "reference"])
 @pytest.mark.parametrize("steps", [4, 7, 25])  # not full (unwritten slots never drawn), full, wrapped
 def test_sampler_draws_uniformly_gathers_exactly_and_resumes_its_stream(backend, steps, monkeypatch):
