@@ -139,7 +139,12 @@ class CompiledUpdate:
                     batch.obs, noise.next_eps, noise.actor_eps)
         states = self._states()
         fits = self._fits(data)
-        run = self._run if fits and self.store is not None else (lambda name, fn, guarded, owner, *args: guarded(*args))
+        stored = fits and self.store is not None
+
+        def run(name: str, fn: Callable, guarded: Callable, owner: object, *args):
+            """The stored graph of ``fn`` (an unbound function of ``owner``) on a batch that fits, else Dynamo's."""
+            return self._stored_graph(name, fn, owner, args)(owner, *args) if stored else guarded(*args)
+
         with self._stance(fits):
             if self.local:
                 out = run(f"whole-{int(actor_due)}", CompiledUpdate._whole_eager, self._whole, self,
@@ -169,15 +174,14 @@ class CompiledUpdate:
             self._spec = spec
         return spec == self._spec
 
-    def _run(self, name: str, fn: Callable, guarded: Callable, owner: object, *args):
-        """The stored graph ``name`` of ``fn`` (an unbound function of ``owner``) on ``args``: loaded or
-        compiled on its first call. Never guarded: only called on batches that :meth:`_fits`."""
+    def _stored_graph(self, name: str, fn: Callable, owner: object, args: tuple) -> Callable:
+        """The stored graph ``name``, loaded or compiled on its first call; it keeps no guards, so it is only
+        called on batches that :meth:`_fits`."""
         graph = self._stored.get(name)
         if graph is None:
-            fn_args = (owner, *args)
-            key = graph_key(name, fn_args, self.agent.cfg, self._modules(), self._constants())
-            graph = self._stored[name] = self.store.graph(name, fn, fn_args, key)
-        return graph(owner, *args)
+            key = graph_key(name, (owner, *args), self.agent.cfg, self._modules(), self._constants())
+            graph = self._stored[name] = self.store.graph(name, fn, (owner, *args), key)
+        return graph
 
     def _modules(self) -> dict[str, torch.nn.Module]:
         agent = self.agent
