@@ -85,3 +85,15 @@ def test_the_key_follows_what_the_graph_depends_on_and_nothing_else():
         assert _key() != base
     finally:
         torch.set_num_threads(prev)
+
+
+def test_where_compiled_graphs_are_stored_is_not_part_of_a_runs_identity():
+    """A checkpoint resumes with another --compile-cache (or none), and older checkpoints, written before
+    the field existed, still resume: it is how the update is computed, not what."""
+    from hpcrl.sac import preset
+    from hpcrl.sac.state import run_identity
+
+    base = run_identity(preset("pendulum", compile=True))
+    for cache in ("none", "/elsewhere"):
+        assert run_identity(preset("pendulum", compile=True, compile_cache=cache)) == base, cache
+    assert "compile_cache" not in base

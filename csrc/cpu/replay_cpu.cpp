@@ -91,9 +91,9 @@ void gather_rows(const ReplayStorage& s, const at::Tensor& env_idx, const at::Te
     sample_pair(draw->seed, draw->offset + static_cast<uint64_t>(b), range, draw->env + b, draw->slot + b);
   };
   at::parallel_for(0, batch, kGrainRows, [&](int64_t begin, int64_t end) {
-    // The chunk's pairs first, in a tight loop the compiler vectorizes: drawing each row inline, next
-    // to its cache misses, measured 1.5-1.6x slower (benchmarks/replay_sampler.py); the prefetch
-    // window needs the pairs ahead of time anyway.
+    // The chunk's pairs first, in a tight loop of their own: drawing each row inline, next to its
+    // cache misses, measured 1.5-1.6x slower (benchmarks/replay_sampler.py); the prefetch window needs
+    // the pairs ahead of time anyway.
     if (draw != nullptr) {
       for (int64_t b = begin; b < end; ++b) draw_row(b);
     }

@@ -31,7 +31,7 @@ from .normalizer import ObsNormalizer
 # at another world size re-deals the envs (:mod:`hpcrl.sac.reshard`).
 RESUMABLE_FIELDS = frozenset({"total_env_steps", "run_dir", "resume", "overwrite", "resume_missing", "device",
                               "nproc", "threads", "timeout_s", "heartbeat_timeout_s", "grad_average", "bf16", "amp",
-                              "compile", "log_every", "checkpoint_every", "keep_checkpoints", "check_replicas_every", "eval_episodes",
+                              "compile", "compile_cache", "log_every", "checkpoint_every", "keep_checkpoints", "check_replicas_every", "eval_episodes",
                               "eval_every", "preset", "config", "seeds", "nonfinite", "wandb_project", "wandb_mode",
                               # how the update is computed, not what: checkpoints are the same either way
                               "flat_params", "batched_critic", "overlap_grad_average", "shared_memory"})
