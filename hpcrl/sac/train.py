@@ -119,7 +119,8 @@ def _build(cfg: SACConfig, ctx: DistContext, layout: Layout) -> tuple[Parts, Loo
     normalizer = ObsNormalizer(env.obs_dim, enabled=cfg.obs_normalization).to(device)
     critic_normalizer = ObsNormalizer(cdim, enabled=cfg.obs_normalization).to(device) if cdim else None
     if cfg.compile:  # acting; the critics run only inside the update, which --compile captures whole
-        agent.actor.compile()
+        # dynamic: one graph for the envs' batch and the eval's (Dynamo would compile a static one first)
+        agent.actor.compile(dynamic=True)
     replay = ReplayShard(layout.envs_per_rank, cfg.buffer_size, env.obs_dim, env.action_dim, cfg.n_step,
                          cfg.gamma, device, critic_obs_dim=cdim or 0)
     generator = torch.Generator(device).manual_seed(cfg.seed * 1_000_003 + ctx.rank)
