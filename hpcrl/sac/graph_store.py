@@ -89,9 +89,9 @@ def graph_key(name: str, args: tuple, cfg: Any, modules: dict[str, nn.Module], c
 
 
 class GraphStore:
-    """Compiled graphs on disk, one file per key; ``directory`` None keeps them in memory only."""
+    """Compiled graphs on disk under ``directory``, one file per key."""
 
-    def __init__(self, directory: Path | None) -> None:
+    def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.loaded = 0  # graphs read from disk
         self.compiled = 0  # graphs compiled in this process
@@ -99,8 +99,8 @@ class GraphStore:
 
     def graph(self, name: str, fn: Callable, args: tuple, key: str) -> Callable:
         """``fn`` compiled for ``args`` (the graph stored under ``key``, or compiled and stored now)."""
-        path = None if self.directory is None else self.directory / f"{name}-{key[:40]}.bin"
-        if path is not None and path.exists():
+        path = self.directory / f"{name}-{key[:40]}.bin"
+        if path.exists():
             try:
                 with path.open("rb") as f:
                     graph = torch.compiler.load_compiled_function(f)
@@ -117,12 +117,11 @@ class GraphStore:
         graph = compiled.aot_compile((args, {}))
         graph.disable_guard_check()
         self.compiled += 1
-        if path is not None:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                data = type(graph).serialize(graph).serialized_data
-                with atomic_path(path) as tmp:  # a reader never sees half a file, a full disk leaves none
-                    tmp.write_bytes(data)
-            except OSError as e:  # a full or read-only disk costs the next run a compile, not this one
-                self.unstored = f"{path}: {e.strerror or e}"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            data = type(graph).serialize(graph).serialized_data
+            with atomic_path(path) as tmp:  # a reader never sees half a file, a full disk leaves none
+                tmp.write_bytes(data)
+        except OSError as e:  # a full or read-only disk costs the next run a compile, not this one
+            self.unstored = f"{path}: {e.strerror or e}"
         return graph
