@@ -19,9 +19,9 @@ has static shapes and reads nothing back to the host, so on CUDA it runs as a CU
 are checked (:meth:`CompiledUpdate._stance`). On CPU a C++ wrapper calls its kernels (inductor's
 ``cpp_wrapper``) and each graph is compiled ahead of time and stored per machine (``--compile-cache``,
 hpcrl/sac/graph_store.py): a later run loads it in ~1.5 s instead of tracing and compiling again, and runs it
-without guards on batches of the compiled shapes. :attr:`CompiledUpdate.compile_s` reports the one-time cost. Gradients are computed inside a graph, so the bucketed overlap
-of the all-reduce with backward (``--overlap-grad-average``) does not apply here: the collective waits
-for the whole gradient graph.
+without guards on batches of the compiled shapes. :attr:`CompiledUpdate.compile_s` reports the one-time cost.
+Gradients are computed inside a graph, so the bucketed overlap of the all-reduce with backward
+(``--overlap-grad-average``) does not apply here: the collective waits for the whole gradient graph.
 """
 
 from __future__ import annotations
