@@ -186,12 +186,36 @@ def token_micro_batches(rows: list[int], budget: int, cost: Callable[[list[int]]
 def _cut(idx: Tensor, key: Tensor | None, size: int | None, tokens: int | None,
          cost: Callable[[list[int]], int] | None) -> tuple[Tensor, list[slice]]:
     """A minibatch's indices ordered by ``key`` (when given), and its pieces: by ``tokens`` of ``cost``
-    (and at most ``size`` samples) or by ``size`` alone."""
+    (and at most ``size`` samples) or by ``size`` alone (one piece without either)."""
     if key is not None:
         idx = idx[key[idx].argsort(stable=True)]  # on the device: no host read
     if tokens is not None:
         return idx, token_micro_batches(idx.tolist(), tokens, cost, size)
     return idx, micro_batches(idx.shape[0], size)
+
+
+def _minibatch_step(forward: Callable[[Tensor], Outputs], idx: Tensor, mb: Samples, pieces: list[slice],
+                    weights: tuple[Tensor, Tensor] | None, coefs: Coefs, step: GradStep,
+                    want_gap: bool) -> tuple[dict[str, Tensor], Tensor | None]:
+    """One optimizer step over minibatch ``mb`` (sample indices ``idx``): a forward / backward per piece, their
+    gradients accumulated. Returns the minibatch's stats (weighted pieces: their sum) with ``grad_norm``,
+    and with ``want_gap`` the mean ``|log pi_trainer - log pi_behaviour|`` before the step."""
+    stats: dict[str, Tensor] = {}
+    gap = None
+    step.zero_grad()
+    for piece in pieces:
+        part = mb[piece] if weights is not None else mb
+        w = None if weights is None else (weights[0][piece], weights[1][piece])
+        out = forward(idx[piece])
+        loss, piece_stats = ppo_losses(out, part, coefs, w)
+        if want_gap:
+            g = weighted_mean((out.logp.detach() - part.behaviour_logp).abs(), part.mask, None if w is None else w[1])
+            gap = g if gap is None else gap + g
+        step.backward(loss)
+        for k, v in piece_stats.items():
+            stats[k] = stats[k] + v if k in stats else v
+    stats["grad_norm"] = step.finish().detach()
+    return stats, gap
 
 
 def ppo_update(forward: Callable[[Tensor], Outputs], samples: Samples, coefs: Coefs, plan: Plan, step: GradStep,
@@ -226,30 +250,15 @@ def ppo_update(forward: Callable[[Tensor], Outputs], samples: Samples, coefs: Co
     weighted = cut or loss_norm != "token"
     for _ in range(plan.epochs):
         for idx in minibatch_indices(n, plan, generator, samples.behaviour_logp.device):
-            if cut:
-                idx, pieces = _cut(idx, piece_key, micro_batch_size, micro_batch_tokens, piece_cost)
-            else:
-                pieces = [slice(0, idx.shape[0])]
+            idx, pieces = _cut(idx, piece_key if cut else None, micro_batch_size, micro_batch_tokens, piece_cost)
             mb = samples[idx]
             weights = None
             if weighted:
                 weights = (loss_weights(mb.mask, loss_norm, mb.behaviour_logp),
                            loss_weights(mb.mask, "token", mb.behaviour_logp))
-            mb_stats: dict[str, Tensor] = {}
-            step.zero_grad()
-            for piece in pieces:
-                part = mb[piece] if weighted else mb
-                out = forward(idx[piece])
-                loss, stats = ppo_losses(out, part, coefs, None if weights is None
-                                         else (weights[0][piece], weights[1][piece]))
-                if logp_gap and steps == 0:
-                    g = weighted_mean((out.logp.detach() - part.behaviour_logp).abs(), part.mask,
-                                      None if weights is None else weights[1][piece])
-                    gap = g if gap is None else gap + g
-                step.backward(loss)
-                for k, v in stats.items():  # weighted pieces: their sum is the minibatch's stat
-                    mb_stats[k] = mb_stats[k] + v if k in mb_stats else v
-            mb_stats["grad_norm"] = step.finish().detach()
+            mb_stats, first_gap = _minibatch_step(forward, idx, mb, pieces, weights, coefs, step,
+                                                  logp_gap and steps == 0)
+            gap = first_gap if steps == 0 else gap
             for k, v in mb_stats.items():
                 v = v if stats_dtype is None else v.to(stats_dtype)
                 sums[k] = sums[k] + v if k in sums else v.clone()
