@@ -72,7 +72,9 @@ def late_peer() -> dict:
 
 def switched_off() -> list[str]:
     ctx = init_distributed(timeout_s=30, shared_memory=False)
-    return [str(ctx), str(ctx.device_plane), str(ctx.host_plane)]
+    names = [str(ctx), str(ctx.device_plane), str(ctx.host_plane)]
+    shutdown()  # rank 0 holds the store: it leaves last (see ppo_trainer_planes)
+    return names
 
 
 def subgroup() -> dict:
@@ -88,6 +90,7 @@ def subgroup() -> dict:
         host.sum_(x[:10])
     world_x = rank_data(ctx.rank, torch.float32, 10)
     ctx.device_plane.sum_(world_x)  # the world's segment still works beside the subgroup's
+    shutdown()
     return {"planes": [str(host), str(device)], "x": x, "world": world_x}
 
 
