@@ -12,7 +12,7 @@ import torch
 
 from hpcrl.comm import DistSetupError, check_local_gpus, rank_device, spawn
 from hpcrl.ppo.config import DetachedConfig
-from hpcrl.ppo.planes import weight_backend
+from hpcrl.ppo.role_planes import weight_backend
 from hpcrl.ppo.run import train
 
 TESTS = Path(__file__).resolve().parent

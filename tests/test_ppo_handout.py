@@ -1,4 +1,4 @@
-"""The ledger's hand-out order (:mod:`hpcrl.ppo.makers`), over the fake channels of test_ppo_makers.py.
+"""The ledger's hand-out order (:mod:`hpcrl.ppo.ledger`), over the fake channels of test_ppo_makers.py.
 
 At one outstanding version (``--lag 0``) batches go in credit order (tested there); once the outstanding
 credits span versions, a frozen maker's credit no longer holds up batches that have arrived, new credits
@@ -27,15 +27,15 @@ def test_across_versions_an_arrived_batch_goes_ahead_of_a_frozen_makers_credit(w
     assert w.credits.to(1) == [0] and w.credits.to(2) == [1]
     w.experience.answer(w.top, 2, 1, version=1)
     t0 = time.monotonic()
-    assert w.ledger.next_batch().header.credit == 1  # not held up by credit 0
+    assert w.trainer._next_batch().header.credit == 1  # not held up by credit 0
     assert time.monotonic() - t0 < 0.5
     assert w.ledger.first_untrained == 0 and w.ledger.taken_ahead == [1]
     w.ledger.grant(1, min_version=2)  # to the maker with nothing in flight: maker 1 again
     assert w.credits.to(2) == [1, 2]
     w.experience.answer(w.top, 2, 2, version=2)
-    assert w.ledger.next_batch().header.credit == 2 and w.ledger.taken_ahead == [1, 2]
+    assert w.trainer._next_batch().header.credit == 2 and w.ledger.taken_ahead == [1, 2]
     w.experience.answer(w.top, 1, 0)  # maker 0 woke in time
-    assert w.ledger.next_batch().header.credit == 0
+    assert w.trainer._next_batch().header.credit == 0
     assert w.ledger.first_untrained == 3 and w.ledger.taken_ahead == []
     assert w.ledger.outstanding == [0, 0] and w.ledger.dead == set()
 
@@ -48,5 +48,5 @@ def test_a_resume_does_not_collect_the_credits_taken_ahead_again(world):  # noqa
     assert w.ledger.first_untrained == 5 and w.ledger.taken_ahead == [6, 8]  # a checkpoint now keeps them
     for credit, rank in ((5, 1), (7, 2), (9, 1), (10, 2)):
         w.experience.answer(w.top, rank, credit, version=3)
-    assert [w.ledger.next_batch().header.credit for _ in range(4)] == [5, 7, 9, 10]
+    assert [w.trainer._next_batch().header.credit for _ in range(4)] == [5, 7, 9, 10]
     assert w.ledger.first_untrained == 11 and w.ledger.taken_ahead == []

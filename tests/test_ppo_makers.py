@@ -1,8 +1,9 @@
 """The trainer's maker ledger and trainer 0's publisher in one process, over fake channels.
 
-Each test drives a :class:`hpcrl.ppo.makers.MakerLedger` (credits, experience in credit order, drop
-and re-issue, drain, accounting) or a :class:`hpcrl.ppo.publisher.Publisher` the way the trainer does,
-and the one coupling between them through the trainer's own :meth:`Trainer._follow_losses`.
+Each test drives a :class:`hpcrl.ppo.ledger.MakerLedger` (credits, experience in credit order, drop
+and re-issue, drain, accounting) or a :class:`hpcrl.ppo.publisher.Publisher` the way the trainer does:
+through the trainer's own methods (:meth:`Trainer._next_batch`, :meth:`Trainer._follow_losses`,
+:meth:`Trainer._drain`), bound to a stand-in holding just what they read.
 """
 
 from __future__ import annotations
@@ -10,14 +11,14 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from types import SimpleNamespace
+from types import MethodType, SimpleNamespace
 
 import pytest
 import torch
 
+from hpcrl.comm.heartbeat import PeerLost
 from hpcrl.ppo.channels import ChannelError, Header
-from hpcrl.ppo.liveness import PeerLost
-from hpcrl.ppo.makers import MakerLedger, MakerWires
+from hpcrl.ppo.ledger import Lost, MakerLedger, MakerWires
 from hpcrl.ppo.publisher import Publisher
 from hpcrl.ppo.rows import closing_row
 from hpcrl.ppo.topology import Topology
@@ -117,9 +118,19 @@ class Heartbeats:
         self.forgotten.add(rank)
 
 
+def as_trainer(ledger: MakerLedger, top: Topology, publisher: Publisher | None = None) -> SimpleNamespace:
+    """What the trainer's side of the makers reads (its ledger, publisher, topology, index), with the
+    trainer's own methods bound to it: wait for a batch, follow up losses, drain."""
+    trainer = SimpleNamespace(makers=ledger, publisher=publisher, top=top, index=ledger.trainer)
+    for name in ("_next_batch", "_follow_losses", "_drain"):
+        setattr(trainer, name, MethodType(getattr(Trainer, name), trainer))
+    return trainer
+
+
 @pytest.fixture
 def world():
-    """A trainer's ledger of 2 makers (ranks 1, 2), started, with its fakes; receivers closed afterwards."""
+    """A trainer's ledger of 2 makers (ranks 1, 2), started, with its fakes and the trainer that drives
+    it (``w.trainer``: trainer 0 with no publisher); receivers closed afterwards."""
     made = []
 
     def make(makers: int = 2, timeout_s: float = 5.0) -> SimpleNamespace:
@@ -131,6 +142,7 @@ def world():
                                heartbeat_timeout_s=1.0)
         w.ledger.LOOK_S, w.ledger.POLL_S = 0.02, 0.01
         w.ledger.start()
+        w.trainer = as_trainer(w.ledger, top)
         made.append(w)
         return w
 
@@ -148,9 +160,9 @@ def test_experience_is_handed_out_in_credit_order(world):
     w.experience.answer(w.top, 1, 2)
     threading.Timer(0.1, w.experience.answer, (w.top, 1, 0)).start()
     t0 = time.monotonic()
-    assert w.ledger.next_batch().header.credit == 0  # ... and wait for the oldest
+    assert w.trainer._next_batch().header.credit == 0  # ... and wait for the oldest
     assert time.monotonic() - t0 >= 0.09
-    assert [w.ledger.next_batch().header.credit for _ in range(2)] == [1, 2]
+    assert [w.trainer._next_batch().header.credit for _ in range(2)] == [1, 2]
     assert w.ledger.outstanding == [0, 0] and w.ledger.used == [2 * SAMPLES, SAMPLES]
     assert w.ledger.first_untrained == w.ledger.next_credit == 3  # a checkpoint now resumes at credit 3
 
@@ -159,17 +171,18 @@ def test_lost_makers_credits_are_reissued_to_the_live_ones(world):
     w = world()
     w.ledger.grant(4, min_version=3)  # maker 0: credits 0, 2; maker 1: 1, 3
     w.experience.answer(w.top, 1, 0)
-    assert w.ledger.next_batch().header.credit == 0
+    assert w.trainer._next_batch().header.credit == 0
     w.makers.stalled.add(2)  # maker 1's heartbeat stalls before it answered anything
-    w.ledger.check_peers()  # what next_batch does every LOOK_S
+    lost = w.ledger.check_peers()  # what a poll does every LOOK_S
+    assert lost == Lost(makers=(1,), credits=2) and w.ledger.check_peers() == Lost()  # reported once
+    w.trainer._follow_losses(lost)  # what the trainer does with it
     for credit in (2, 4, 5):
         w.experience.answer(w.top, 1, credit, version=3)
     w.experience.answer(w.top, 2, 1)  # arrives after it was given up on: ignored
-    got = [w.ledger.next_batch().header.credit for _ in range(3)]
+    got = [w.trainer._next_batch().header.credit for _ in range(3)]
     assert got == [2, 4, 5]  # its credits 1 and 3 were re-granted to maker 0 as 4 and 5, in order
     assert w.credits.to(1) == [0, 2, 4, 5] and all(c.min_version == 3 for _, c in w.credits.sent[-2:])
     assert w.ledger.dead == {1} and w.status.dropped == {1} and w.makers.forgotten == {2}
-    assert w.ledger.take_lost() == [1] and w.ledger.take_lost() == []
     assert w.ledger.used == [4 * SAMPLES, 0] and w.ledger.outstanding == [0, 0]
 
 
@@ -181,7 +194,7 @@ def test_drain_counts_outstanding_as_dropped_and_a_maker_lost_meanwhile_does_not
     w.experience.answer(w.top, 1, 2)
     threading.Timer(0.1, w.makers.stalled.add, (2,)).start()  # maker 1 never sends credit 3, then stalls
     t0 = time.monotonic()
-    assert w.ledger.drain() == 3 * SAMPLES
+    assert w.trainer._drain() == 3 * SAMPLES
     assert time.monotonic() - t0 < 1.0
     assert w.ledger.dead == {1} and len(w.credits.sent) == 4  # nothing re-issued during the drain
     assert w.ledger.pending == 0 and w.ledger.used == [2 * SAMPLES, SAMPLES]
@@ -192,14 +205,14 @@ def test_every_sample_is_accounted_for(world):
     w.ledger.grant(4, min_version=0)  # maker 0: 0, 2; maker 1: 1, 3
     w.experience.answer(w.top, 1, 0)
     w.experience.answer(w.top, 2, 1)
-    consumed = w.ledger.next_batch().header.samples
-    stale = w.ledger.next_batch().header.samples  # the trainer drops it as stale
+    consumed = w.trainer._next_batch().header.samples
+    stale = w.trainer._next_batch().header.samples  # the trainer drops it as stale
     w.status.counts = {0: 3 * SAMPLES, 1: 2 * SAMPLES}  # maker 1 made credit 3 too, then died with it
     w.makers.stalled.add(2)
-    w.ledger.check_peers()  # maker 1 dropped: credit 3 re-issued to maker 0 as 4
+    w.trainer._follow_losses(w.ledger.check_peers())  # maker 1 dropped: credit 3 re-issued to maker 0 as 4
     w.experience.answer(w.top, 1, 2)
     w.experience.answer(w.top, 1, 4)
-    shutdown = w.ledger.drain()
+    shutdown = w.trainer._drain()
     w.status.done = {0}
     w.ledger.stop_all()
     assert w.status.finished and w.credits.stopped == [1]  # STOP to the live maker only
@@ -222,12 +235,12 @@ def test_a_frozen_makers_credit_send_never_blocks_and_a_failed_one_drops_its_mak
     t0 = time.monotonic()
     w.ledger.grant(4, min_version=0)
     w.experience.answer(w.top, 1, 0)
-    assert w.ledger.next_batch().header.credit == 0
+    assert w.trainer._next_batch().header.credit == 0
     assert time.monotonic() - t0 < 0.5 and w.ledger.dead == set()  # its sends are pending, not waited for
     w.credits.works[2][0].done, w.credits.works[2][0].error = True, RuntimeError("connection reset")
     w.experience.answer(w.top, 1, 2)
-    assert w.ledger.next_batch().header.credit == 2
-    w.ledger.check_peers()
+    assert w.trainer._next_batch().header.credit == 2
+    w.trainer._follow_losses(w.ledger.check_peers())
     assert w.ledger.dead == {1} and w.credits.to(1) == [0, 2, 4, 5]  # a failed delivery drops the maker
 
 
@@ -236,18 +249,18 @@ def test_a_stream_of_garbage_drops_its_maker_and_a_silent_one_is_named(world):
     w.ledger.grant(2, min_version=0)
     w.experience.queues[2].put(ChannelError("experience header from rank 2 refused: bad"))
     with pytest.raises(PeerLost, match=r"no experience within 0 s from maker rank 1$"):
-        w.ledger.next_batch()  # maker 1's credit 1 went to maker 0, which never answers
+        w.trainer._next_batch()  # maker 1's credit 1 went to maker 0, which never answers
     assert w.ledger.dead == {1} and w.credits.to(1) == [0, 2]
     w.makers.stalled.add(1)
     with pytest.raises(PeerLost, match="every maker is dead"):
-        w.ledger.next_batch()
+        w.trainer._next_batch()
 
 
 def test_a_dead_trainer_is_named(world):
     w = world()
     w.trainers.stalled.add(3)
     with pytest.raises(PeerLost, match="trainer rank 3 stopped responding"):
-        w.ledger.next_batch()
+        w.trainer._next_batch()
 
 
 class Weights:
@@ -285,12 +298,14 @@ def _wait_for(check, what: str, timeout_s: float = 2.0) -> None:
 
 
 def _trainer_zero(w, weights: Weights) -> SimpleNamespace:
-    """What Trainer._follow_losses reads of trainer 0: its ledger, publisher and topology."""
+    """Trainer 0 over ``w``'s ledger: with a started publisher, whose events it keeps."""
     events: list = []
     publisher = Publisher(weights, [w.top.maker_rank(m) for m in range(w.top.makers)], torch.device("cpu"),
                           events.append)
     publisher.start()
-    return SimpleNamespace(makers=w.ledger, publisher=publisher, top=w.top, events=events)
+    t0 = as_trainer(w.ledger, w.top, publisher)
+    t0.events = events
+    return t0
 
 
 def test_a_maker_dropped_during_a_publish_changes_who_the_publisher_sends_to(world):
@@ -303,8 +318,7 @@ def test_a_maker_dropped_during_a_publish_changes_who_the_publisher_sends_to(wor
     w.makers.stalled.add(1)  # maker 0 froze: the ledger drops it at its next look
     for credit in (1, 2):  # maker 0's credit 0 went to maker 1 as credit 2
         w.experience.answer(w.top, 2, credit, version=1)
-    follow = lambda: Trainer._follow_losses(t0)  # noqa: E731
-    assert [w.ledger.next_batch(between=follow).header.credit for _ in range(2)] == [1, 2]
+    assert [t0._next_batch().header.credit for _ in range(2)] == [1, 2]
     _wait_for(lambda: len(weights.calls) == 2, "the republish to the live maker")
     assert weights.calls == [(1, [1, 2]), (1, [2])]  # v1 gave up on the broadcast, then went to the live maker
     assert [e.makers for e in t0.events] == [2, 1] and t0.events[-1].transport == "point-to-point"
@@ -321,7 +335,7 @@ def test_an_unreachable_maker_is_reported_and_dropped(world):
     t0.publisher.post(1, torch.zeros(1))
     _wait_for(lambda: weights.calls, "the publish of v1")
     _wait_for(lambda: t0.publisher._unreachable, "the unreachable maker reported")
-    Trainer._follow_losses(t0)
+    t0._follow_losses()
     assert w.ledger.dead == {1} and w.status.dropped == {1}
     assert w.credits.to(1) == [0, 2]  # its credit re-issued to the live maker
     _wait_for(lambda: len(weights.calls) == 2, "the republish after the drop")

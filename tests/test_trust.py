@@ -23,7 +23,7 @@ from hpcrl.comm.local import _loopback_store
 from hpcrl.comm.secret import (SignedStore, UntrustedKeyError, UntrustedPeerError, load_secret, new_secret,
                                no_secret_policy)
 from hpcrl.ppo.channels import ChannelError, Schema
-from hpcrl.ppo.liveness import Heartbeat, PeerLost, Watcher
+from hpcrl.comm.heartbeat import Heartbeat, PeerLost, Watcher
 from tests.comm_workers.trust import listening, report_listeners
 
 REPO = Path(__file__).resolve().parents[1]

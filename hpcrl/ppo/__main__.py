@@ -33,11 +33,11 @@ if TYPE_CHECKING:  # bound by _torch_side() once the refusals that need no torch
     from hpcrl.comm.devices import resolve_kind
 
     from .config import DetachedConfig
-    from .liveness import PeerLost
+    from hpcrl.comm.heartbeat import PeerLost
     from .run import build_workload, train, validate
 
 _TORCH_SIDE = {"check_local_gpus": "hpcrl.comm", "cuda_count": "hpcrl.comm", "detect_launch": "hpcrl.comm",
-               "spawn": "hpcrl.comm", "resolve_kind": "hpcrl.comm.devices", "PeerLost": "hpcrl.ppo.liveness",
+               "spawn": "hpcrl.comm", "resolve_kind": "hpcrl.comm.devices", "PeerLost": "hpcrl.comm.heartbeat",
                "build_workload": "hpcrl.ppo.run", "train": "hpcrl.ppo.run", "validate": "hpcrl.ppo.run"}
 """Names this module uses after its refusals, from modules that import torch: loaded on first use, as
 module globals (so that a test may replace one, e.g. ``spawn``)."""

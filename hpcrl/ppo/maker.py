@@ -17,17 +17,22 @@ import torch
 
 from hpcrl import ops
 from hpcrl.comm import DistContext
+from hpcrl.comm.heartbeat import PeerLost, Watcher, bounded, describe, liveness_store
 
 from .channels import (Credit, CreditChannel, ExperienceChannel, Header, Schema, SchemaChannel, StatusChannel,
                        WeightChannel)
 from .config import DetachedConfig
 from .events import Events, RolloutDone
-from .planes import RolePlanes
-from .liveness import Dropped, PeerLost, Watcher, bounded, describe, liveness_store
+from .role_planes import RolePlanes
 from .topology import Topology
 from .workload import Workload
 
-__all__ = ["Maker", "maker_seed"]
+__all__ = ["Dropped", "Maker", "maker_seed"]
+
+
+class Dropped(RuntimeError):
+    """This maker was declared lost by the trainers (it froze past the heartbeat timeout), or the run
+    finished while it was away."""
 
 
 def maker_seed(seed: int, m: int) -> int:

@@ -20,9 +20,10 @@ import time
 
 import torch
 
+from hpcrl.comm.heartbeat import PeerLost
+
 from .channels import WeightChannel
 from .events import Events, WeightsPublished
-from .liveness import PeerLost
 
 __all__ = ["END_WAIT_S", "Publisher"]
 

@@ -10,16 +10,16 @@ import tyro
 
 from hpcrl import checkpoint, rundir
 from hpcrl.comm import StopRequest, detect_launch, init_distributed, shutdown
+from hpcrl.comm.heartbeat import Heartbeat, liveness_store, remember_hosts
 from hpcrl.comm.local import record_dropped
 from hpcrl.comm.native_log import divert_native_stderr, restore_native_stderr
 from hpcrl.conventions import ppo_role
 
 from .config import HF_WORKLOADS, LM_WORKLOADS, ConfigError, DetachedConfig, is_plugin, tyro_call
 from .events import Events, ignore
-from .planes import make_role_planes
-from .liveness import Heartbeat, liveness_store, remember_hosts
 from .maker import Maker
 from .plugins import plugin_class
+from .role_planes import make_role_planes
 from .topology import Topology
 from .trainer import Trainer, run_identity
 from .trainer_checkpoint import upgrade_identity

@@ -1,10 +1,11 @@
 """The PPO trainer: take experience in credit order, update, publish weights, grant credits, log.
 
-:meth:`Trainer.run` is the loop; three objects do the rest: the :class:`~hpcrl.ppo.makers.MakerLedger`
-(credits, experience in credit order, the makers' liveness, drop and re-issue, drain), trainer 0's
+:meth:`Trainer.run` is the loop; three objects do the rest: the :class:`~hpcrl.ppo.ledger.MakerLedger`
+(credits, experience in credit order, the makers' liveness, drop, drain), trainer 0's
 :class:`~hpcrl.ppo.publisher.Publisher` (the weights' mailbox and thread) and the :class:`Replica`
-(the model, its strategy and learner). The one coupling between the first two, that a lost maker
-changes who the publisher sends to, is :meth:`Trainer._follow_losses`.
+(the model, its strategy and learner). The ledger returns the makers it loses; the loop follows them
+up (:meth:`Trainer._follow_losses`): their credits go to the live makers, and the publisher sends to
+the live makers only.
 """
 
 from __future__ import annotations
@@ -18,15 +19,16 @@ import torch
 
 from hpcrl import checkpoint, rundir
 from hpcrl.comm import DistContext, StopRequest, barrier, hosts, reduce_metrics
+from hpcrl.comm.heartbeat import PeerLost, Watcher, describe, liveness_store
 from hpcrl.metrics import RunLogger
 
 from .channels import CreditChannel, ExperienceChannel, SchemaChannel, StatusChannel, WeightChannel
 from .config import DetachedConfig
+from .credits import Received
 from .events import BatchReceived, Events, RowLogged
-from .planes import RolePlanes, staging_note
-from .liveness import PeerLost, Watcher, describe, liveness_store
-from .makers import MakerLedger, MakerWires
+from .ledger import Lost, MakerLedger, MakerWires
 from .publisher import Publisher
+from .role_planes import RolePlanes, staging_note
 from .rows import MAKER_TIME, STEP_SUMS, Tally, add_stats, closing_row, step_metrics
 from .replica import Replica
 from . import trainer_checkpoint
@@ -140,7 +142,7 @@ class Trainer:
         batches, lags, stats_sum = [], [], {}
         while len(batches) < self.cfg.batches_per_step:
             t0 = time.perf_counter()
-            item = self.makers.next_batch(between=self._follow_losses)
+            item = self._next_batch()
             h = item.header
             lag = self.version - h.version
             data, stats = self.schemas.get(self.top.maker_rank(h.maker)).unpack(item.payload, self.ctx.device)
@@ -172,25 +174,52 @@ class Trainer:
         if self.publisher is not None:  # a publish error raised after the collective: no trainer is left in it
             self.publisher.post(self.version, flat)
 
+    # the makers: experience in, credits out, losses followed up ---------------------------------
+    def _next_batch(self) -> Received:
+        """The ledger's next batch (see :mod:`hpcrl.ppo.ledger` for the order), each wait bounded by the
+        timeout; the makers it loses meanwhile are followed up between its polls."""
+        deadline = time.monotonic() + self.makers.timeout_s
+        while True:
+            polled = self.makers.poll(deadline)
+            self._follow_losses(polled.lost)
+            if polled.batch is not None:
+                return polled.batch
+
     def _grant(self, count: int) -> None:
         """``count`` credits requiring my current version (to makers the publisher can still reach)."""
         self._follow_losses()
-        self.makers.grant(count, self.version)
-        self._follow_losses()
+        self._follow_losses(self.makers.grant(count, self.version))
 
-    def _follow_losses(self) -> None:
-        """Makers the publisher could not reach are lost too; a lost maker changes who the publisher sends
-        to, and (until the drain) trainer 0 posts its newest version again: makers behind the lost one in
-        the broadcast tree may have missed it, and the channel now copies it to the live makers."""
-        if self.publisher is None:
-            self.makers.take_lost()  # only trainer 0 publishes
-            return
-        for rank in self.publisher.unreachable():
-            self.makers.drop(self.top.maker_index(rank))
-        if self.makers.take_lost():
+    def _follow_losses(self, lost: Lost = Lost()) -> None:
+        """Makers the publisher could not reach are lost too; the lost makers' credits go to the live
+        makers (none during the drain). A lost maker changes who the publisher sends to, and (until the
+        drain) trainer 0 posts its newest version again: makers behind the lost one in the broadcast tree
+        may have missed it, and the channel now copies it to the live makers."""
+        if self.publisher is not None:
+            for rank in self.publisher.unreachable():
+                lost += self.makers.drop(self.top.maker_index(rank))
+        if lost.credits:
+            lost += self.makers.reissue(lost.credits)
+        if lost.makers and self.publisher is not None:  # only trainer 0 publishes
             self.publisher.set_live([self.top.maker_rank(m) for m in self.makers.live()])
             if not self.makers.draining:
                 self.publisher.republish()
+
+    def _drain(self) -> float:
+        """Collect every outstanding rollout (each wait bounded by the timeout; the credits of makers lost
+        meanwhile are not re-issued): the samples dropped at shutdown."""
+        self.makers.draining = True
+        dropped, deadline = 0.0, time.monotonic() + self.makers.timeout_s
+        try:
+            while self.makers.pending:  # a drop may empty it while we wait
+                polled = self.makers.poll(deadline)
+                self._follow_losses(polled.lost)
+                if polled.batch is not None:
+                    dropped += polled.batch.header.samples
+                    deadline = time.monotonic() + self.makers.timeout_s
+        except PeerLost as err:
+            print(f"hpcrl.ppo: trainer {self.index}: gave up collecting the last rollouts: {err}", flush=True)
+        return dropped
 
     def _log(self, logger: RunLogger, tally: Tally, metrics: dict[str, float], step_s: float) -> dict:
         reduced = reduce_metrics(metrics, self.planes.trainer_host, sums=STEP_SUMS, maxes=["lag_max"],
@@ -288,7 +317,7 @@ class Trainer:
         saved = self._save(tally.env_steps, wait=True)
         if self.index == 0 and (line := self.checkpoints.timing_line()):
             print(f"hpcrl.ppo: {line}", flush=True)
-        drained = self.makers.drain(between=self._follow_losses)
+        drained = self._drain()
         used = {f"used/{m}": float(n) for m, n in enumerate(self.makers.used)}
         totals = reduce_metrics({"dropped_shutdown": drained, "dropped_stale": tally.dropped_stale, **used},
                                 self.planes.trainer_host, sums=["dropped_shutdown", "dropped_stale", *used])

@@ -218,7 +218,7 @@ class StatusChannel:
     lost maker's count outlives it), that the trainers dropped it (should it wake up from a freeze, it
     learns it and leaves), that it finished after STOP, and that the run finished (for a maker that
     missed the end). ``live``: the client of the queries a maker makes under a deadline (a liveness
-    client, see :func:`hpcrl.ppo.liveness.bounded`); default ``store``."""
+    client, see :func:`hpcrl.comm.heartbeat.bounded`); default ``store``."""
 
     def __init__(self, store: dist.Store, live: dist.Store | None = None) -> None:
         self.store, self.live = store, store if live is None else live

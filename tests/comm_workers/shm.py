@@ -96,7 +96,7 @@ def subgroup() -> dict:
 
 def ppo_trainer_planes() -> list[str]:
     """Detached PPO's role planes for 2 trainers : 1 maker on one host."""
-    from hpcrl.ppo.planes import make_role_planes
+    from hpcrl.ppo.role_planes import make_role_planes
     from hpcrl.ppo.topology import Topology
 
     ctx = init_distributed(timeout_s=60, world_device_plane=False)

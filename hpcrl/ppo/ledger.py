@@ -1,10 +1,18 @@
-"""A trainer's ledger of its makers: credits, experience hand-out, liveness, drop and re-issue, drain, end.
+"""A trainer's ledger of its makers: credits, experience hand-out, liveness, drop, drain, end.
 
 :class:`MakerLedger` does its I/O only through the channels it is given (:class:`MakerWires`), so
 one process can drive it with fakes. Its threads (one experience receiver per maker, linked or not:
 when makers die the modulo rule re-links the live ones) start in :meth:`MakerLedger.start`. Only
 the caller's thread (the trainer's main thread) changes the credit bookkeeping; the receivers only
-fill the inbox, and no lock is held across a communication call.
+fill the inbox, and no lock is held across a communication call. Each granted credit is one
+:class:`~hpcrl.ppo.credits.Credit` in :attr:`MakerLedger.credits`; the rules that pick among them
+are the pure functions of :mod:`hpcrl.ppo.credits`.
+
+Losses are returned, not acted on: :meth:`MakerLedger.poll`, :meth:`MakerLedger.check_peers` and
+:meth:`MakerLedger.drop` return the makers dropped and how many of their credits must be granted
+again (:class:`Lost`); the trainer tells its publisher and grants them (:meth:`MakerLedger.reissue`).
+Only a failed credit post is settled inside :meth:`MakerLedger.grant`: it drops that maker and grants
+its credits to the others in the same loop.
 
 Order of hand-out. While every outstanding credit requires the same policy version (always at
 ``--lag 0``: its credits are exactly one step's batches), batches are handed out in credit order, so
@@ -31,25 +39,19 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
+from hpcrl.comm.heartbeat import PeerLost, Watcher, bounded, liveness_store
 from hpcrl.comm.local import record_dropped
 
-from .channels import ChannelError, Credit, CreditChannel, ExperienceChannel, Header, StatusChannel
-from .liveness import PeerLost, Watcher, bounded, liveness_store
+from .channels import CreditChannel, ExperienceChannel
+from .credits import Credit, Received, lost_with, next_id, next_ready, pick_maker, still_taken
 from .topology import Topology
+from .wire import ChannelError, StatusChannel
+from .wire import Credit as CreditMessage
 
-__all__ = ["MakerLedger", "MakerWires", "Received"]
-
-
-@dataclass
-class Received:
-    header: Header
-    payload: torch.Tensor
+__all__ = ["Lost", "MakerLedger", "MakerWires", "Polled"]
 
 
 @dataclass
@@ -64,8 +66,24 @@ class MakerWires:
     trainers: Watcher
 
 
-def _nothing() -> None:
-    pass
+@dataclass(frozen=True)
+class Lost:
+    """Makers a ledger dropped, and how many of their credits must be granted again (none while
+    draining, and none for what :meth:`MakerLedger.grant` granted again itself)."""
+
+    makers: tuple[int, ...] = ()
+    credits: int = 0
+
+    def __add__(self, other: Lost) -> Lost:
+        return Lost(self.makers + other.makers, self.credits + other.credits)
+
+
+@dataclass(frozen=True)
+class Polled:
+    """What one :meth:`MakerLedger.poll` came back with: a batch to train on, or None; the makers lost."""
+
+    batch: Received | None = None
+    lost: Lost = field(default_factory=Lost)
 
 
 class MakerLedger:
@@ -78,25 +96,20 @@ class MakerLedger:
                  name: Callable[[int, str], str] = lambda rank, role: f"{role} rank {rank}") -> None:
         self.trainer, self.top, self.wires = trainer, top, wires
         self.timeout_s, self.heartbeat_timeout_s, self._name = timeout_s, heartbeat_timeout_s, name
+        self.credits: dict[int, Credit] = {}  # granted, not handed out yet; in grant order (so of required version)
+        self.next_credit = 0  # the id of the next credit granted (a resume continues the numbering)
+        self.min_version = 0  # the version the latest grant required (re-issued credits require it too)
+        self.draining = False  # a lost maker's credits are not re-issued any more
+        # ids after the oldest untrained credit that were trained already (handed out ahead of it here, or
+        # before the checkpoint this run resumed from): never granted, and a resume skips them
+        self._taken: set[int] = set()
+        self._cursor = 0
         self.dead: set[int] = set()  # maker indices
         self.used = [0] * top.makers  # samples per maker handed out: consumed, dropped as stale or drained
-        self.outstanding = [0] * top.makers  # credits granted and not yet handed out as experience
-        self.next_credit = 0  # the id of the next credit granted (a resume continues the numbering)
-        self.draining = False  # a lost maker's credits are not re-issued any more
-        self._min_version = 0  # the version the latest grant required (re-issued credits require it too)
-        self._cursor = 0
-        self._pending: deque[int] = deque()  # credit ids in grant order (so in order of required version)
-        self._credit_maker: dict[int, int] = {}
-        self._credit_version: dict[int, int] = {}  # credit id -> the version it requires, while pending
-        self._ahead: set[int] = set()  # handed out while an older credit is still pending
-        self._skip: set[int] = set()  # ids a resumed run does not grant again (handed out before its checkpoint)
-        self._sending: dict[int, list] = {}  # maker -> credit sends posted and not yet completed (work, tensor)
-        self._credit_sent: dict[int, tuple] = {}  # credit id -> its send, until its batch is handed out
-        self._arrived: dict[int, Received] = {}
+        self._sending: dict[int, list] = {}  # maker -> sends posted (credits, STOP) and not seen completed
         self._failed: dict[int, BaseException] = {}  # maker -> what its receive thread hit (written there)
         self._closed: set[int] = set()  # makers whose stream ended normally (written by its receive thread)
         self._finished: set[int] = set()  # makers that finished the run: their silence is not a freeze
-        self._lost: list[int] = []  # dropped since the last take_lost()
         self._inbox: queue.Queue = queue.Queue()
         self._next_look = 0.0
         # Another trainer's drops, read from the store (only another trainer can drop a maker this one
@@ -114,70 +127,66 @@ class MakerLedger:
         return [m for m in range(self.top.makers) if m not in self.dead]
 
     @property
+    def outstanding(self) -> list[int]:
+        """Per maker: credits granted and not handed out yet."""
+        counts = [0] * self.top.makers
+        for c in self.credits.values():
+            counts[c.maker] += 1
+        return counts
+
+    @property
     def first_untrained(self) -> int:
         """The oldest credit not handed out yet (a resume collects it again)."""
-        return self._pending[0] if self._pending else self._next_id(self.next_credit)
+        return next(iter(self.credits)) if self.credits else next_id(self.next_credit, self._taken)
 
     @property
     def taken_ahead(self) -> list[int]:
         """Credits after :attr:`first_untrained` whose batches were handed out already (ahead of an older
         one): what a resume at :attr:`first_untrained` must not collect again."""
         first = self.first_untrained
-        return sorted(c for c in self._ahead | self._skip if c > first)
+        return sorted(c for c in self._taken if c > first)
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
+        return len(self.credits)
 
     def resume(self, next_credit: int, taken_ahead: list[int] | tuple[int, ...] = ()) -> None:
         """Continue a checkpointed run: the next credit is ``next_credit``, and the ids in ``taken_ahead``
         (trained before the checkpoint) are never granted."""
-        self._skip = {int(c) for c in taken_ahead if int(c) >= next_credit}
-        self.next_credit = self._next_id(int(next_credit))
-
-    def _next_id(self, credit: int) -> int:
-        while credit in self._skip:
-            credit += 1
-        return credit
+        self._taken = {int(c) for c in taken_ahead if int(c) >= next_credit}
+        self.next_credit = next_id(int(next_credit), self._taken)
 
     # credits ------------------------------------------------------------------------------------
-    def grant(self, count: int, min_version: int) -> None:
+    def grant(self, count: int, min_version: int) -> Lost:
         """Hand ``count`` credits to my live makers, requiring ``min_version``; each to the linked maker
-        with the fewest batches in flight (round-robin among equals). The sends are posted, not waited
-        for (a frozen maker must not hold the caller); a failed post drops the maker."""
-        self._min_version = min_version
-        for _ in range(count):
+        with the fewest batches in flight (round-robin among equals, :func:`~hpcrl.ppo.credits.pick_maker`).
+        The sends are posted, not waited for (a frozen maker must not hold the caller); a failed post
+        drops the maker, and its credits are granted to the others here. Returns the makers dropped."""
+        self.min_version = min_version
+        dropped = Lost()
+        while count:
             mine = self.top.makers_of(self.trainer, self.live())
             if not mine:
                 raise PeerLost(f"trainer {self.trainer}: every maker is dead (lost: {sorted(self.dead)}); "
                                "cannot continue")
-            m = self._pick(mine)
-            credit = self.next_credit = self._next_id(self.next_credit)
+            m, self._cursor = pick_maker(mine, self.credits, self._cursor)
+            credit = self.next_credit = next_id(self.next_credit, self._taken)
             try:
-                sent = self.wires.credits.grant(self.top.maker_rank(m), Credit(self.trainer, min_version, credit))
+                sent = self.wires.credits.grant(self.top.maker_rank(m),
+                                                CreditMessage(self.trainer, min_version, credit))
             except Exception:
-                self.drop(m)
-                self.grant(1, min_version)
+                lost = self.drop(m)
+                dropped, count = dropped + Lost(lost.makers), count + lost.credits
                 continue
             self._sending.setdefault(m, []).append(sent)
-            self._credit_sent[credit] = sent
-            self.next_credit = self._next_id(credit + 1)
-            self._pending.append(credit)
-            self._credit_maker[credit] = m
-            self._credit_version[credit] = min_version
-            self.outstanding[m] += 1
+            self.credits[credit] = Credit(credit, m, min_version, sent)
+            self.next_credit = next_id(credit + 1, self._taken)
+            count -= 1
+        return dropped
 
-    def _pick(self, mine: list[int]) -> int:
-        """The maker of ``mine`` with the fewest credits whose batch has not arrived, the rotation
-        deciding among equals (``min`` keeps the first of equals in rotation order)."""
-        in_flight = dict.fromkeys(mine, 0)
-        for c in self._pending:
-            if c not in self._arrived and self._credit_maker[c] in in_flight:
-                in_flight[self._credit_maker[c]] += 1
-        start = self._cursor % len(mine)
-        m = min(mine[start:] + mine[:start], key=in_flight.__getitem__)
-        self._cursor = mine.index(m) + 1
-        return m
+    def reissue(self, count: int) -> Lost:
+        """Grant again ``count`` credits lost with their makers, requiring what the latest grant required."""
+        return self.grant(count, self.min_version)
 
     def stop_all(self) -> None:
         """Trainer 0 at the end: the run is finished (a maker that missed the end, frozen, learns it from the
@@ -230,35 +239,28 @@ class MakerLedger:
         self.wires.makers.forget(self.top.maker_rank(m))
 
     # losses -------------------------------------------------------------------------------------
-    def drop(self, m: int) -> None:
-        """Maker ``m`` is lost: its un-arrived credits are re-issued to the live makers (unless draining)."""
+    def drop(self, m: int) -> Lost:
+        """Maker ``m`` is lost: it is told through the store and forgotten, and its credits whose batch
+        has not arrived are discarded. Returns it and how many credits to grant again (none while
+        draining); nothing if it was lost already."""
         if m in self.dead:
-            return
+            return Lost()
         self.dead.add(m)
-        self._lost.append(m)
         self.wires.makers.forget(self.top.maker_rank(m))
         self.wires.status.drop(m)  # should it wake up (a freeze), it learns it and leaves; the other trainers drop it
         record_dropped(self.top.maker_rank(m))  # under --nproc: the parent need not wait for it at the end
         if isinstance(self._failed.get(m), ChannelError):
             print(f"hpcrl.ppo: trainer {self.trainer}: dropping {self._name(self.top.maker_rank(m), 'maker')}: "
                   f"{self._failed[m]}", flush=True)
-        lost = [c for c in self._pending if self._credit_maker[c] == m and c not in self._arrived]
-        self._pending = deque(c for c in self._pending if c not in lost)
+        lost = lost_with(self.credits, m)
         for c in lost:
-            self._credit_version.pop(c, None)
-        self.outstanding[m] = 0
-        if lost and not self.draining:
-            self.grant(len(lost), self._min_version)
+            del self.credits[c]
+        return Lost((m,), 0 if self.draining else len(lost))
 
-    def take_lost(self) -> list[int]:
-        """The makers dropped since the last call (the trainer tells its publisher)."""
-        lost, self._lost = self._lost, []
-        return lost
-
-    def check_peers(self) -> None:
+    def check_peers(self) -> Lost:
         """Raise PeerLost naming a trainer that stopped; drop makers whose heartbeat stalled, that another
         trainer dropped, whose credit send failed or whose stream broke (garbage, or gone before its
-        heartbeat stalls)."""
+        heartbeat stalls). Returns what was lost."""
         try:
             dead_trainers = self.wires.trainers.dead()
         except Exception as err:
@@ -266,18 +268,18 @@ class MakerLedger:
         if dead_trainers:
             raise PeerLost(f"trainer {self.trainer}: " + ", ".join(self._name(r, "trainer") for r in dead_trainers)
                            + f" stopped responding (no heartbeat for {self.heartbeat_timeout_s:.0f} s)")
-        self._apply_marks()
-        self._check_makers()
+        return self._apply_marks() + self._check_makers()
 
-    def _check_makers(self) -> None:
+    def _check_makers(self) -> Lost:
         """The makers' half of :meth:`check_peers` (at the end, after the other trainers may have left)."""
         try:
             stalled = self.wires.makers.dead()
         except Exception as err:
             raise self._store_lost(err) from None
+        lost = Lost()
         for rank in stalled:
             if self.top.maker_index(rank) not in self._finished:
-                self.drop(self.top.maker_index(rank))
+                lost += self.drop(self.top.maker_index(rank))
         for m, sends in list(self._sending.items()):  # forget delivered credits; a failed send loses its maker
             self._sending[m] = [(work, msg) for work, msg in sends if not work.is_completed()]
             if m in self.dead or m in self._finished:
@@ -287,116 +289,79 @@ class MakerLedger:
                     if work.is_completed():
                         work.wait()
             except Exception:
-                self.drop(m)
+                lost += self.drop(m)
         for m, err in list(self._failed.items()):
             if isinstance(err, ChannelError):
-                self.drop(m)
+                lost += self.drop(m)
+        return lost
 
-    def _apply_marks(self) -> None:
+    def _apply_marks(self) -> Lost:
         """Drop the makers another trainer dropped."""
         if self._marks is None:
-            return
+            return Lost()
         live = self.live()
         try:
             marked = bounded(lambda: [m for m in live if self._marks.dropped(m)], self.heartbeat_timeout_s)
         except Exception as err:
             raise self._store_lost(err) from None
+        lost = Lost()
         for m in marked:
-            self.drop(m)
+            lost += self.drop(m)
+        return lost
 
     def _store_lost(self, err: BaseException) -> PeerLost:
         return PeerLost(f"trainer {self.trainer}: lost the rendezvous store hosted by trainer rank 0: {err}")
 
     # experience ---------------------------------------------------------------------------------
-    def next_batch(self, between: Callable[[], None] = _nothing) -> Received:
-        """The next batch to train on (see the module doc for the order), so lag stays <= the bound;
-        ``between()`` runs after every look at the peers (the trainer follows lost makers there)."""
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            item = self._poll(deadline, between)
-            if item is not None:
-                return item
-
-    def drain(self, between: Callable[[], None] = _nothing) -> float:
-        """Collect every outstanding rollout (each wait bounded by the timeout; makers that die are dropped
-        and their credits not re-issued): the samples dropped at shutdown."""
-        self.draining = True
-        dropped = 0.0
-        deadline = time.monotonic() + self.timeout_s
-        try:
-            while self._pending:  # a drop may empty it while we wait
-                item = self._poll(deadline, between)
-                if item is not None:
-                    dropped += item.header.samples
-                    deadline = time.monotonic() + self.timeout_s
-        except PeerLost as err:
-            print(f"hpcrl.ppo: trainer {self.trainer}: gave up collecting the last rollouts: {err}", flush=True)
-        return dropped
-
-    def _ready(self) -> int | None:
-        """The credit whose batch goes next, if it is here: the oldest outstanding one; or, while the
-        outstanding credits span versions, the oldest that has arrived (see the module doc)."""
-        if not self._pending:
-            return None
-        head = self._pending[0]
-        if head in self._arrived:
-            return head
-        if not self._arrived or self._credit_version[head] == self._credit_version[self._pending[-1]]:
-            return None  # one version outstanding (--lag 0): credit order keeps a step's batches as they are
-        return next((c for c in self._pending if c in self._arrived), None)
-
-    def _poll(self, deadline: float, between: Callable[[], None]) -> Received | None:
-        """A batch to hand out if one is here (:meth:`_ready`), else None after one wait on the inbox."""
-        if time.monotonic() >= self._next_look:  # also while experience flows: a frozen maker is dropped
+    def poll(self, deadline: float) -> Polled:
+        """One round of the wait for the next batch (see the module doc for the order): the peers are looked
+        at when due (also while experience flows: a frozen maker is dropped), then the batch that goes next
+        is handed out if it is here, else the inbox is waited on once. A round that lost makers returns
+        them before anything is handed out (the caller grants their credits again first). Raises
+        PeerLost once no batch came by ``deadline``."""
+        if time.monotonic() >= self._next_look:
             self._next_look = time.monotonic() + self.LOOK_S
-            self.check_peers()
-            between()
-        credit = self._ready()
+            lost = self.check_peers()
+            if lost.makers:
+                return Polled(lost=lost)
+        credit = next_ready(self.credits)
         if credit is not None:
-            return self._hand_out(credit)
+            return Polled(self._hand_out(credit))
         try:
             item = self._inbox.get(timeout=self.POLL_S)
         except queue.Empty:
-            self.check_peers()
-            between()
-            if time.monotonic() > deadline:
-                waiting = [m for m in self.live() if self.outstanding[m]]
+            lost = self.check_peers()
+            if not lost.makers and time.monotonic() > deadline:
+                outstanding = self.outstanding
+                waiting = [m for m in self.live() if outstanding[m]]
                 raise PeerLost(f"trainer {self.trainer}: no experience within {self.timeout_s:.0f} s from "
                                + (", ".join(self._name(self.top.maker_rank(m), "maker") for m in waiting)
                                   or "any maker")) from None
-            return None
-        if item.header.maker not in self.dead and self._credit_maker.get(item.header.credit) == item.header.maker \
-                and item.header.credit in self._credit_version:
-            self._arrived[item.header.credit] = item
+            return Polled(lost=lost)
+        credit = self.credits.get(item.header.credit)
+        if credit is not None and credit.maker == item.header.maker and item.header.maker not in self.dead:
+            credit.batch = item
         # else it arrived after we gave up on its maker (credit re-issued), or is not a credit we gave it
-        return None
+        return Polled()
 
     def _hand_out(self, credit: int) -> Received:
-        if credit == self._pending[0]:
-            self._pending.popleft()
-        else:
-            self._pending.remove(credit)
-            self._ahead.add(credit)
-        if self._ahead or self._skip:  # only ids after the oldest outstanding one need remembering
-            first = self.first_untrained
-            self._ahead = {c for c in self._ahead if c > first}
-            self._skip = {c for c in self._skip if c >= self.next_credit or c > first}
-        item = self._arrived.pop(credit)
-        self._credit_version.pop(credit, None)
-        self._delivered(item.header.maker, credit)
-        self.outstanding[item.header.maker] -= 1
-        self.used[item.header.maker] += item.header.samples
-        return item
+        ahead = credit != next(iter(self.credits))
+        record = self.credits.pop(credit)
+        if ahead:
+            self._taken.add(credit)
+        if self._taken:  # only ids after the oldest outstanding one need remembering
+            self._taken = still_taken(self._taken, self.first_untrained, self.next_credit)
+        self._settle(record)
+        self.used[record.maker] += record.batch.header.samples
+        return record.batch
 
-    def _delivered(self, m: int, credit: int) -> None:
+    def _settle(self, credit: Credit) -> None:
         """Its batch is here, so the credit's send landed: settle it (a gloo send reports completion only
         once waited for, so without this every credit's send would be kept for the whole run)."""
-        sent = self._credit_sent.pop(credit, None)
-        if sent is None:
-            return
-        self._sending[m] = [s for s in self._sending.get(m, []) if s[0] is not sent[0]]
+        work = credit.sent[0]
+        self._sending[credit.maker] = [s for s in self._sending.get(credit.maker, []) if s[0] is not work]
         try:
-            sent[0].wait()
+            work.wait()
         except Exception:  # delivered all the same: the maker answered it
             pass
 
