@@ -2,7 +2,8 @@
 
 CleanRL's source is not in the repository: benchmarks/peers/cleanrl_source.py gets it at run time (pinned
 commit, sha-256 checked). The harness's tests run without it; the two that run the real script skip, with
-the line saying how to get it, where it is absent and cannot be fetched. The quick mode runs both systems on
+the line saying how to get it, where it is absent and cannot be fetched (``HPCRL_CLEANRL_SRC=DIR``: a checkout at
+the pinned commit, for a machine without network). The quick mode runs both systems on
 Pendulum-v1 for a few hundred env steps and merges them; the peer venv (.venv-peers) is built once by
 tools/peer_venv.sh when it is missing (a minute or two)."""
 
@@ -27,10 +28,11 @@ from benchmarks.sac import vs_cleanrl  # noqa: E402
 
 @pytest.fixture(scope="session")
 def cleanrl_src() -> Path:
-    """CleanRL's checked source (fetched into the cache when absent); a skip with the reason without it."""
+    """CleanRL's checked source (fetched into the cache when absent); a skip with the reason where it is absent
+    and cannot be fetched (a source that differs from the pinned files fails)."""
     try:
         return cleanrl_source.locate()
-    except cleanrl_source.PeerSourceError as e:
+    except cleanrl_source.PeerSourceMissing as e:
         pytest.skip(str(e))
 
 
@@ -63,8 +65,9 @@ def test_a_cached_source_with_a_wrong_digest_is_refused(tmp_path: Path, monkeypa
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv(cleanrl_source.ENV_VAR, raising=False)
     fake_source(cleanrl_source.cache_dir())
-    with pytest.raises(cleanrl_source.PeerSourceError, match="refusing to run CleanRL"):
+    with pytest.raises(cleanrl_source.PeerSourceError, match="refusing to run CleanRL") as refused:
         cleanrl_source.locate()
+    assert not isinstance(refused.value, cleanrl_source.PeerSourceMissing)  # a real-peer test fails on it, not skips
     a = ["--quick", "--system", "cleanrl", "--out", str(tmp_path / "out")]
     assert vs_cleanrl.main(a) == 2
     err = capsys.readouterr().err
@@ -90,14 +93,14 @@ def test_a_missing_source_that_cannot_be_fetched_says_how_to_get_it(tmp_path: Pa
     monkeypatch.setattr(cleanrl_source, "RAW_URL", (tmp_path / "no-such-mirror").as_uri())
     fetch = cleanrl_source.fetch
     monkeypatch.setattr(cleanrl_source, "fetch", lambda dest: fetch(dest, cleanrl_source.RAW_URL))
-    with pytest.raises(cleanrl_source.PeerSourceError, match="cannot fetch"):
+    with pytest.raises(cleanrl_source.PeerSourceMissing, match="cannot fetch"):
         cleanrl_source.locate()
     assert not cleanrl_source.cache_dir().exists()  # nothing half-fetched is left to be taken as the source
     assert vs_cleanrl.main(["--quick", "--system", "cleanrl", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "git clone https://github.com/vwxyzjn/cleanrl" in err
     assert cleanrl_source.COMMIT in err and "--cleanrl-src" in err
-    with pytest.raises(cleanrl_source.PeerSourceError, match="is not in"):
+    with pytest.raises(cleanrl_source.PeerSourceMissing, match="is not in"):
         cleanrl_source.locate(tmp_path / "empty")
 
 

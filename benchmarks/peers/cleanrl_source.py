@@ -38,6 +38,10 @@ class PeerSourceError(RuntimeError):
     """CleanRL's source is missing, cannot be fetched, or differs from the pinned files (a one-line message)."""
 
 
+class PeerSourceMissing(PeerSourceError):
+    """CleanRL's source is not there and could not be fetched (as opposed to there but different)."""
+
+
 def how_to_get() -> str:
     return (f"get CleanRL's source with network access (`python -m benchmarks.peers.cleanrl_source`), or "
             f"`git clone {REPO_URL} DIR && git -C DIR checkout {COMMIT}` and pass --cleanrl-src DIR "
@@ -63,7 +67,7 @@ def check(root: Path) -> Path:
     """``root`` if it holds the pinned files, else :class:`PeerSourceError`."""
     missing = [name for name in FILES if not (root / name).is_file()]
     if missing:
-        raise PeerSourceError(f"CleanRL's source is not in {root} (no {', '.join(missing)}): {how_to_get()}")
+        raise PeerSourceMissing(f"CleanRL's source is not in {root} (no {', '.join(missing)}): {how_to_get()}")
     if bad := mismatches(root):
         raise PeerSourceError(f"refusing to run CleanRL: {', '.join(bad)} in {root} differ from vwxyzjn/cleanrl at "
                               f"{COMMIT} (sha-256); {how_to_get()}")
@@ -81,7 +85,7 @@ def fetch(dest: Path, base_url: str = RAW_URL) -> Path:
                 with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as r:
                     data = r.read()
             except (urllib.error.URLError, OSError) as e:
-                raise PeerSourceError(f"cannot fetch CleanRL's source ({url}: {getattr(e, 'reason', e)}); "
+                raise PeerSourceMissing(f"cannot fetch CleanRL's source ({url}: {getattr(e, 'reason', e)}); "
                                       f"{how_to_get()}") from None
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             (tmp / name).write_bytes(data)
@@ -96,7 +100,8 @@ def fetch(dest: Path, base_url: str = RAW_URL) -> Path:
 
 def locate(src: str | os.PathLike | None = None, fetch_missing: bool = True) -> Path:
     """The checked folder of CleanRL's source: ``src``, ``$HPCRL_CLEANRL_SRC``, the cache (fetched into
-    when empty and ``fetch_missing``). Raises :class:`PeerSourceError` with one line saying what to do."""
+    when empty and ``fetch_missing``). Raises :class:`PeerSourceMissing` (not there, not fetchable) or
+    :class:`PeerSourceError` (there but not the pinned files), each one line saying what to do."""
     given = src or os.environ.get(ENV_VAR)
     if given:
         return check(Path(given).expanduser().resolve())
