@@ -260,6 +260,17 @@ def bench_cleanrl(quick: bool, cleanrl_src: str | None = None) -> dict[str, Any]
             "work_per_step": "1 critic update (2 Q nets, hidden 256, batch 256) + on average 1 actor and alpha update"}
 
 
+def cleanrl_source_line(src: str | None) -> str | None:
+    """CleanRL's checked source folder, or None after one line on stderr saying how to get it."""
+    from benchmarks.peers import cleanrl_source
+
+    try:
+        return str(cleanrl_source.locate(src))
+    except cleanrl_source.PeerSourceError as e:
+        print(f"sac_ladder --cleanrl: {e}", file=sys.stderr)
+        return None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("--quick", action="store_true", help="few, short repeats; halfcheetah at batch 1024")
@@ -281,16 +292,12 @@ def main() -> int:
         print(f"sac_ladder: --sizes {','.join(unknown)}: choose from {','.join(SIZES)}", file=sys.stderr)
         return 2
     qbatch = {"halfcheetah": 1024 if args.quick else None}
-    if args.cleanrl:  # the peer's source first: a missing one ends the run before the rungs
-        from benchmarks.peers import cleanrl_source
-        try:
-            args.cleanrl_src = str(cleanrl_source.locate(args.cleanrl_src))
-        except cleanrl_source.PeerSourceError as e:
-            print(f"sac_ladder --cleanrl: {e}", file=sys.stderr)
-            return 2
+    src = cleanrl_source_line(args.cleanrl_src) if args.cleanrl else None  # before the rungs: a missing one ends it
+    if args.cleanrl and src is None:
+        return 2
     sizes = {} if args.no_rungs else {n: bench_size(n, repeats, min_repeat_s, qbatch.get(n)) for n in names}
     world = {n: bench_world(n, repeats, min_repeat_s, qbatch.get(n)) for n in names} if args.world else {}
-    cleanrl = bench_cleanrl(args.quick, args.cleanrl_src) if args.cleanrl else None
+    cleanrl = bench_cleanrl(args.quick, src) if args.cleanrl else None
     rows = [[name, rung, fmt_time(r["update_s"]), f"{r['updates_per_s']:.1f}", f"{r['speedup_vs_per_head']:.2f}x",
              fmt_time(r["cpu_update_s"]), f"{r['cpu_speedup_vs_per_head']:.2f}x", f"{r['cpu_frac']:.2f}"] for name, size in sizes.items() for rung, r in size["rungs"].items()]
     print_table("FastSAC.update, 1 thread, rungs interleaved (median)",
