@@ -3,10 +3,10 @@
     python -m benchmarks [--quick] [--out results] [--device cpu|cuda] [--world 2] [--only a,b]
 
 Writes ``<out>/<date>-<host>-<commit>/``: one JSON per benchmark (common header, see
-benchmarks/schema.py), ``report.md``, PNGs and one ``*.log`` per subprocess benchmark.
+benchmarks/common/schema.py), ``report.md``, PNGs and one ``*.log`` per subprocess benchmark.
 
 Steps: collectives (W local ranks, gloo) -> cost_model (fit + projection) -> kernels (--quick in quick
-mode) -> [full mode only] sac_throughput, ppo_throughput, weight_publish, scaling (benchmarks/scaling.py) -> report. ``--quick`` (< 2 min on 2 CPU cores)
+mode) -> [full mode only] sac_throughput, ppo_throughput, weight_publish, scaling (benchmarks/comm/scaling.py) -> report. ``--quick`` (< 2 min on 2 CPU cores)
 runs the first three; ``--only`` picks any steps (at quick sizes with ``--quick``). The older scripts' own JSON is wrapped under ``results`` with the common header.
 """
 
@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from benchmarks import schema
-from benchmarks._timing import write_json
+from benchmarks.common import schema
+from benchmarks.common.timing import write_json
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -75,12 +75,12 @@ def _figures_from_summary(prefix: str, summary: Any) -> dict[str, dict]:
 
 
 def run_script(name: str, argv: list[str], outdir: Path, device: str, timeout: float, config: dict,
-               script: str = "") -> str:
-    """Run an older benchmark script (``benchmarks/<script or name>.py``); wrap its JSON in the common schema as
-    <name>.json."""
+               script: str) -> str:
+    """Run an older benchmark script (``benchmarks/<script>.py``, e.g. ``sac/sac_throughput``); wrap its JSON in the
+    common schema as <name>.json."""
     raw = outdir / f"{name}_raw.json"
     log = outdir / f"{name}.log"
-    cmd = [sys.executable, str(HERE / f"{script or name}.py"), *argv, "--json", str(raw)]
+    cmd = [sys.executable, str(HERE / f"{script}.py"), *argv, "--json", str(raw)]
     status = "ok"
     try:
         with open(log, "w") as f:
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {"quick": args.quick, "device": args.device}
 
     def collectives() -> str:
-        from benchmarks import collectives as c
+        from benchmarks.comm import collectives as c
 
         doc = c.run_local(args.quick, args.world, compute_device=args.device, backend=args.backend)
         doc["header"]["config"]["suite"] = cfg
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         return "ok"
 
     def cost_model() -> str:
-        from benchmarks import cost_model as cm
+        from benchmarks.comm import cost_model as cm
 
         src = outdir / "collectives.json"
         if not src.exists():
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         return "ok"
 
     def scaling() -> str:
-        from benchmarks import scaling as sc
+        from benchmarks.comm import scaling as sc
 
         launcher = sc.Launcher.from_slurm() if args.scaling_launcher == "srun" else sc.Launcher()
         doc = sc.run(args.quick, sc.parse_worlds(args.scaling_worlds), args.scaling_topologies.split(","), outdir,
@@ -168,12 +168,14 @@ def main(argv: list[str] | None = None) -> int:
         ("collectives", collectives),
         ("cost_model", cost_model),
         ("kernels", lambda: run_script("kernels", [*q, "--device", args.device], outdir, args.device, 600, cfg,
-                                                  script="op_kernels")),
+                                                  script="ops/op_kernels")),
         ("sac_throughput", lambda: run_script("sac_throughput", [*q, "--no-curve", "--png",
-                                              str(outdir / "sac_throughput_curve.png")], outdir, args.device, 3600, cfg)),
+                                              str(outdir / "sac_throughput_curve.png")], outdir, args.device, 3600, cfg,
+                                              script="sac/sac_throughput")),
         ("ppo_throughput", lambda: run_script("ppo_throughput", [*q, "--png", str(outdir / "ppo_throughput.png")],
-                                              outdir, args.device, 3600, cfg)),
-        ("weight_publish", lambda: run_script("weight_publish", q, outdir, args.device, 900, cfg)),
+                                              outdir, args.device, 3600, cfg, script="ppo/ppo_throughput")),
+        ("weight_publish", lambda: run_script("weight_publish", q, outdir, args.device, 900, cfg,
+                                              script="ppo/weight_publish")),
         ("scaling", scaling),
     ]
     if args.only:  # any step, at quick sizes with --quick (e.g. bench.sbatch QUICK=1 SCALING=1)
@@ -197,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         failed += status.startswith(("failed", "timed out"))
         prog.end(name, status, time.perf_counter() - t0)
     prog.start("report")
-    from benchmarks.report import write_report
+    from benchmarks.common.report import write_report
 
     rep = write_report(outdir, prog.log)
     prog.end("report", "ok", 0.0)

@@ -31,7 +31,7 @@ echo "== build (CUDA)"
 echo "== build took $(( $(date +%s) - start )) s; tests"
 "$PY" -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_replay.py tests/test_envs.py -m cuda 2>&1 | tee "$OUT/gpu_tests.txt"
 echo "== benchmarks"
-"$PY" benchmarks/op_kernels.py --device cuda --json "$OUT/kernels_cuda.json" 2>&1 | tee "$OUT/kernels_cuda.txt"
+"$PY" benchmarks/ops/op_kernels.py --device cuda --json "$OUT/kernels_cuda.json" 2>&1 | tee "$OUT/kernels_cuda.txt"
 echo "== benchmark suite (GPU part: per-update compute at batch 8192 on the GPU, gloo collective sweep, cost model, report)"
 # --quick keeps it short; kernels were run above, so only collectives + cost model here.
 timeout 150 "$PY" -m benchmarks --quick --device cuda --only collectives,cost_model --run-dir "$OUT/suite" 2>&1 | tee "$OUT/suite.txt" || echo "suite step failed (see $OUT/suite.txt)"

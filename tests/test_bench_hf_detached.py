@@ -1,4 +1,4 @@
-"""benchmarks/hf_detached.py --quick: detached PPO on the real hf workload, lag 1 vs lag 0, publish size."""
+"""benchmarks/hf/hf_detached.py --quick: detached PPO on the real hf workload, lag 1 vs lag 0, publish size."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def test_hf_detached_quick_writes_ratio_and_publish(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "SBATCH_", "SRUN_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "hf_detached.py"), "--quick", "--json", str(out)],
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "hf" / "hf_detached.py"), "--quick", "--json", str(out)],
                           capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     d = json.loads(out.read_text())
@@ -35,11 +35,11 @@ def test_hf_detached_quick_writes_ratio_and_publish(tmp_path):
     assert ratio["lag1_over_lag0"] == pytest.approx(ratio["lag1"]["tokens_per_s"] / ratio["lag0"]["tokens_per_s"])
 
     # the published bytes are the actor's fp32 parameters, counted here on the same model built afresh
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path.insert(0, str(REPO / "benchmarks" / "hf"))
     try:
         from hf_detached import build_llama
     finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+        sys.path.remove(str(REPO / "benchmarks" / "hf"))
     from transformers import AutoModelForCausalLM
 
     [pub] = d["publish"]

@@ -1,4 +1,4 @@
-"""benchmarks/hf_learning.py: learning curves of hpcrl's PPO / GRPO (and TRL's GRPOTrainer) on the demo task.
+"""benchmarks/hf/hf_learning.py: learning curves of hpcrl's PPO / GRPO (and TRL's GRPOTrainer) on the demo task.
 
 The fast tier checks the summary's arithmetic on a hand-made case and the one-line refusal; the
 extended tier runs ``--quick`` for real (demo build + 2-rank hpcrl runs + TRL when .venv-trl exists,
@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "hf"))
 try:
     import hf_learning as H
 finally:
-    sys.path.remove(str(REPO / "benchmarks"))
+    sys.path.remove(str(REPO / "benchmarks" / "hf"))
 
 
 def _run(system: str, seed: int, rewards: list[float], dt: float) -> dict:
@@ -46,7 +46,7 @@ def test_summary_times_each_system_to_trls_final_reward():
 
 
 def test_neither_system_nor_merge_is_one_line_and_exit_2():
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "hf_learning.py")], capture_output=True,
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "hf" / "hf_learning.py")], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "--system" in proc.stderr and "--merge" in proc.stderr
@@ -58,7 +58,7 @@ def test_quick_runs_and_merge_write_curves_and_a_png(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "SBATCH_", "SRUN_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    bench = [sys.executable, str(REPO / "benchmarks" / "hf_learning.py"), "--out", str(tmp_path)]
+    bench = [sys.executable, str(REPO / "benchmarks" / "hf" / "hf_learning.py"), "--out", str(tmp_path)]
     systems = ["hpcrl-grpo", "hpcrl-ppo"] + (["trl-grpo"] if (REPO / ".venv-trl" / "bin" / "python").exists() else [])
     for system in systems:
         proc = subprocess.run([*bench, "--system", system, "--quick"], capture_output=True, text=True, timeout=400,

@@ -1,14 +1,17 @@
-"""benchmarks/vs_cleanrl.py: the real CleanRL SAC (vendored, unmodified, in its own venv) against hpcrl.
+"""benchmarks/sac/vs_cleanrl.py: the real CleanRL SAC (unmodified, in its own venv) against hpcrl.
 
-The quick mode runs both systems on Pendulum-v1 for a few hundred env steps and merges them; the peer
-venv (.venv-peers) is built once by tools/peer_venv.sh when it is missing (a minute or two)."""
+CleanRL's source is not in the repository: benchmarks/peers/cleanrl_source.py gets it at run time (pinned
+commit, sha-256 checked). The harness's tests run without it; the two that run the real script skip, with
+the line saying how to get it, where it is absent and cannot be fetched (``HPCRL_CLEANRL_SRC=DIR``: a checkout at
+the pinned commit, for a machine without network). The quick mode runs both systems on
+Pendulum-v1 for a few hundred env steps and merges them; the peer venv (.venv-peers) is built once by
+tools/peer_venv.sh when it is missing (a minute or two)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import math
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,36 +21,99 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks import schema, vs_cleanrl  # noqa: E402
+from benchmarks.common import schema  # noqa: E402
+from benchmarks.peers import cleanrl_source  # noqa: E402
+from benchmarks.sac import vs_cleanrl  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def peer_venv() -> Path:
+def cleanrl_src() -> Path:
+    """CleanRL's checked source (fetched into the cache when absent); a skip with the reason where it is absent
+    and cannot be fetched (a source that differs from the pinned files fails)."""
+    try:
+        return cleanrl_source.locate()
+    except cleanrl_source.PeerSourceMissing as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def peer_venv(cleanrl_src: Path) -> Path:
     if not (REPO / ".venv-peers" / ".complete").exists():
         subprocess.run(["bash", "tools/peer_venv.sh"], cwd=REPO, check=True, timeout=1200)
     return vs_cleanrl.PEER_PYTHON
 
 
-def test_vendored_files_are_upstreams() -> None:
-    """The vendored CleanRL files hash as recorded (in the benchmark and in the peer README)."""
-    assert vs_cleanrl.peer_mismatches() == []
-    readme = (vs_cleanrl.PEER_DIR / "README.md").read_text()
-    assert vs_cleanrl.PEER_COMMIT in readme
-    for name, digest in vs_cleanrl.PEER_FILES.items():
-        assert vs_cleanrl.sha256(vs_cleanrl.PEER_DIR / name) == digest, name
+def fake_source(root: Path) -> Path:
+    """A folder shaped like CleanRL's checkout whose files are not upstream's."""
+    for name in cleanrl_source.FILES:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(f"not {name}\n")
+    return root
+
+
+def test_the_pinned_peer_is_documented() -> None:
+    """The pinned commit and every file's digest are in benchmarks/README.md."""
+    readme = (REPO / "benchmarks" / "README.md").read_text()
+    assert cleanrl_source.COMMIT in readme
+    for name, digest in cleanrl_source.FILES.items():
         assert f"`{digest}`" in readme, name
+    assert cleanrl_source.SCRIPT in cleanrl_source.FILES
 
 
-def test_a_modified_peer_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    copy = tmp_path / "cleanrl"
-    shutil.copytree(vs_cleanrl.PEER_DIR, copy)
-    script = copy / "cleanrl" / "sac_continuous_action.py"
-    script.write_text(script.read_text().replace("tau: float = 0.005", "tau: float = 0.05"))
-    monkeypatch.setattr(vs_cleanrl, "PEER_DIR", copy)
-    assert vs_cleanrl.peer_mismatches() == ["cleanrl/sac_continuous_action.py"]
-    a = vs_cleanrl.parse_args(["--quick", "--system", "cleanrl", "--out", str(tmp_path / "out")])
-    with pytest.raises(SystemExit, match="modified"):
-        vs_cleanrl.run_part(a)
+def test_a_cached_source_with_a_wrong_digest_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(cleanrl_source.ENV_VAR, raising=False)
+    fake_source(cleanrl_source.cache_dir())
+    with pytest.raises(cleanrl_source.PeerSourceError, match="refusing to run CleanRL") as refused:
+        cleanrl_source.locate()
+    assert not isinstance(refused.value, cleanrl_source.PeerSourceMissing)  # a real-peer test fails on it, not skips
+    a = ["--quick", "--system", "cleanrl", "--out", str(tmp_path / "out")]
+    assert vs_cleanrl.main(a) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "refusing to run CleanRL" in err
+    assert sorted(cleanrl_source.mismatches(cleanrl_source.cache_dir())) == sorted(cleanrl_source.FILES)
+
+
+def test_a_given_source_is_checked_and_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--cleanrl-src DIR: its files are checked against the recorded digests (here the fake's own)."""
+    src = fake_source(tmp_path / "checkout")
+    with pytest.raises(cleanrl_source.PeerSourceError, match="differ from vwxyzjn/cleanrl"):
+        cleanrl_source.locate(src)
+    monkeypatch.setattr(cleanrl_source, "FILES", {n: cleanrl_source.sha256(src / n) for n in cleanrl_source.FILES})
+    assert cleanrl_source.locate(src) == src.resolve()
+    (src / cleanrl_source.SCRIPT).write_text("edited\n")
+    assert cleanrl_source.mismatches(src) == [cleanrl_source.SCRIPT]
+
+
+def test_a_missing_source_that_cannot_be_fetched_says_how_to_get_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(cleanrl_source.ENV_VAR, raising=False)
+    monkeypatch.setattr(cleanrl_source, "RAW_URL", (tmp_path / "no-such-mirror").as_uri())
+    fetch = cleanrl_source.fetch
+    monkeypatch.setattr(cleanrl_source, "fetch", lambda dest: fetch(dest, cleanrl_source.RAW_URL))
+    with pytest.raises(cleanrl_source.PeerSourceMissing, match="cannot fetch"):
+        cleanrl_source.locate()
+    assert not cleanrl_source.cache_dir().exists()  # nothing half-fetched is left to be taken as the source
+    assert vs_cleanrl.main(["--quick", "--system", "cleanrl", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "git clone https://github.com/vwxyzjn/cleanrl" in err
+    assert cleanrl_source.COMMIT in err and "--cleanrl-src" in err
+    with pytest.raises(cleanrl_source.PeerSourceMissing, match="is not in"):
+        cleanrl_source.locate(tmp_path / "empty")
+
+
+def test_a_fetch_is_checked_before_it_lands_in_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mirror serving files other than the pinned ones leaves the cache empty."""
+    mirror = fake_source(tmp_path / "mirror")
+    dest = tmp_path / "cache" / cleanrl_source.COMMIT
+    with pytest.raises(cleanrl_source.PeerSourceError, match="refusing"):
+        cleanrl_source.fetch(dest, mirror.as_uri())
+    assert not dest.exists() and list((tmp_path / "cache").glob("*")) == []
+    monkeypatch.setattr(cleanrl_source, "FILES", {n: cleanrl_source.sha256(mirror / n) for n in cleanrl_source.FILES})
+    assert cleanrl_source.fetch(dest, mirror.as_uri()) == dest
+    assert cleanrl_source.mismatches(dest) == []
 
 
 def test_evals_are_filed_under_the_nearest_point() -> None:
@@ -98,16 +164,17 @@ def test_pendulum_time_to_solve_is_the_first_point_above_the_solved_return() -> 
     assert vs_cleanrl.targets(peer, never, 3000, "pendulum")["time_to_solve"]["speedup"] is None
 
 
-def test_quick_runs_both_systems_and_merges(tmp_path: Path, peer_venv: Path) -> None:
+def test_quick_runs_both_systems_and_merges(tmp_path: Path, cleanrl_src: Path, peer_venv: Path) -> None:
     out = tmp_path / "out"
     for system in ("cleanrl", "hpcrl"):
-        proc = subprocess.run([sys.executable, "benchmarks/vs_cleanrl.py", "--quick", "--system", system,
+        proc = subprocess.run([sys.executable, "benchmarks/sac/vs_cleanrl.py", "--quick", "--system", system,
                                "--seed", "1", "--out", str(out), "--peer-python", str(peer_venv),
+                               "--cleanrl-src", str(cleanrl_src),
                                *(["--cleanrl-flags=--learning-starts 120"] if system == "cleanrl" else [])],
                               cwd=REPO, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert (out / "vs_cleanrl" / f"pendulum-{system}-seed1.json").exists()
-    proc = subprocess.run([sys.executable, "benchmarks/vs_cleanrl.py", "--merge", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "benchmarks/sac/vs_cleanrl.py", "--merge", "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads((out / "vs_cleanrl.json").read_text())
@@ -124,7 +191,7 @@ def test_quick_runs_both_systems_and_merges(tmp_path: Path, peer_venv: Path) -> 
     assert task["cleanrl"]["command"].startswith("python cleanrl/sac_continuous_action.py --env-id Pendulum-v1")
     assert task["cleanrl"]["command"].endswith("--learning-starts 120")  # after the quick sizes' 100: it wins
     assert {"at_200", "at_400", "time_to_solve"} <= set(task["targets"])
-    assert doc["results"]["peer"]["files"] == vs_cleanrl.PEER_FILES
+    assert doc["results"]["peer"]["files"] == cleanrl_source.FILES
     assert (out / "vs_cleanrl.png").stat().st_size > 10_000
 
 
@@ -150,12 +217,12 @@ def test_cpu_presets_validate_and_fit_the_protocol(task: str, update_to_data: fl
         (f"{task}-cpu", 50_000, 5_000, 5)
 
 
-def test_the_ladder_times_the_real_cleanrl_update_step(peer_venv: Path) -> None:
-    """benchmarks/sac_ladder.py --cleanrl: the real script, past its warm-up, timed per env step."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
+def test_the_ladder_times_the_real_cleanrl_update_step(cleanrl_src: Path, peer_venv: Path) -> None:
+    """benchmarks/sac/sac_ladder.py --cleanrl: the real script, past its warm-up, timed per env step."""
+    sys.path.insert(0, str(REPO / "benchmarks" / "sac"))
     import sac_ladder
 
-    got = sac_ladder.bench_cleanrl(quick=True)
+    got = sac_ladder.bench_cleanrl(quick=True, cleanrl_src=str(cleanrl_src))
     assert got["command"] == ("python cleanrl/sac_continuous_action.py --env-id Pendulum-v1 --total-timesteps 400 "
                               "--learning-starts 100 --no-cuda --seed 0")
     assert got["timed_steps"] >= 100 and 1e-4 < got["update_step_s"] < 1.0

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import compare, cost_model, schema
+from benchmarks.comm import cost_model
+from benchmarks.common import compare, schema
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -184,9 +185,9 @@ def test_compare_on_real_quick_run(quick_run: Path, tmp_path: Path) -> None:
 
 
 def test_sac_throughput_baseline_matches_and_train_events_time_the_loop(tmp_path: Path, monkeypatch) -> None:
-    """benchmarks/sac_throughput.py's pieces: the baseline's update equals hpcrl's, and its timings of
+    """benchmarks/sac/sac_throughput.py's pieces: the baseline's update equals hpcrl's, and its timings of
     hpcrl.sac.train come from the events hook (one UpdatesDone per learning env step, the rows' sps)."""
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks" / "sac"))
     for k in [k for k in os.environ if k.startswith("SLURM_")]:
         monkeypatch.delenv(k)
     import sac_throughput as st
@@ -200,7 +201,7 @@ def test_sac_throughput_baseline_matches_and_train_events_time_the_loop(tmp_path
 
 def test_weight_publish_quick_delivers_with_both_transports(tmp_path: Path) -> None:
     out = tmp_path / "weight_publish.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "weight_publish.py"), "--quick", "--reps", "2",
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "ppo" / "weight_publish.py"), "--quick", "--reps", "2",
                            "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -216,7 +217,7 @@ def test_weight_publish_quick_delivers_with_both_transports(tmp_path: Path) -> N
 
 def test_checkpoint_size_writes_the_filled_part_only(tmp_path: Path) -> None:
     out = tmp_path / "checkpoint_size.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "checkpoint_size.py"), "--envs", "64", "--slots",
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "sac" / "checkpoint_size.py"), "--envs", "64", "--slots",
                            "512", "--steps", "8", "--json", str(out)], cwd=REPO, capture_output=True, text=True,
                           timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -227,7 +228,7 @@ def test_checkpoint_size_writes_the_filled_part_only(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- scaling sweeps (pure parts, no subprocess)
 
-from benchmarks import scaling  # noqa: E402
+from benchmarks.comm import scaling  # noqa: E402
 
 
 def test_scaling_topology_and_worlds_parsing() -> None:
@@ -294,7 +295,7 @@ def test_scaling_doc_validates_and_reports(tmp_path: Path) -> None:
     assert schema.validate(doc) == []
     assert doc["figures"]["sac_weak_w2_efficiency"]["value"] == 0.75 and "ppo_4x2_samples_per_s" in doc["figures"]
     (tmp_path / "scaling.json").write_text(json.dumps(doc))
-    from benchmarks.report import write_report
+    from benchmarks.common.report import write_report
 
     rep = write_report(tmp_path).read_text()
     for needle in ("## Scaling sweeps", "| weak | 2 |", "| 4:2* |", "measured vs modelled"):
@@ -332,9 +333,9 @@ def test_scaling_launcher_from_slurm_and_srun_prefix() -> None:
 
 
 def test_learning_quick_writes_curves(tmp_path: Path) -> None:
-    """benchmarks/learning.py --quick: FastSAC (CLI) and the CleanRL-style baseline on HalfCheetah at equal
+    """benchmarks/sac/learning.py --quick: FastSAC (CLI) and the CleanRL-style baseline on HalfCheetah at equal
     samples, tiny sizes, in seconds (Playground is skipped under --quick: its JAX compilation alone is ~40 s)."""
-    proc = subprocess.run([sys.executable, "benchmarks/learning.py", "--quick", "--out", str(tmp_path / "out"),
+    proc = subprocess.run([sys.executable, "benchmarks/sac/learning.py", "--quick", "--out", str(tmp_path / "out"),
                            "--work", str(tmp_path / "runs")], cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

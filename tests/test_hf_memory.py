@@ -6,7 +6,7 @@ real transformers models built small and saved with ``save_pretrained``.
   bit for bit: untied / tied embeddings (Llama, GPT-2's ``transformer.`` prefix), non-persistent rotary
   buffers, LoRA adapters and the value head (fresh, from the seed), a bf16-stored model under
   ``--hf.dtype auto`` (bf16) and ``fp32`` (upcast), over 3 ranks (uneven dim-0 chunks);
-* per-trainer peak RSS (benchmarks/hf_memory.py's ranks: Replica.build + one update) falls with N
+* per-trainer peak RSS (benchmarks/hf/hf_memory.py's ranks: Replica.build + one update) falls with N
   trainers as 1/N of the model part;
 * under a per-trainer memory cap (RLIMIT_DATA) the full-model path fails and the sharded one trains.
 """
@@ -128,7 +128,7 @@ def test_dtype_auto_is_the_stored_dtype_and_fp16_is_refused(tmp_path):
 
 
 def _bench():
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path.insert(0, str(REPO / "benchmarks" / "hf"))
     import hf_memory
 
     return hf_memory

@@ -663,7 +663,7 @@ def test_help_lists_the_typed_hf_options(tmp_path):
 @pytest.mark.slow
 def test_generate_benchmark_quick_writes_json(tmp_path):
     out = tmp_path / "hf_generate.json"
-    proc = subprocess.run([sys.executable, str(TESTS.parent / "benchmarks" / "hf_generate.py"), "--quick", "--json",
+    proc = subprocess.run([sys.executable, str(TESTS.parent / "benchmarks" / "hf" / "hf_generate.py"), "--quick", "--json",
                            str(out)], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -675,7 +675,7 @@ def test_generate_benchmark_quick_writes_json(tmp_path):
 @pytest.mark.parametrize("bench", ["hf_generate_buckets", "hf_trim_padding"])
 def test_generation_bucket_and_trainer_padding_benchmarks_quick_write_json(tmp_path, bench):
     out = tmp_path / f"{bench}.json"
-    proc = subprocess.run([sys.executable, str(TESTS.parent / "benchmarks" / f"{bench}.py"), "--quick", "--json",
+    proc = subprocess.run([sys.executable, str(TESTS.parent / "benchmarks" / "hf" / f"{bench}.py"), "--quick", "--json",
                            str(out)], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import schema
+from benchmarks.common import schema
 from test_slurm import FINAL_STATES, REPO, cluster, job_env, job_fields, needs_slurm, wait_for  # noqa: F401
 
 pytestmark = pytest.mark.timeout(720)

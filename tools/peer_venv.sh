@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# .venv-peers: the peers' own venv for benchmarks/vs_cleanrl.py (CleanRL's SAC needs gymnasium 0.29's
+# .venv-peers: the peers' own venv for benchmarks/sac/vs_cleanrl.py (CleanRL's SAC needs gymnasium 0.29's
 # vector-env API and numpy<2, which the main venv's gymnasium 1.x cannot give).
+# CleanRL's script itself is not installed: benchmarks/peers/cleanrl_source.py gets it at run time.
 # Usage: bash tools/peer_venv.sh   (idempotent: a complete venv is left as it is)
 set -euo pipefail
 cd "$(dirname "$0")/.."

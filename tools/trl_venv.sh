@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # .venv-trl: TRL's own venv for benchmarks/peers/run_trl.py (the GRPOTrainer peer of
-# benchmarks/hf_learning.py), so TRL's pins (transformers, accelerate, datasets) never touch .venv.
+# benchmarks/hf/hf_learning.py), so TRL's pins (transformers, accelerate, datasets) never touch .venv.
 # Usage: bash tools/trl_venv.sh   (idempotent: a complete venv is left as it is; offline: pip's config
 # reads the local wheels and the local PyPI mirror, as tools/setup_env.sh does)
 set -euo pipefail

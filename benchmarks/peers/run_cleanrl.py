@@ -1,10 +1,11 @@
 #!/usr/bin/env python
-"""Run CleanRL's vendored, unmodified ``sac_continuous_action.py`` and evaluate it on the way.
+"""Run CleanRL's unmodified ``sac_continuous_action.py`` and evaluate it on the way.
 
-    .venv-peers/bin/python benchmarks/peers/run_cleanrl.py --out CURVE.json --eval-every N
+    .venv-peers/bin/python benchmarks/peers/run_cleanrl.py --cleanrl-src DIR --out CURVE.json --eval-every N
         --eval-episodes E [--threads T] -- --env-id HalfCheetah-v4 --total-timesteps N --no-cuda --seed K
 
-Runs in the peer venv (gymnasium 0.29.1, numpy<2), not the main one: it imports nothing of hpcrl.
+Runs in the peer venv (gymnasium 0.29.1, numpy<2), not the main one: it imports nothing of hpcrl. ``DIR`` is
+CleanRL's source as benchmarks/peers/cleanrl_source.py located and checked it (the caller's job).
 The script is run with ``runpy.run_path`` as ``__main__`` with its own command line (the flags after
 ``--``). Its TensorBoard writer is hooked, not the script: when the script logs a scalar at a
 ``global_step`` that crosses an eval point (every ``--eval-every`` env steps), the hook takes the
@@ -26,8 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-SCRIPT = HERE / "cleanrl" / "cleanrl" / "sac_continuous_action.py"
+SCRIPT = "cleanrl/sac_continuous_action.py"  # in the source folder
 EVAL_SEED = 10_000  # eval envs' seeds: EVAL_SEED + seed + i, away from the training env's seed
 
 
@@ -151,6 +151,7 @@ def script_flag(argv: list[str], name: str, default: str) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cleanrl-src", required=True, help="CleanRL's source folder (checked by the caller)")
     p.add_argument("--out", required=True, help="the curve's JSON")
     p.add_argument("--eval-every", type=int, required=True, help="env steps between evals")
     p.add_argument("--eval-episodes", type=int, default=5)
@@ -165,11 +166,13 @@ def main() -> int:
                   int(script_flag(script_argv, "--seed", "1")))
     install_hooks(curve)
     out = Path(args.out).resolve()
-    sys.path.insert(0, str(SCRIPT.parent.parent))  # the script's `from cleanrl_utils.buffers import ...`
-    sys.argv = [str(SCRIPT), *script_argv]
+    src = Path(args.cleanrl_src).resolve()
+    script = src / SCRIPT
+    sys.path.insert(0, str(src))  # the script's `from cleanrl_utils.buffers import ...`
+    sys.argv = [str(script), *script_argv]
     os.makedirs(args.workdir, exist_ok=True)
     os.chdir(args.workdir)
-    runpy.run_path(str(SCRIPT), run_name="__main__")
+    runpy.run_path(str(script), run_name="__main__")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"env_id": curve.env_id, "seed": curve.seed, "script_argv": script_argv,
                                "threads": args.threads, "eval_every": args.eval_every,

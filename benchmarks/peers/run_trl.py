@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""TRL's ``GRPOTrainer`` on the hf learning benchmark's task: the peer of ``benchmarks/hf_learning.py``.
+"""TRL's ``GRPOTrainer`` on the hf learning benchmark's task: the peer of ``benchmarks/hf/hf_learning.py``.
 
 Run in TRL's own venv (``bash tools/trl_venv.sh`` makes ``.venv-trl``), as a process of its own:
 

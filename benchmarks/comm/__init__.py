@@ -1,0 +1,1 @@
+"""Communication benchmarks: collectives sweep, alpha-beta cost model, scaling sweeps."""

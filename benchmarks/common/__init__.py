@@ -1,0 +1,1 @@
+"""Shared pieces of the benchmark suite: timing, the JSON schema, report, compare, paths."""

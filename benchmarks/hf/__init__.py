@@ -1,0 +1,1 @@
+"""Benchmarks of the Hugging Face (RLHF) workload."""

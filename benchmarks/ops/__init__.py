@@ -1,0 +1,1 @@
+"""Kernel and replay-sampling benchmarks of hpcrl._C."""

@@ -1,0 +1,1 @@
+"""Detached-PPO benchmarks: throughput, weight publish, a frozen maker."""

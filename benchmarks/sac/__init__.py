@@ -1,0 +1,1 @@
+"""FastSAC benchmarks: update ladder, throughput, learning curves, hpcrl vs the real CleanRL."""
