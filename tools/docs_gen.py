@@ -121,12 +121,12 @@ def config_page() -> str:
            "text. Values come from, lowest first: the preset (`--preset`, FastSAC), a config file (`--config`,",
            "FastSAC: YAML or JSON, e.g. a run's `config.json`), the flags. A bad value exits 2 with one line",
            "naming the flag and a value that works.", "",
-           "## FastSAC: `python -m hpcrl.sac`", "", f"`{SACConfig.__module__}.SACConfig`. "
+           "## FastSAC", "", f"`.venv/bin/python -m hpcrl.sac`: `{SACConfig.__module__}.SACConfig`. "
            + _cell(inspect.getdoc(SACConfig) or ""), "", "### Presets", "", *_presets_table(), "### Flags", ""]
     rows, _ = flag_rows(SACConfig)
     out += _table(rows)
-    out += ["## Detached PPO: `python -m hpcrl.ppo`", "",
-            f"`{DetachedConfig.__module__}.DetachedConfig`. Workload options and the PPO hyper-parameters are",
+    out += ["## Detached PPO", "",
+            f"`.venv/bin/python -m hpcrl.ppo`: `{DetachedConfig.__module__}.DetachedConfig`. Workload options and the PPO hyper-parameters are",
             "nested groups (`--env.num-envs 16`, `--hf.model DIR`, `--ppo.lr 1e-3`). A `package.module:Class`",
             "workload takes its constructor's typed arguments as further flags "
             "(`--workload pkg.mod:Cls --help` lists them).", "", "### Run and topology", ""]
