@@ -35,9 +35,14 @@ def figure(data: dict, name: str) -> float:
     return float(data["figures"][name]["value"])
 
 
+SCRIPT_NAMES = {"kernels": "op_kernels"}
+"""Benchmarks whose JSON names them otherwise than their script."""
+
+
 def script(benchmark: str) -> Path | None:
     """The script that writes a benchmark's JSON, wherever under ``benchmarks/`` it lives."""
-    found = sorted(p for p in (ROOT / "benchmarks").rglob(f"{benchmark}.py") if "peers" not in p.parts)
+    name = SCRIPT_NAMES.get(benchmark, benchmark)
+    found = sorted(p for p in (ROOT / "benchmarks").rglob(f"{name}.py") if "peers" not in p.parts)
     return found[0] if found else None
 
 
@@ -58,11 +63,11 @@ HEADLINE: list[tuple[str, str, str, Callable[[dict], str]]] = [
      lambda d: f"**{figure(d, 'pendulum_time_to_solve_speedup'):.1f}× faster** "
                f"({figure(d, 'pendulum_time_to_solve_hpcrl_wall_s'):.1f} s vs "
                f"{figure(d, 'pendulum_time_to_solve_cleanrl_wall_s'):.1f} s)"),
-    ("HalfCheetah-v5, wall time to CleanRL's 50k-step return (1 rank)", "vs_cleanrl.json", "vs_cleanrl",
+    ("HalfCheetah-v5, 2 seeds: wall time to CleanRL's 50k-step return (1 rank)", "vs_cleanrl.json", "vs_cleanrl",
      lambda d: f"**{figure(d, 'halfcheetah_time_to_cleanrl_final_ratio'):.2f}×** "
                f"({figure(d, 'halfcheetah_time_to_cleanrl_final_hpcrl_wall_s'):.0f} s vs "
                f"{figure(d, 'halfcheetah_time_to_cleanrl_final_cleanrl_wall_s'):.0f} s)"),
-    ("HalfCheetah-v5, eval return at 50k steps, hpcrl / CleanRL", "vs_cleanrl.json", "vs_cleanrl",
+    ("HalfCheetah-v5, 2 seeds: eval return at 50k steps, hpcrl / CleanRL", "vs_cleanrl.json", "vs_cleanrl",
      lambda d: f"{figure(d, 'halfcheetah_at_50000_hpcrl'):,.0f} / {figure(d, 'halfcheetah_at_50000_cleanrl'):,.0f}"),
     ("FastSAC update, pendulum preset: `--compile` vs eager (flat parameters)", "sac_ladder_pendulum_stored.json",
      "sac_ladder",
@@ -79,14 +84,15 @@ HEADLINE: list[tuple[str, str, str, Callable[[dict], str]]] = [
 ]
 
 
-def headline_table() -> str:
-    """The README's table: each figure linked to its script and its JSON (paths from the repository root)."""
+def headline_table(base: str = "") -> str:
+    """The README's table: each figure linked to its script and its JSON (``base`` + the path from the
+    repository root: "" in the README, "../" on a docs page)."""
     out = ["| figure | measured | script | JSON |", "|---|---|---|---|"]
     for what, name, bench, value in HEADLINE:
         src = script(bench)
-        src_link = f"[{src.name}]({src.relative_to(ROOT).as_posix()})" if src else f"`{bench}`"
+        src_link = f"[{src.name}]({base}{src.relative_to(ROOT).as_posix()})" if src else f"`{bench}`"
         out.append(f"| {what} | {value(load(name))} | {src_link} | "
-                   f"[{name}](benchmarks/results/{name}) |")
+                   f"[{name}]({base}benchmarks/results/{name}) |")
     return "\n".join(out) + "\n"
 
 
@@ -98,8 +104,8 @@ def loads(data: Any, key: str = "") -> list[float]:
     """Every 1-minute load average recorded anywhere in a result (``loadavg_start``, ``load_before``, ...)."""
     if isinstance(data, dict):
         return [x for k, v in data.items() for x in loads(v, k)]
-    if "load" in key and "cores" not in key:
-        if isinstance(data, (int, float)) and not isinstance(data, bool):
+    if key.startswith("load") and not isinstance(data, bool):
+        if isinstance(data, (int, float)):
             return [float(data)]
         if isinstance(data, list) and data:
             return loads(data[0], key) if isinstance(data[0], list) else (
@@ -109,27 +115,57 @@ def loads(data: Any, key: str = "") -> list[float]:
     return []
 
 
+def _scalar(v: Any) -> bool:
+    return v is None or isinstance(v, (int, float, bool)) or (isinstance(v, str) and len(v) <= 40)
+
+
 def flat(data: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    """The scalar leaves of a result as (dotted name, value); long lists of numbers are left to the JSON."""
+    """The scalar leaves of a summary as (dotted name, value); lists (per-repeat and per-seed detail) are left
+    to the JSON."""
     if isinstance(data, dict):
         return [kv for k, v in data.items() for kv in flat(v, f"{prefix}.{k}" if prefix else str(k))]
-    if isinstance(data, list):
-        if all(isinstance(v, (int, float)) for v in data) and len(data) > 4:
-            return []
-        return [kv for i, v in enumerate(data) for kv in flat(v, f"{prefix}[{i}]")]
-    if isinstance(data, (int, float, bool)) or (isinstance(data, str) and len(data) <= 40):
-        return [(prefix, data)]
-    return []
+    return [(prefix, data)] if _scalar(data) and data is not None and not isinstance(data, list) else []
 
 
-def figures_rows(data: dict) -> list[tuple[str, str, str]]:
-    """(name, value, unit) of a result: its ``figures`` (the common schema), else its summary."""
+def _value(v: Any) -> str:
+    return "—" if v is None else _num(v) if isinstance(v, (int, float)) else str(v)
+
+
+def _summary_table(data: dict) -> list[str]:
+    rows = flat(data)
+    out = ["| figure | value |", "|---|---|"]
+    out += [f"| `{k}` | {_value(v)} |" for k, v in rows[:MAX_FIGURES]]
+    if len(rows) > MAX_FIGURES:
+        out.append(f"| … | {len(rows) - MAX_FIGURES} more in the JSON |")
+    return out if rows else []
+
+
+def _rows_table(rows: list[dict]) -> list[str]:
+    """One line per row of a benchmark's sweep; its scalar columns (nested ones dotted), at most 12."""
+    flats = [dict(flat(r)) for r in rows if isinstance(r, dict)]
+    columns: list[str] = []
+    for r in flats:
+        columns += [k for k in r if k not in columns]
+    columns = columns[:12]
+    if not columns:
+        return []
+    out = ["| " + " | ".join(f"`{c}`" for c in columns) + " |", "|" + "---|" * len(columns)]
+    out += ["| " + " | ".join(_value(r.get(c)) for c in columns) + " |" for r in flats[:MAX_FIGURES]]
+    return out
+
+
+def figures_tables(data: dict) -> list[str]:
+    """A result's figures: its ``figures`` (the common schema), else its summary and its sweep's rows."""
     if "figures" in data:
-        return [(k, _num(f["value"]), f.get("unit", "")) for k, f in data["figures"].items()]
-    for key in ("summary", "targets", "rows", "results", "ratio"):
-        if key in data:
-            return [(k, _num(v) if isinstance(v, (int, float)) else str(v), "") for k, v in flat(data[key])]
-    return []
+        out = ["| figure | value | unit |", "|---|---|---|"]
+        return out + [f"| `{k}` | {_num(f['value'])} | {f.get('unit', '')} |" for k, f in data["figures"].items()]
+    out: list[str] = []
+    for key in ("summary", "targets", "ratio", "rows", "results", "publish"):
+        part = data.get(key)
+        table = _summary_table(part) if isinstance(part, dict) else _rows_table(part) if isinstance(part, list) else []
+        if table:
+            out += [f"`{key}`:", "", *table, ""]
+    return out
 
 
 def pngs() -> dict[str, list[str]]:
@@ -152,17 +188,14 @@ def _section(path: Path, images: list[str]) -> list[str]:
     out = [f"## {path.stem}", "",
            f"[`{path.name}`](../benchmarks/results/{path.name})"
            + (f" from [`{src.relative_to(ROOT).as_posix()}`](../{src.relative_to(ROOT).as_posix()})" if src else ""),
-           "", f"- date: {str(m.get('date', '?'))[:16].replace('T', ' ')}",
-           f"- machine: {m.get('cpu_model', '?')}, {m.get('cpu_count', '?')} cores, device {m.get('device', '?')}, "
-           f"torch {m.get('torch', '?')}" + (f", world size {m['world_size']}" if "world_size" in m else ""),
-           f"- load (1-min average): {_num(min(lo))}–{_num(max(lo))}" if lo else "- load: not recorded", ""]
-    rows = figures_rows(data)
-    if rows:
-        out += ["| figure | value | unit |", "|---|---|---|"]
-        out += [f"| `{k}` | {v} | {u} |" for k, v, u in rows[:MAX_FIGURES]]
-        if len(rows) > MAX_FIGURES:
-            out.append(f"| … | {len(rows) - MAX_FIGURES} more in the JSON | |")
-        out.append("")
+           "", f"- date: {str(m['date'])[:16].replace('T', ' ')}" if "date" in m else "- date: not recorded",
+           (f"- machine: {m.get('cpu_model', '?')}, {m.get('cpu_count', '?')} cores, device {m.get('device', '?')}, "
+            f"torch {m.get('torch', '?')}" + (f", world size {m['world_size']}" if "world_size" in m else ""))
+           if m else "- machine: not recorded (each run in the JSON carries its command and load)",
+           (f"- load (1-min average): {_num(min(lo))}" + (f"–{_num(max(lo))}" if max(lo) > min(lo) else ""))
+           if lo else "- load: not recorded", ""]
+    out += figures_tables(data)
+    out += [""] if out[-1] else []
     out += [f"![{name}](../benchmarks/results/{name})\n" for name in images]
     return out
 
@@ -175,10 +208,10 @@ def results_page() -> str:
            "Every figure below is read from the JSON a benchmark wrote (machine, load and configuration in its",
            "header); `.venv/bin/python tools/docs_gen.py` rewrites this page. Which claim each script backs, and",
            "the command that reproduces it: `benchmarks/README.md`. What the numbers mean,",
-           "by topic: [Benchmarks](benchmarks.md). Runs in subfolders of `benchmarks/results/` (per-seed parts of",
-           "the CleanRL comparisons) are merged into the files below.", "",
+           "by topic: [Benchmarks](benchmarks.md). The subfolders of `benchmarks/results/` hold the per-seed parts",
+           "of the CleanRL comparisons and before/after pairs; the sections below are the top-level files.", "",
            "Unless a section says otherwise the machine is a shared 2-core CPU VM without a GPU: read ratios,",
-           "not absolutes, and the load next to each.", ""]
+           "not absolutes, and the load next to each.", "", "## Headline", "", headline_table("../")]
     for path in current:
         out += _section(path, images.get(path.stem, []))
     out += ["## Earlier runs", "", "Replaced by a later run of the same benchmark (kept as history; not quoted):", ""]
