@@ -87,12 +87,11 @@ HEADLINE: list[tuple[str, str, str, Callable[[dict], str]]] = [
 def headline_table(base: str = "") -> str:
     """The README's table: each figure linked to its script and its JSON (``base`` + the path from the
     repository root: "" in the README, "../" on a docs page)."""
-    out = ["| figure | measured | script | JSON |", "|---|---|---|---|"]
+    out = ["| figure | measured | from |", "|---|---|---|"]
     for what, name, bench, value in HEADLINE:
         src = script(bench)
         src_link = f"[{src.name}]({base}{src.relative_to(ROOT).as_posix()})" if src else f"`{bench}`"
-        out.append(f"| {what} | {value(load(name))} | {src_link} | "
-                   f"[{name}]({base}benchmarks/results/{name}) |")
+        out.append(f"| {what} | {value(load(name))} | {src_link} → [JSON]({base}benchmarks/results/{name}) |")
     return "\n".join(out) + "\n"
 
 
