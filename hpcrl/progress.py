@@ -13,8 +13,8 @@ import math
 import os
 from typing import Any, Iterable, Mapping
 
-__all__ = ["duration", "value", "fit", "progress_fields", "recent_rate", "summary_lines", "short_path", "early_stop_line",
-           "LOG_WIDTH"]
+__all__ = ["duration", "value", "fit", "progress_fields", "recent_rate", "summary_lines", "short_path",
+           "early_stop_line", "LOG_WIDTH"]
 
 # Files and Slurm logs get lines this wide at most: the leading fields, then whatever else fits
 # (metrics.jsonl holds every value; a log line is for reading).

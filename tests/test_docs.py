@@ -66,7 +66,8 @@ def test_every_flag_that_help_lists_is_in_the_reference(module):
 def test_the_headline_table_links_each_figure_to_its_script_and_json():
     readme = docs_gen.README.read_text()
     block = readme.split(docs_gen.BEGIN, 1)[1].split(docs_gen.END, 1)[0]
-    rows = [r for r in block.splitlines() if r.startswith("| ") and not r.startswith("| figure")]  # | what | value | script → JSON |
+    # | what | value | script → JSON |
+    rows = [r for r in block.splitlines() if r.startswith("| ") and not r.startswith("| figure")]
     assert 1 <= len(rows) <= 8
     for row in rows:
         links = re.findall(r"\]\(([^)]+)\)", row)

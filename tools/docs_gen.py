@@ -126,9 +126,9 @@ def config_page() -> str:
     rows, _ = flag_rows(SACConfig)
     out += _table(rows)
     out += ["## Detached PPO", "",
-            f"`.venv/bin/python -m hpcrl.ppo`: `{DetachedConfig.__module__}.DetachedConfig`. Workload options and the PPO hyper-parameters are",
-            "nested groups (`--env.num-envs 16`, `--hf.model DIR`, `--ppo.lr 1e-3`). A `package.module:Class`",
-            "workload takes its constructor's typed arguments as further flags "
+            f"`.venv/bin/python -m hpcrl.ppo`: `{DetachedConfig.__module__}.DetachedConfig`. Workload options and",
+            "the PPO hyper-parameters are nested groups (`--env.num-envs 16`, `--hf.model DIR`, `--ppo.lr 1e-3`).",
+            "A `package.module:Class` workload takes its constructor's typed arguments as further flags",
             "(`--workload pkg.mod:Cls --help` lists them).", "", "### Run and topology", ""]
     rows, groups = flag_rows(DetachedConfig)
     out += _table(rows)
