@@ -72,7 +72,8 @@ HEADLINE: list[tuple[str, str, str, Callable[[dict], str]]] = [
     ("FastSAC update, pendulum preset: `--compile` vs eager (flat parameters)", "sac_ladder_pendulum_stored.json",
      "sac_ladder",
      lambda d: f"{figure(d, 'pendulum_compiled_update_s') * 1e3:.2f} ms vs "
-               f"{figure(d, 'pendulum_flat_update_s') * 1e3:.2f} ms (**{figure(d, 'pendulum_compiled_vs_flat'):.2f}×**)"),
+               f"{figure(d, 'pendulum_flat_update_s') * 1e3:.2f} ms "
+               f"(**{figure(d, 'pendulum_compiled_vs_flat'):.2f}×**)"),
     ("FastSAC update time, 2 ranks vs 1 at the same global batch (pendulum preset)",
      "sac_ladder_world_pendulum_shm.json", "sac_ladder", lambda d: f"{figure(d, 'pendulum_w2_vs_w1'):.2f}×"),
     ("Detached PPO 1:1, lag 1 vs lag 0 (40 ms rollout, 40 ms update)", "ppo_throughput.json", "ppo_throughput",
