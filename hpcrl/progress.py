@@ -1,5 +1,5 @@
-"""The progress display's text, as pure functions (no I/O, no clock): :class:`hpcrl.metrics.RunLogger`
-prints what these return.
+"""The progress display's text, as pure functions (no I/O, no clock; the closing lines read the working
+directory unless given one): :class:`hpcrl.metrics.RunLogger` prints what these return.
 
 A progress line is a list of ``name=value`` fields in priority order (progress, eval return, the last
 known episode return and its age, throughput, ETA, then the row's other values). On a terminal the
@@ -10,10 +10,11 @@ Slurm log (``width=None``) every field is kept.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Iterable, Mapping
 
-__all__ = ["duration", "value", "fit", "progress_fields", "recent_rate", "summary_lines", "early_stop_line",
-           "LOG_WIDTH"]
+__all__ = ["duration", "value", "fit", "progress_fields", "recent_rate", "summary_lines", "short_path",
+           "early_stop_line", "LOG_WIDTH"]
 
 # Files and Slurm logs get lines this wide at most: the leading fields, then whatever else fits
 # (metrics.jsonl holds every value; a log line is for reading).
@@ -97,16 +98,27 @@ def recent_rate(points: "list[tuple[float, float]]") -> float | None:
 
 
 def summary_lines(elapsed_s: float, results: Mapping[str, Any], paths: Mapping[str, Any], *,
-                  stopped: str | None = None) -> list[str]:
+                  stopped: str | None = None, cwd: str | None = None) -> list[str]:
     """The last lines of a run: ``done in 1m02s: eval_return=-198.3`` (``stopped (SIGTERM) after 2s:
-    ...; resume with --resume`` for an interrupted run), then ``checkpoint DIR, metrics FILE`` on a
-    line of its own, so the first fits a terminal and no path is ever cut. ``results`` are values
-    (None/NaN skipped), ``paths`` where things are (empty ones skipped)."""
+    ...; resume with --resume`` for an interrupted run), then one line per place, ``checkpoint DIR``,
+    ``metrics FILE``, so each fits a terminal and no path is ever cut. ``results`` are values
+    (None/NaN skipped), ``paths`` where things are (empty ones skipped), shown relative to ``cwd``
+    (default: the working directory) where that is shorter."""
     parts = [f"{k}={value(v)}" for k, v in results.items() if v is not None and not _nan(v)]
     head = (f"stopped ({stopped}) after {duration(elapsed_s)}" if stopped else f"done in {duration(elapsed_s)}")
     head += (": " + ", ".join(parts) if parts else "") + ("; resume with --resume" if stopped else "")
-    where = ", ".join(f"{k} {p}" for k, p in paths.items() if p)
-    return [head, where] if where else [head]
+    base = os.getcwd() if cwd is None else cwd
+    return [head, *(f"{k} {short_path(p, base)}" for k, p in paths.items() if p)]
+
+
+def short_path(path: Any, cwd: str) -> str:
+    """``path`` relative to ``cwd`` where that is shorter (``runs/p/metrics.jsonl``), else as given."""
+    text = str(path)
+    try:
+        rel = os.path.relpath(os.path.join(cwd, text), cwd)
+    except ValueError:  # another drive (Windows)
+        return text
+    return rel if len(rel) < len(text) else text
 
 
 def early_stop_line(reason: str, *, key: str, at: Any, total: int, elapsed_s: float) -> str:

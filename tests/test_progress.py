@@ -69,7 +69,12 @@ def test_duration(seconds, text):
 def test_summary_and_early_stop_lines():
     paths = {"checkpoint": "runs/a/checkpoints/step_1", "metrics": "runs/a/metrics.jsonl", "policy": None}
     lines = progress.summary_lines(62, {"eval_return": -198.345, "best": None, "x": math.nan}, paths)
-    assert lines == ["done in 1m02s: eval_return=-198.3", "checkpoint runs/a/checkpoints/step_1, metrics runs/a/metrics.jsonl"]
+    assert lines == ["done in 1m02s: eval_return=-198.3", "checkpoint runs/a/checkpoints/step_1",
+                     "metrics runs/a/metrics.jsonl"]
+    # one place a line, relative to the working directory where that is shorter, else as given
+    here = progress.summary_lines(1, {}, {"policy": "/home/u/runs/a/final/policy.pt", "metrics": "/tmp/m.jsonl"},
+                                  cwd="/home/u")
+    assert here == ["done in 1s", "policy runs/a/final/policy.pt", "metrics /tmp/m.jsonl"]
     stopped = progress.summary_lines(2, {"updates": 5}, {}, stopped="SIGINT")
     assert stopped == ["stopped (SIGINT) after 2s: updates=5; resume with --resume"]
     stop = progress.early_stop_line("episode_return_recent 480.2 >= --target-return 475", key="updates", at=40,
@@ -88,11 +93,11 @@ def test_run_logger_file_output_is_one_full_line_per_row_and_json_has_no_nan(tmp
     text = out.getvalue()
     lines = text.splitlines()
     assert "\r" not in text and "nan" not in text.lower()
-    assert len(lines) == 5
+    assert len(lines) == 6
     assert "return=-3.5 (1 row ago)" in lines[1] and "return=-3.5 (2 rows ago)" in lines[2]
     assert "critic_loss" not in lines[1] and "critic_loss=0.5" in lines[2]  # inf is missing, not "-"
     assert lines[3] == "hpcrl: done in 0s: eval_return=-2"
-    assert lines[4] == f"hpcrl: checkpoint {tmp_path / 'checkpoints'}, metrics {tmp_path / 'metrics.jsonl'}"
+    assert lines[4:] == [f"hpcrl: checkpoint {tmp_path / 'checkpoints'}", f"hpcrl: metrics {tmp_path / 'metrics.jsonl'}"]
     raw = (tmp_path / "metrics.jsonl").read_text()
     rows = [json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}")) for line in
             raw.splitlines()]

@@ -14,7 +14,7 @@ pip install -q torch==2.13.0 numpy setuptools wheel ninja pybind11
 # The build's output is kept: torch failing to load numpy while the extension builds means a broken
 # numpy in this venv (the build goes on and prints BuildBackendWarning), so setup stops there.
 build_log=$(mktemp); trap 'rm -f "$build_log"' EXIT
-pip install -q --no-build-isolation -e ".[dev,tb,gym,mpi,export,video,plot,wandb,playground,hf]" "torch==2.13.0" \
+pip install -q --no-build-isolation -e ".[dev,tb,gym,mpi,export,video,plot,wandb,playground,hf,docs]" "torch==2.13.0" \
   2>&1 | tee "$build_log"
 if grep -q "Failed to initialize NumPy" "$build_log"; then
   echo "setup_env: torch could not load numpy while hpcrl._C built (see above); fix numpy in .venv" \
