@@ -156,8 +156,8 @@ class HFWorkload(HFOptions, Workload):
     def rank_modules(self) -> tuple[str, ...]:
         """This module, the models' modeling code (transformers imports it on first use: ~1-2 s a rank)
         and peft with LoRA."""
-        modeling = [f"transformers.models.{t}.modeling_{t}" for t in (m.replace("-", "_") for m in
-                                                                       self.models.model_types)]
+        types = (m.replace("-", "_") for m in self.models.model_types)
+        modeling = [f"transformers.models.{t}.modeling_{t}" for t in types]
         return (type(self).__module__, *dict.fromkeys(modeling), *(["peft"] if self.options.lora_rank else []))
 
     def publish_tensors(self, model: HFActorCritic) -> list[Tensor]:
