@@ -91,7 +91,7 @@ def test_records_reward_gets_every_field(art):
     assert len(got) == 4 and all(isinstance(r, dict) and r == rows[r["id"]] for r in got), got
     assert set(got[0]) == {"prompt", "answer", "tests", "meta", "id"}
     got[0]["answer"] = "changed"  # a copy: the reward cannot change the dataset
-    assert wl.records[got[0]["id"]]["answer"] == "yes"
+    assert wl.task.records[got[0]["id"]]["answer"] == "yes"
 
 
 def test_prompts_reward_gets_strings(art):
@@ -115,8 +115,8 @@ def test_reward_with_neither_first_parameter_is_one_line(art, tmp_path):
 def test_chat_records_use_the_chat_template(art, tmp_path):
     wl = _wl(art, "prompts_spy", model=str(art["chat_llama"]), prompts=str(art["chat"]))
     want = "system: be brief user: red blue yes"  # TEMPLATE by hand, with the generation prompt
-    assert wl.prompt_texts == [want] * 4
-    assert wl.prompt_ids[0] == wl.tokenizer(want, add_special_tokens=False)["input_ids"]
+    assert wl.task.prompt_texts == [want] * 4
+    assert wl.task.prompt_ids[0] == wl.task.tokenizer(want, add_special_tokens=False)["input_ids"]
     assert _one_batch(wl) == [want] * 4  # a prompts reward gets the text the actor saw
     # a tokenizer without a template: refused, one line, before any rank starts
     with pytest.raises(ConfigError, match="record 0 is chat-format .* no chat template") as err:

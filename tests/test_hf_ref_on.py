@@ -68,7 +68,7 @@ def test_trainer_reference_gives_the_makers_numbers_in_one_process(art, kw, capf
     # ref_logp travels only from makers that compute it; the trainers' model holds the reference instead
     assert all("ref_logp" in k["batch"] and "kl_to_ref_sum" in k["stats"] for k in mkeys)
     assert all("ref_logp" not in k["batch"] and "kl_to_ref_sum" not in k["stats"] for k in tkeys)
-    assert len(mwl._refs) == 1 and not twl._refs  # the maker side loaded no reference
+    assert len(mwl.models.references) == 1 and not twl.models.references  # the maker side loaded no reference
     lines = capfd.readouterr().err.splitlines()
     makers_line, trainers_line = (next(x for x in lines if f"ref_logp on the {m};" in x)
                                   for m in ("makers", "trainers"))

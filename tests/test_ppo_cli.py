@@ -95,7 +95,8 @@ def test_plugin_flags_are_parsed_against_its_constructor(monkeypatch):
     assert cfg.makers == 2 and cfg.plugin_args == ("--rollout-s", "0.05", "--trainable-only", "--samples", "16")
     cfg.check()
     workload, _ = build_workload(cfg)
-    assert (workload.rollout_s, workload.trainable_only, workload.samples) == (0.05, True, 16)
+    plugin = workload.inner  # the plugin itself, adapted onto the Workload contract
+    assert (plugin.rollout_s, plugin.trainable_only, plugin.samples) == (0.05, True, 16)
     # the config a spawned rank or a resume sees carries the same flags
     assert dataclasses.replace(cfg) == cfg and json.loads(json.dumps(dataclasses.asdict(cfg)))["plugin_args"] == \
         list(cfg.plugin_args)

@@ -109,7 +109,7 @@ def test_prompt_stream_shuffles_per_epoch_and_resumes():
 
 def test_models_load_by_path_with_pad_fallback_and_chat_template(art):
     wl = _wl(art)
-    assert wl.tokenizer.pad_token == wl.tokenizer.eos_token and wl.tokenizer.padding_side == "left"
+    assert wl.task.tokenizer.pad_token == wl.task.tokenizer.eos_token and wl.task.tokenizer.padding_side == "left"
     model = wl.build_model(0)
     assert type(model.actor).__name__ == "LlamaForCausalLM"
     assert type(model.critic.backbone).__name__ == "LlamaModel"
@@ -118,9 +118,9 @@ def test_models_load_by_path_with_pad_fallback_and_chat_template(art):
     assert wl.rank_modules() == ("hpcrl.ppo.workloads.hf", type(model.actor).__module__)
     chat = _wl(art, "chat")
     raw = _wl(art, "chat", chat_template=False)
-    yes = chat.tokenizer.convert_tokens_to_ids("yes")
-    assert all(ids[-1] == yes for ids in chat.prompt_ids)  # the template's generation prompt
-    assert all(len(c) == len(r) + 1 for c, r in zip(chat.prompt_ids, raw.prompt_ids))
+    yes = chat.task.tokenizer.convert_tokens_to_ids("yes")
+    assert all(ids[-1] == yes for ids in chat.task.prompt_ids)  # the template's generation prompt
+    assert all(len(c) == len(r) + 1 for c, r in zip(chat.task.prompt_ids, raw.task.prompt_ids))
 
 
 def test_kl_default_follows_the_algorithm_and_a_given_one_is_kept(art):
@@ -143,14 +143,14 @@ def test_generate_left_padding_masks_and_behaviour_logp(art, arch):
     tokens, attn, amask = batch["tokens"], batch["attention_mask"], batch["action_mask"]
     assert tokens.shape == (16, p + g) and amask.shape == (16, g)
     assert torch.equal(attn[:, p:], amask)
-    lengths = [len(wl.prompt_ids[i]) for i in range(len(wl.prompt_ids))]
+    lengths = [len(wl.task.prompt_ids[i]) for i in range(len(wl.task.prompt_ids))]
     assert attn[:, :p].sum(1).min() >= min(lengths) and (attn[:, :p].sum(1) <= p).all()
     # variable-length responses: the mask ends right after the first EOS, and is 1 before it
     resp = tokens[:, p:]
     for r, m in zip(resp, amask):
         n = int(m.sum())
         assert m[:n].all() and not m[n:].any()
-        hits = (r[:n] == wl.eos_id).nonzero()
+        hits = (r[:n] == wl.task.eos_id).nonzero()
         assert (hits.numel() == 0 and n == g) or hits.flatten().tolist() == [n - 1]
     assert stats["env_steps"] == float(amask.sum())
     # padding-invariance: row 0 alone, without left pads, gives the same log-probs (masks and positions real)
@@ -166,30 +166,31 @@ def test_generate_left_padding_masks_and_behaviour_logp(art, arch):
     assert torch.allclose(trainer, batch["behaviour_logp"], atol=1e-5)
     assert torch.allclose(batch["ref_logp"], batch["behaviour_logp"], atol=1e-5)
     # the verifiable reward is computed on the decoded response (special tokens dropped)
-    texts = [wl.tokenizer.decode(r[m > 0].tolist(), skip_special_tokens=True) for r, m in zip(resp, amask)]
+    texts = [wl.task.tokenizer.decode(r[m > 0].tolist(), skip_special_tokens=True) for r, m in zip(resp, amask)]
     assert batch["score"].tolist() == pytest.approx(F.target_fraction([], texts))
 
 
 def test_kv_cache_generate_matches_recompute_greedy(art):
     # top-k 1 is greedy: with and without the KV cache the same tokens must come out
     wl = _wl(art, "gpt2")
+    task = wl.task
     model = wl.build_model(0).actor.eval()
-    ids, mask = left_pad(wl.prompt_ids[:6], wl.max_prompt_tokens, wl.pad_id)
+    ids, mask = left_pad(task.prompt_ids[:6], wl.max_prompt_tokens, task.pad_id)
     params = SamplingParams(max_new_tokens=8, top_k=1)
-    a, am = generate(model, ids, mask.long(), params, wl.eos_id, wl.pad_id, seed=0)
-    b, bm = generate_recompute(model, ids, mask.long(), params, wl.eos_id, wl.pad_id, torch.Generator())
+    a, am = generate(model, ids, mask.long(), params, task.eos_id, task.pad_id, seed=0)
+    b, bm = generate_recompute(model, ids, mask.long(), params, task.eos_id, task.pad_id, torch.Generator())
     assert torch.equal(am, bm) and torch.equal(a * am.long(), b * bm.long())
     # 24 more columns of padding in every row: generate drops them (the same input, bit for bit), and the
     # cache-less loop that keeps them gives the same tokens (positions count real tokens only)
-    wide, wmask = left_pad(wl.prompt_ids[:6], wl.max_prompt_tokens + 24, wl.pad_id)
+    wide, wmask = left_pad(task.prompt_ids[:6], wl.max_prompt_tokens + 24, task.pad_id)
     widths: list[int] = []
     hook = model.register_forward_pre_hook(lambda m, args, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
-    c, cm = generate(model, wide, wmask.long(), SamplingParams(max_new_tokens=8), wl.eos_id, wl.pad_id, seed=3)
+    c, cm = generate(model, wide, wmask.long(), SamplingParams(max_new_tokens=8), task.eos_id, task.pad_id, seed=3)
     hook.remove()
-    assert widths[0] == max(len(row) for row in wl.prompt_ids[:6]) < wl.max_prompt_tokens + 24  # the prefill
-    d, dm = generate(model, ids, mask.long(), SamplingParams(max_new_tokens=8), wl.eos_id, wl.pad_id, seed=3)
+    assert widths[0] == max(len(row) for row in task.prompt_ids[:6]) < wl.max_prompt_tokens + 24  # the prefill
+    d, dm = generate(model, ids, mask.long(), SamplingParams(max_new_tokens=8), task.eos_id, task.pad_id, seed=3)
     assert torch.equal(c, d) and torch.equal(cm, dm)
-    e, em = generate_recompute(model, wide, wmask.long(), params, wl.eos_id, wl.pad_id, torch.Generator())
+    e, em = generate_recompute(model, wide, wmask.long(), params, task.eos_id, task.pad_id, torch.Generator())
     assert torch.equal(em, am) and torch.equal(e * em.long(), a * am.long())
 
 
@@ -198,21 +199,22 @@ def test_generation_in_length_buckets_keeps_each_row_and_trims_each_bucket(art):
     from its own longest prompt; greedy answers are the one-call ones row for row (the rows keep their
     places), sampled ones are reproducible from the seed, and the collector's batch takes the same path."""
     wl = _wl(art, "gpt2")
+    task = wl.task
     model = wl.build_model(0).actor.eval()
-    prompts = [wl.prompt_ids[i] for i in (0, 5, 1, 4, 2, 3)]
-    ids, mask = left_pad(prompts, wl.max_prompt_tokens, wl.pad_id)
+    prompts = [task.prompt_ids[i] for i in (0, 5, 1, 4, 2, 3)]
+    ids, mask = left_pad(prompts, wl.max_prompt_tokens, task.pad_id)
     greedy = SamplingParams(max_new_tokens=8, top_k=1)
-    one, one_mask = generate(model, ids, mask.long(), greedy, wl.eos_id, wl.pad_id, seed=0)
+    one, one_mask = generate(model, ids, mask.long(), greedy, task.eos_id, task.pad_id, seed=0)
     widths: list[int] = []
     hook = model.register_forward_pre_hook(lambda m, args, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
-    three, three_mask = generate_by_length(model, ids, mask.long(), greedy, wl.eos_id, wl.pad_id, 0, buckets=3)
+    three, three_mask = generate_by_length(model, ids, mask.long(), greedy, task.eos_id, task.pad_id, 0, buckets=3)
     hook.remove()
     assert torch.equal(three_mask, one_mask) and torch.equal(three * one_mask.long(), one * one_mask.long())
     lengths = sorted(len(p) for p in prompts)
     assert lengths[1] < lengths[5]  # prompts of unequal length: the buckets' widths differ
     prefills = [w for w in widths if w > 1]  # the steps after a prefill feed one token each
     assert prefills == [lengths[1], lengths[3], lengths[5]], (prefills, lengths)
-    sampled = [generate_by_length(model, ids, mask.long(), SamplingParams(max_new_tokens=8), wl.eos_id, wl.pad_id,
+    sampled = [generate_by_length(model, ids, mask.long(), SamplingParams(max_new_tokens=8), task.eos_id, task.pad_id,
                                   7, buckets=2) for _ in range(2)]
     assert all(torch.equal(a, b) for a, b in zip(*sampled))
     bucketed = _wl(art, "gpt2", generate_buckets=2)
@@ -290,7 +292,7 @@ def test_lora_trains_and_publishes_only_adapters(art):
     # trainer's logits (unmerged peft forward) up to float rounding; merging twice accumulates nothing
     maker = wl.build_model(0)
     pristine = {n: p.detach().clone() for n, p in maker.actor.named_parameters() if "lora_" not in n}
-    ids, mask = left_pad(wl.prompt_ids[:4], 8, wl.pad_id)
+    ids, mask = left_pad(wl.task.prompt_ids[:4], 8, wl.task.pad_id)
     for _ in range(2):
         for dst, src in zip(wl.publish_tensors(maker), wl.publish_tensors(trained)):
             dst.copy_(src)
@@ -320,7 +322,7 @@ def _perturbed(wl: HFWorkload):
 
 
 def _logits(net, wl: HFWorkload) -> torch.Tensor:
-    ids, mask = left_pad(wl.prompt_ids[:3], 8, wl.pad_id)
+    ids, mask = left_pad(wl.task.prompt_ids[:3], 8, wl.task.pad_id)
     with torch.no_grad():
         return net(input_ids=ids, attention_mask=mask.long(), position_ids=position_ids(mask)).logits.float()
 
@@ -363,19 +365,19 @@ def test_save_artifacts_writes_what_save_pretrained_writes_without_building_a_mo
     ref = ref.merge_and_unload() if "lora_rank" in kw else ref
     ref.save_pretrained(tmp_path / "ref")
     ref_files = {p.name for p in (tmp_path / "ref").iterdir()}
-    wl.tokenizer.save_pretrained(tmp_path / "ref")
+    wl.task.tokenizer.save_pretrained(tmp_path / "ref")
     assert {p.name for p in out.iterdir()} == {p.name for p in (tmp_path / "ref").iterdir()}
     assert "model.safetensors" in ref_files
     got, want = _safetensors(out), _safetensors(tmp_path / "ref")
     assert list(got) == list(want) and ("lm_head.weight" in got) == (arch == "llama")
-    assert all(got[k].dtype == want[k].dtype == wl.param_dtype and torch.equal(got[k], want[k]) for k in got)
+    assert all(got[k].dtype == want[k].dtype == wl.models.param_dtype and torch.equal(got[k], want[k]) for k in got)
     for name in ("config.json", "generation_config.json"):
         assert json.loads((out / name).read_text()) == json.loads((tmp_path / "ref" / name).read_text()), name
     loaded = AutoModelForCausalLM.from_pretrained(out)
-    assert loaded.dtype == wl.param_dtype
+    assert loaded.dtype == wl.models.param_dtype
     tol = 2e-2 if kw.get("dtype") == "bf16" else 1e-5
     assert torch.allclose(_logits(loaded, wl), _logits(model.actor, wl), atol=tol)
-    assert AutoTokenizer.from_pretrained(out).eos_token == wl.tokenizer.eos_token
+    assert AutoTokenizer.from_pretrained(out).eos_token == wl.task.tokenizer.eos_token
 
 
 def _dcp_checkpoint(path: Path, model) -> Path:
@@ -606,7 +608,7 @@ def test_bad_inputs_are_one_line_config_errors(art, tmp_path):
     # --truncate-prompts keeps the long prompts' last tokens instead
     wl, _ = _build(["--model", str(art["llama"]), "--reward-fn", REWARD, "--prompts", str(art["long"]),
                     "--max-prompt-tokens", "8", "--truncate-prompts"])
-    assert max(len(p) for p in wl.prompt_ids) == 8
+    assert max(len(p) for p in wl.task.prompt_ids) == 8
 
 
 def _cli(args: list[str], cwd: Path, timeout: float = 240, workload: str = PLUGIN) -> subprocess.CompletedProcess:
@@ -735,7 +737,7 @@ def test_prompts_from_parquet_and_datasets_dir_match_jsonl(art, tmp_path):
 
         datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
         wl = _wl(art, prompts=str(tmp_path / "ds"))
-        assert wl.prompt_texts == want
+        assert wl.task.prompt_texts == want
 
 
 @pytest.mark.slow
@@ -802,15 +804,15 @@ def test_detached_lora_publishes_adapters_and_makers_merge(art, tmp_path):
 def test_reduced_precision_makers_learn_with_a_measured_gap(art, dtype, gap_lo, gap_hi):
     wl = _wl(art, maker_dtype=dtype)
     model = wl.build_model(0)
-    net = wl.maker_actor(model)
-    assert net is not model.actor and wl.maker_actor(model) is net  # cached until the next publish
+    net = wl.models.maker_actor(model)
+    assert net is not model.actor and wl.models.maker_actor(model) is net  # cached until the next publish
     if dtype == "int8":
         assert any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in net.modules())
     else:
         assert next(net.parameters()).dtype == torch.bfloat16
     assert next(model.actor.parameters()).dtype == torch.float32  # the trainer's copy stays fp32
     wl.after_publish(model)
-    assert wl.maker_actor(model) is not net  # re-made from the new full-precision weights
+    assert wl.models.maker_actor(model) is not net  # re-made from the new full-precision weights
     _, hist = _loop(wl, lr=2e-3, iters=16, publish=True)
     gaps = [h["maker_logp_gap"] for h in hist]
     # measured (seed 0, lag 0): int8 0.0044, bf16 0.0016 nats/token; fp32 makers 0. Scores 0.03 -> 0.4-0.8

@@ -15,7 +15,8 @@ from hpcrl.ppo.losses import approx_kl, masked_mean, policy_loss, value_loss
 from hpcrl.ppo.sync import NoGradAverage
 from hpcrl.ppo.update import (Coefs, GradStep, Outputs, Plan, Samples, minibatch_indices, ppo_update,
                               read_stats)
-from hpcrl.ppo.workload import Collector, Learner, PPOConfig, Workload, as_workload
+from hpcrl.ppo.workload import Capabilities, Collector, Learner, PPOConfig, Workload
+from hpcrl.ppo.workload_plugin import as_workload
 from hpcrl.ppo.workloads import make_workload
 
 
@@ -219,6 +220,39 @@ def test_a_duck_typed_plugin_gets_every_hook(capsys):
     collector.assign(3, 0)  # a collector without assign ignores it
     learner = wl.make_learner(model, PPOConfig(), NoGradAverage())
     assert isinstance(learner, Learner) and learner.optimizer is learner.inner.optimizer
+    assert wl.capabilities() == Capabilities()  # no export, built in host memory under fsdp
+    with pytest.raises(ValueError, match="workload 'duck' built its model on the meta device but has no materialize"):
+        wl.materialize(model)
+
+
+def test_a_duck_typed_plugin_declares_what_it_has():
+    """A plugin's optional hooks (a meta build, an export) become its declared capabilities; its own
+    ``capabilities()`` wins where it has one."""
+    saved, filled = [], []
+
+    class Exporting(DuckWorkload):
+        builds_on_meta = True
+
+        def materialize(self, model):
+            filled.append(model)
+
+        def save_artifacts(self, state, out_dir=None):
+            saved.append((sorted(state), out_dir))
+            return "written"
+
+    wl = as_workload(Exporting())
+    assert wl.capabilities() == Capabilities(builds_on_meta=True, saves_artifacts=True)
+    model = wl.build_model(0, torch.device("cpu"))
+    wl.materialize(model)
+    assert filled == [model]
+    assert wl.save_artifacts(model.state_dict()) == "written" and wl.save_artifacts({}, "out") == "written"
+    assert saved == [(["bias", "weight"], None), ([], "out")]
+
+    class Declaring(DuckWorkload):
+        def capabilities(self):
+            return Capabilities(exports_from_shards=True)
+
+    assert as_workload(Declaring()).capabilities() == Capabilities(exports_from_shards=True)
 
 
 def test_a_plugin_missing_methods_is_refused_by_name():
@@ -232,7 +266,7 @@ def test_a_plugin_missing_methods_is_refused_by_name():
 
 def test_built_in_workloads_are_on_the_contract():
     wl = make_workload("cartpole", num_envs=2, rollout_len=4)
-    assert isinstance(wl, Workload) and as_workload(wl) is wl
+    assert isinstance(wl, Workload) and as_workload(wl) is wl and wl.capabilities() == Capabilities()
     assert wl.rank_modules() == (type(wl).__module__,) and wl.rank_modules()[0].startswith("hpcrl.ppo.workloads")
     model = wl.build_model(0, torch.device("cpu"))
     assert isinstance(wl.make_collector(0, torch.device("cpu")), Collector)

@@ -28,6 +28,7 @@ Writes JSON (default ``benchmarks/results/hf_memory.json``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import resource
 import sys
@@ -113,19 +114,20 @@ def rank_main(model_dir: str, warm_dir: str, prompts: str, mode: str, lora: int,
             wl = HFWorkload(model=path, prompts=prompts, reward_fn="hf_fixtures:target_fraction", algo="grpo",
                             group_size=2, batch_size=2, max_prompt_tokens=8, max_new_tokens=8, lora_rank=lora,
                             gradient_checkpointing=checkpointing)
-            if mode == "full":
-                wl.builds_on_meta = False  # the path before the sharded load: build everything, then shard
+            if mode == "full":  # the path before the sharded load: build everything, then shard
+                full = dataclasses.replace(wl.capabilities(), builds_on_meta=False)
+                wl.capabilities = lambda: full
             return wl
 
         # the same path once on the tests' tiny model first: what any run imports or allocates once
         # (modeling code, FSDP and autograd's first calls, gloo buffers) is not the model's part
         tiny = workload(warm_dir)
         warm = Replica.build(cfg, tiny, tiny.default_config(), plane, ctx.device, ctx.rank)
-        warm.learner.update([_batch(len(tiny.tokenizer), 4, 8, 8, seed=1)], warm.generator)
+        warm.learner.update([_batch(len(tiny.task.tokenizer), 4, 8, 8, seed=1)], warm.generator)
         del warm, tiny
         wl = workload(model_dir)
         ppo = wl.default_config()
-        batch = _batch(len(wl.tokenizer), 4, 8, 8, seed=1)
+        batch = _batch(len(wl.task.tokenizer), 4, 8, 8, seed=1)
         with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS: the peak from here on
             f.write("5")
         base = status()

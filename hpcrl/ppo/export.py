@@ -35,6 +35,7 @@ from hpcrl.rundir import RunDirError
 from hpcrl.rundir_reuse import previous_run
 
 from .trainer_checkpoint import DCP_DIR, read_full
+from .workload import Workload
 
 __all__ = ["MARKER", "actor_state", "check_out", "export", "install", "main", "save_artifacts"]
 
@@ -48,18 +49,18 @@ def actor_state(path: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in full["model"].items() if k.startswith("actor.")}
 
 
-def save_artifacts(workload: Any, path: Path, out_dir: Path | None = None) -> Any:
+def save_artifacts(workload: Workload, path: Path, out_dir: Path | None = None) -> Any:
     """Export the model of committed checkpoint ``path``: streamed from its DCP shards through the workload's
-    ``export_checkpoint(dcp_dir, out_dir)`` when it has one (the hf workload: one safetensors file's tensors
-    at a time, nothing kept); else ``workload.save_artifacts`` of the actor's tensors read in full (an older
-    gathered ``learner.pt``: already one file in memory), then released."""
-    stream = getattr(workload, "export_checkpoint", None)
+    ``export_checkpoint(dcp_dir, out_dir)`` where it can (``capabilities().exports_from_shards``; the hf
+    workload: one safetensors file's tensors at a time, nothing kept); else ``workload.save_artifacts`` of
+    the actor's tensors read in full (an older gathered ``learner.pt``: already one file in memory), then
+    released."""
     dcp_dir = Path(path) / DCP_DIR
-    if stream is not None and (dcp_dir / ".metadata").is_file():  # not the older gathered learner.pt
-        return stream(dcp_dir) if out_dir is None else stream(dcp_dir, out_dir)
+    if workload.capabilities().exports_from_shards and (dcp_dir / ".metadata").is_file():  # not a learner.pt
+        return workload.export_checkpoint(dcp_dir, out_dir)
     state = actor_state(path)
     try:
-        return workload.save_artifacts(state) if out_dir is None else workload.save_artifacts(state, out_dir)
+        return workload.save_artifacts(state, out_dir)
     finally:
         del state
 
@@ -96,7 +97,7 @@ def _checkpoint_of(run_dir: Path, step: int | None) -> Path:
                       f"{', '.join(map(str, steps)) or 'none'})")
 
 
-def _workload(run_dir: Path) -> Any:
+def _workload(run_dir: Path) -> Workload:
     try:
         saved = json.loads((run_dir / "config.json").read_text())
     except (OSError, ValueError) as err:

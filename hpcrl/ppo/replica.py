@@ -63,7 +63,7 @@ class Replica:
         # time to the device, so no trainer holds the whole model there)
         where = device
         if cfg.strategy == "fsdp":
-            where = torch.device("meta" if getattr(workload, "builds_on_meta", False) else "cpu")
+            where = torch.device("meta" if workload.capabilities().builds_on_meta else "cpu")
         model = workload.build_model(cfg.seed, where)
         strategy = Strategy(cfg.strategy, model, workload, plane, device, keep=index == 0, offload=cfg.offload,
                             dtype=cfg.trainer_dtype)

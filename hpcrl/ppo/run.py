@@ -23,7 +23,8 @@ from .role_planes import make_role_planes
 from .topology import Topology
 from .trainer import Trainer, run_identity
 from .trainer_checkpoint import upgrade_identity
-from .workload import PPOConfig, Workload, as_workload
+from .workload import PPOConfig, Workload
+from .workload_plugin import as_workload
 
 __all__ = ["ConfigError", "build_workload", "train", "validate"]
 
@@ -31,7 +32,7 @@ __all__ = ["ConfigError", "build_workload", "train", "validate"]
 def build_workload(cfg: DetachedConfig) -> tuple[Workload, PPOConfig]:
     """The workload and its PPO hyper-parameters: a registered name built with ``cfg.env`` / ``cfg.lm``,
     or ``package.module:Class`` built from ``cfg.plugin_args`` parsed against its constructor (tyro) and
-    brought onto the :class:`~hpcrl.ppo.workload.Workload` contract (:func:`~hpcrl.ppo.workload.as_workload`);
+    brought onto the :class:`~hpcrl.ppo.workload.Workload` contract (:func:`~hpcrl.ppo.workload_plugin.as_workload`);
     then ``cfg.ppo``'s overrides on the workload's :meth:`default_config`."""
     if is_plugin(cfg.workload):
         cls = plugin_class(cfg.workload)

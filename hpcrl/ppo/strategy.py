@@ -9,10 +9,10 @@
   memory (``CPUOffloadPolicy``). ``bf16``: FSDP mixed precision (bf16 parameters in compute, fp32
   gradient reduction, fp32 master weights and Adam).
 
-Under fsdp a workload that can (``builds_on_meta``: the hf workload) builds its model with the parameters
-on the ``meta`` device; after ``fully_shard`` each trainer allocates only its shards (``to_empty``; the
-buffers, built for real, are kept) and the workload's ``materialize(model)`` fills them (the hf
-workload: each trainer reads its own dim-0 rows of the weights files). No trainer holds the whole
+Under fsdp a workload that can (``capabilities().builds_on_meta``: the hf workload) builds its model
+with the parameters on the ``meta`` device; after ``fully_shard`` each trainer allocates only its
+shards (``to_empty``; the buffers, built for real, are kept) and the workload's ``materialize(model)``
+fills them (the hf workload: each trainer reads its own dim-0 rows of the weights files). No trainer holds the whole
 model at any point; other workloads are built in host memory and cut by ``fully_shard``.
 
 Both run on the trainers' device plane (NCCL on GPUs, gloo on CPU). The rest of the trainer sees the
@@ -217,18 +217,15 @@ class Strategy:
             self._materialize(model, workload, offload)
 
     def _materialize(self, model: nn.Module, workload: Workload, offload: bool) -> None:
-        """A model built on ``meta`` (:attr:`Workload.builds_on_meta`), now sharded: allocate this rank's
-        shards (host memory with offload) and let the workload fill them. Buffers were built for real
-        (rotary ``inv_freq``, ...) and are not sharded: kept as they are, not re-allocated empty."""
-        fill = getattr(workload, "materialize", None)
-        if fill is None:
-            raise ValueError(f"--strategy fsdp: workload {getattr(workload, 'name', workload)!r} built its model "
-                             "on the meta device but has no materialize(model) to fill the shards")
+        """A model built on ``meta`` (:attr:`Capabilities.builds_on_meta <hpcrl.ppo.workload.Capabilities>`),
+        now sharded: allocate this rank's shards (host memory with offload) and let the workload fill them
+        (:meth:`Workload.materialize`). Buffers were built for real (rotary ``inv_freq``, ...) and are not
+        sharded: kept as they are, not re-allocated empty."""
         buffers = [(m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None]
         model.to_empty(device=torch.device("cpu") if offload else self.device)
         for m, n, b in buffers:
             m._buffers[n] = b.to(self.device)
-        fill(model)
+        workload.materialize(model)
 
     # -- what the trainer calls ------------------------------------------------------------------
     def snapshot(self, tensors: list[Tensor], bucket_numel: int) -> Tensor | None:

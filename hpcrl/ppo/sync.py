@@ -21,7 +21,8 @@ from typing import Any, Callable
 
 import torch
 
-from .workload import PPOConfig, Workload, as_workload
+from .workload import PPOConfig, Workload
+from .workload_plugin import as_workload
 
 
 class NoGradAverage:

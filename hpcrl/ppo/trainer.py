@@ -40,14 +40,6 @@ from .workload import PPOConfig, Workload
 __all__ = ["Trainer", "run_identity"]
 
 
-def _saves_artifacts(workload: Workload) -> bool:
-    """Whether the workload exports anything after a checkpoint (else no state is read back for it)."""
-    hooks = getattr(workload, "_hooks", None)
-    if isinstance(hooks, dict):  # a duck-typed plugin: its own hook or none
-        return hooks.get("save_artifacts") is not None
-    return type(workload).save_artifacts is not Workload.save_artifacts
-
-
 def run_identity(cfg: DetachedConfig, trainers: int | None = None) -> dict:
     """What a resume may not change (:func:`hpcrl.ppo.trainer_checkpoint.run_identity`); the trainer
     count is not part of it (``trainers`` is accepted and ignored, for older callers)."""
@@ -70,7 +62,7 @@ class Trainer:
             cfg, ctx.rank, top.trainers, self.replica.model, self.replica.learner, ctx.device,
             lambda name: barrier(ctx, barrier_name(name), ranks=trainers),
             checkpoint.store_agree(ctx, ranks=trainers, name=RESTORE_AGREE), planes.checkpoint.group)
-        if ctx.rank == 0 and _saves_artifacts(workload):  # e.g. the HF actor, streamed from the shards
+        if ctx.rank == 0 and workload.capabilities().saves_artifacts:  # e.g. the HF actor, streamed from the shards
             from .export import save_artifacts
 
             self.checkpoints.after_commit = lambda path: save_artifacts(workload, path)

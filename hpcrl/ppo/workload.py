@@ -5,9 +5,11 @@ same three calls run the single-process synchronous loop (:mod:`hpcrl.ppo.sync`)
 roles, so ``--lag 0`` with 1 maker : 1 trainer reproduces the synchronous run number for number.
 
 Every hook the roles call is declared here, in :class:`Workload`, :class:`Collector` and
-:class:`Learner`: the abstract ones a workload must write, the others with their defaults. Built-in
-workloads subclass them; a ``package.module:Class`` plugin that does not is wrapped once by
-:func:`as_workload` (its own methods where it has them, the defaults elsewhere).
+:class:`Learner`: the abstract ones a workload must write, the others with their defaults; what the
+roles may ask beyond the required hooks, a workload says in one :class:`Capabilities` value, never by
+the roles looking for attributes. Built-in workloads subclass them; a ``package.module:Class`` plugin
+that does not is adapted once by :func:`hpcrl.ppo.workload_plugin.as_workload` (its own methods where
+it has them, the defaults elsewhere).
 
 Data: an experience batch is a ``dict[str, Tensor]`` with fixed keys, shapes and dtypes for a given
 workload config (it travels as one packed buffer). It must contain ``behaviour_logp`` (the maker's
@@ -17,7 +19,7 @@ log-probabilities of the taken actions) so the trainer can correct for staleness
 from __future__ import annotations
 
 import math
-import sys
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, get_args
@@ -29,7 +31,7 @@ from hpcrl.config_check import ConfigError
 
 from .losses import Advantage, LossNorm, LRSchedule, adaptive_kl_coef, lr_at
 
-__all__ = ["AdamLearner", "Collector", "Learner", "PPOConfig", "Workload", "as_workload", "check_variants"]
+__all__ = ["AdamLearner", "Capabilities", "Collector", "Learner", "PPOConfig", "Workload", "check_variants"]
 
 
 @dataclass
@@ -121,6 +123,22 @@ def check_variants(cfg: PPOConfig) -> None:
         bad("min-lr-ratio", cfg.min_lr_ratio, "in [0, 1]", "e.g. --ppo.min-lr-ratio 0.1")
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a workload does beyond the required hooks (:meth:`Workload.capabilities`): the roles read
+    these flags and call the matching hooks, which every workload has (declared on :class:`Workload`)."""
+
+    builds_on_meta: bool = False
+    """Under ``--strategy fsdp`` the trainers build the model on ``meta`` (``build_model(seed, "meta")``),
+    shard it, and :meth:`Workload.materialize` fills each trainer's shards: no trainer holds it whole."""
+    saves_artifacts: bool = False
+    """Trainer 0 exports after every checkpoint (:meth:`Workload.save_artifacts`, or
+    :meth:`Workload.export_checkpoint` with ``exports_from_shards``); else no state is read back for it."""
+    exports_from_shards: bool = False
+    """:meth:`Workload.export_checkpoint` reads a checkpoint's DCP shards itself (streamed, nothing kept);
+    else an export reads the state in full and hands it to :meth:`Workload.save_artifacts`."""
+
+
 class Workload(ABC):
     """One task. ``model`` is the trainable actor(-critic) whose weights the trainers publish."""
 
@@ -171,9 +189,29 @@ class Workload(ABC):
         module = type(self).__module__
         return (module,) if module.startswith("hpcrl.") else ()
 
-    def save_artifacts(self, model_state: dict[str, torch.Tensor]) -> Any:
-        """Trainer 0 after every checkpoint, with the full model state (e.g. a save_pretrained export).
-        Default: nothing to save."""
+    def capabilities(self) -> Capabilities:
+        """What the roles may ask of this workload beyond the required hooks. Default: a workload that
+        overrides :meth:`save_artifacts` saves artifacts, one that overrides :meth:`export_checkpoint`
+        exports from shards; nothing else."""
+        return Capabilities(saves_artifacts=type(self).save_artifacts is not Workload.save_artifacts,
+                            exports_from_shards=type(self).export_checkpoint is not Workload.export_checkpoint)
+
+    def materialize(self, model: nn.Module) -> None:
+        """Under fsdp, after ``fully_shard`` and ``to_empty`` allocated this trainer's shards of a model
+        built on ``meta`` (``capabilities().builds_on_meta``): fill them. Default: refuse."""
+        raise ValueError(f"--strategy fsdp: workload {self.name!r} built its model on the meta device but has no "
+                         "materialize(model) to fill the shards")
+
+    def save_artifacts(self, model_state: dict[str, torch.Tensor], out_dir: str | os.PathLike | None = None) -> Any:
+        """Trainer 0 after every checkpoint (``capabilities().saves_artifacts``), with the full model state
+        (e.g. a save_pretrained export), into ``out_dir`` (None: the workload's own place). Default:
+        nothing to save."""
+
+    def export_checkpoint(self, dcp_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> Any:
+        """:meth:`save_artifacts` of the model state in the DCP checkpoint ``dcp_dir``, read by the
+        workload itself (``capabilities().exports_from_shards``). Default: refuse (the caller reads the
+        state and calls :meth:`save_artifacts`)."""
+        raise NotImplementedError(f"workload {self.name!r} does not export from checkpoint shards")
 
 
 class Collector(ABC):
@@ -274,130 +312,3 @@ class AdamLearner(Learner):
         self.optimizer.load_state_dict(state["optimizer"])
         self.updates = int(state["updates"])
         self.kl_coef = float(state.get("kl_coef", self.cfg.kl_coef))  # checkpoints from before adaptive KL
-
-
-# -- duck-typed plugins ----------------------------------------------------------------------------
-
-_REQUIRED = ("build_model", "make_collector", "make_learner")
-# Hook names before "publish" became the one word for sending weights to the makers: accepted, with
-# a warning, for one release.
-_OLD_NAMES = {"publish_tensors": "sync_tensors", "after_publish": "after_sync"}
-_WARNED: set[tuple[type, str]] = set()
-
-
-def _method(obj: Any, name: str) -> Any:
-    """``obj``'s own ``name`` (or its old name, with a warning), or None."""
-    found = getattr(obj, name, None)
-    if callable(found):
-        return found
-    old = getattr(obj, _OLD_NAMES.get(name, name), None)
-    if callable(old) and (type(obj), name) not in _WARNED:
-        _WARNED.add((type(obj), name))
-        print(f"hpcrl.ppo: warning: {type(obj).__name__}.{_OLD_NAMES[name]} is now called {name}; the old name "
-              "goes in the next release", file=sys.stderr, flush=True)
-    return old if callable(old) else None
-
-
-class _PluginCollector(Collector):
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self._assign = _method(inner, "assign")
-
-    def collect(self, model: nn.Module, generator: torch.Generator) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        return self.inner.collect(model, generator)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state)
-
-    def assign(self, batch: int, seed: int) -> None:
-        if self._assign is not None:
-            self._assign(batch, seed)
-
-    def __getattr__(self, name: str) -> Any:  # the plugin's own attributes (tests, benchmarks read them)
-        return getattr(self.__dict__["inner"], name)
-
-
-class _PluginLearner(Learner):
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        found = getattr(inner, "optimizer", None)
-        self.optimizer = found if isinstance(found, torch.optim.Optimizer) else None
-
-    def update(self, batches: list[dict[str, torch.Tensor]], generator: torch.Generator) -> dict[str, float]:
-        return self.inner.update(batches, generator)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["inner"], name)
-
-
-class _PluginWorkload(Workload):
-    """A duck-typed workload on the contract: each hook is the plugin's where it has one (old names
-    ``publish_tensors`` / ``after_publish`` too), the default otherwise; its collectors and learners likewise."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.name = str(getattr(inner, "name", "") or type(inner).__name__)
-        hooks = ("publish_tensors", "after_publish", "default_config", "build_maker_model", "shard_units",
-                 "rank_modules", "save_artifacts")
-        self._hooks = {name: _method(inner, name) for name in hooks}
-
-    def _call(self, name: str, *args: Any) -> Any:
-        hook = self._hooks[name]
-        return getattr(Workload, name)(self, *args) if hook is None else hook(*args)
-
-    def build_model(self, seed: int, device: torch.device) -> nn.Module:
-        return self.inner.build_model(seed, device)
-
-    def publish_tensors(self, model: nn.Module) -> list[torch.Tensor]:
-        return self._hooks["publish_tensors"](model)
-
-    def make_collector(self, rank_seed: int, device: torch.device) -> Collector:
-        found = self.inner.make_collector(rank_seed, device)
-        return found if isinstance(found, Collector) else _PluginCollector(found)
-
-    def make_learner(self, model: nn.Module, cfg: PPOConfig, grad_average: Any) -> Learner:
-        found = self.inner.make_learner(model, cfg, grad_average)
-        return found if isinstance(found, Learner) else _PluginLearner(found)
-
-    def after_publish(self, model: nn.Module) -> None:
-        self._call("after_publish", model)
-
-    def default_config(self) -> PPOConfig:
-        return self._call("default_config")
-
-    def build_maker_model(self, seed: int, device: torch.device) -> nn.Module:
-        return self._call("build_maker_model", seed, device)
-
-    def shard_units(self, model: nn.Module) -> list[nn.Module]:
-        return self._call("shard_units", model)
-
-    def rank_modules(self) -> tuple[str, ...]:
-        hook = self._hooks["rank_modules"]  # a plugin's own imports are preloaded only where it names them
-        return tuple(hook()) if hook is not None else ()
-
-    def save_artifacts(self, model_state: dict[str, torch.Tensor]) -> Any:
-        return self._call("save_artifacts", model_state)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["inner"], name)
-
-
-def as_workload(obj: Any, what: str = "the workload") -> Workload:
-    """``obj`` itself if it subclasses :class:`Workload`, else ``obj`` wrapped onto the contract; a
-    ConfigError (exit 2) naming the methods it lacks if it cannot be."""
-    if isinstance(obj, Workload):
-        return obj
-    missing = [name for name in (*_REQUIRED, "publish_tensors") if _method(obj, name) is None]
-    if missing:
-        raise ConfigError(f"{what} ({type(obj).__name__}) has no {', '.join(missing)} method(s): a workload needs "
-                          f"{', '.join(_REQUIRED)} and publish_tensors (see hpcrl.ppo.workload.Workload)")
-    return _PluginWorkload(obj)

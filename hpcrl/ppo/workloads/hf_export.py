@@ -22,6 +22,7 @@ import json
 import math
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,8 +32,8 @@ from torch import Tensor, nn
 
 from hpcrl.config_check import ConfigError
 
-__all__ = ["CheckpointTensors", "DEFAULT_MAX_SHARD_SIZE", "StateTensors", "TensorSource", "lora_delta",
-           "meta_causal_lm", "peft_scaling", "plan_export", "write_pretrained"]
+__all__ = ["CheckpointTensors", "DEFAULT_MAX_SHARD_SIZE", "StateTensors", "TensorSource", "generation_config",
+           "lora_delta", "meta_causal_lm", "peft_scaling", "plan_export", "write_actor", "write_pretrained"]
 
 DEFAULT_MAX_SHARD_SIZE = "2GB"
 """Per safetensors file (save_pretrained's default is 50GB): the bound on what an export holds at once."""
@@ -242,3 +243,44 @@ def meta_causal_lm(path: str, dtype: torch.dtype) -> nn.Module:
 def peft_scaling(lora_alpha: float, r: int, use_rslora: bool = False) -> float:
     """peft's ``LoraLayer.scaling``: ``lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA)."""
     return lora_alpha / math.sqrt(r) if use_rslora else lora_alpha / r
+
+
+def write_actor(source: TensorSource, out_dir: str | os.PathLike, model: str, dtype: torch.dtype, *, tokenizer: Any,
+                lora_config: Any = None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
+    """``out_dir/actor``: the actor of ``source`` (``--model``'s architecture in ``dtype``, LoRA of
+    ``lora_config`` merged) with ``tokenizer``, written to a temporary sibling and renamed, so a reader
+    never sees half a model; the model's ``meta`` skeleton names the tensors (nothing allocated, nothing
+    kept)."""
+    out = Path(out_dir) / "actor"
+    tmp = out.with_name(f".actor.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    skeleton = meta_causal_lm(model, dtype)
+    scaling = rank = None
+    if lora_config is not None:
+        scaling, rank = peft_scaling(lora_config.lora_alpha, lora_config.r, lora_config.use_rslora), lora_config.r
+    try:
+        write_pretrained(source, tmp, skeleton, dtype, tokenizer=tokenizer,
+                         generation_config=generation_config(skeleton, model), lora_scaling=scaling, lora_rank=rank,
+                         max_shard_size=max_shard_size)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = out.with_name(f".actor.old{os.getpid()}")
+    if out.exists():
+        out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def generation_config(skeleton: nn.Module, model: str) -> Any:
+    """What ``from_pretrained(model)`` gives the actor (its generation_config.json, else one made from the
+    model config); None for a model that does not generate (save_pretrained writes none)."""
+    if not skeleton.can_generate():
+        return None
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model)
+    except OSError:
+        return skeleton.generation_config

@@ -23,7 +23,9 @@ from .hf_eval import evaluate
 from .hf_generate import position_ids, token_logp
 
 if TYPE_CHECKING:
-    from .hf import HFActorCritic, HFWorkload
+    from .hf_factory import HFActorCritic
+    from .hf_options import HFOptions
+    from .hf_task import HFTask
 
 __all__ = ["HFLearner", "check_learner_options", "group_advantages"]
 
@@ -41,14 +43,16 @@ def check_learner_options(algo: str, cfg: PPOConfig, micro_batch_size: int | Non
 
 
 class HFLearner(AdamLearner):
-    """Trainer side: token-level PPO (KL-shaped rewards, GAE, clipped losses) or GRPO; Adam."""
+    """Trainer side: token-level PPO (KL-shaped rewards, GAE, clipped losses) or GRPO; Adam. The task is
+    read only by the held-out evaluation (:func:`~.hf_eval.evaluate`)."""
 
-    def __init__(self, wl: HFWorkload, model: HFActorCritic, cfg: PPOConfig, grad_average: Any) -> None:
-        check_learner_options(wl.algo, cfg, wl.micro_batch_size, wl.FLAG_PREFIX)
+    def __init__(self, options: HFOptions, task: HFTask, model: HFActorCritic, cfg: PPOConfig,
+                 grad_average: Any) -> None:
+        check_learner_options(options.algo, cfg, options.micro_batch_size, options.FLAG_PREFIX)
         super().__init__(model, cfg, grad_average)
-        self.wl = wl
+        self.options, self.task = options, task
         self.packing_checked = False
-        if wl.ref_on == "trainers":
+        if options.ref_on == "trainers":
             print(f"hpcrl.ppo hf trainer: ref_logp on the trainers, reference: {_reference_held(model)}",
                   file=sys.stderr, flush=True)
 
@@ -59,15 +63,15 @@ class HFLearner(AdamLearner):
         (one received batch: the makers' shapes; fewer with ``--micro-batch-size``). The reference is the
         model's own (sharded under fsdp: every trainer makes the same forwards, each received batch
         having the same shape) or, with LoRA, the actor with its adapters disabled."""
-        wl, model = self.wl, self.model
-        step = min(rows, wl.micro_batch_size or rows)
-        if wl.micro_batch_tokens is not None:  # padded forwards: the budget in whole rows
-            step = min(step, max(1, wl.micro_batch_tokens // tokens.shape[1]))
-        response = tokens[:, wl.max_prompt_tokens:]
+        o = self.options
+        step = min(rows, o.micro_batch_size or rows)
+        if o.micro_batch_tokens is not None:  # padded forwards: the budget in whole rows
+            step = min(step, max(1, o.micro_batch_tokens // tokens.shape[1]))
+        response = tokens[:, o.max_prompt_tokens:]
         out = []
         for i in range(0, tokens.shape[0], step):
             t, a = tokens[i:i + step], attn[i:i + step]
-            out.append(token_logp(self._reference_logits(t, a), response[i:i + step], wl.temperature))
+            out.append(token_logp(self._reference_logits(t, a), response[i:i + step], o.temperature))
         return torch.cat(out) * mask
 
     def _reference_logits(self, tokens: Tensor, attn: Tensor) -> Tensor:
@@ -83,29 +87,29 @@ class HFLearner(AdamLearner):
     def _samples(self, b: dict[str, Tensor]) -> tuple[Samples, Tensor]:
         """The update's samples (advantages; returns and old values with a critic; the reference
         log-probs for GRPO's KL term; proximal log-probs with ``cfg.truncated_is``) and token rewards."""
-        cfg, model, wl = self.cfg, self.model, self.wl
+        cfg, model, o = self.cfg, self.model, self.options
         tokens, attn, mask = b["tokens"], b["attention_mask"], b["action_mask"]
         blogp, ref_logp, score = b["behaviour_logp"].float(), b["ref_logp"].float(), b["score"].float()
         prox = None
         if cfg.truncated_is is not None:
-            prox = token_logp(model.action_logits(tokens, attn), tokens[:, wl.max_prompt_tokens:], wl.temperature)
-        if wl.algo == "grpo":
-            adv = group_advantages(score, wl.group_size, cfg.advantage)[:, None] * mask
-            rewards = sequence_rewards_with_kl(score, blogp, ref_logp, mask, 0.0, wl.kl_estimator)
+            prox = token_logp(model.action_logits(tokens, attn), tokens[:, o.max_prompt_tokens:], o.temperature)
+        if o.algo == "grpo":
+            adv = group_advantages(score, o.group_size, cfg.advantage)[:, None] * mask
+            rewards = sequence_rewards_with_kl(score, blogp, ref_logp, mask, 0.0, o.kl_estimator)
             return Samples(blogp, adv, proximal_logp=prox, ref_logp=ref_logp, mask=mask), rewards
         old_values = model.values(tokens, attn).float()
-        rewards = sequence_rewards_with_kl(score, blogp, ref_logp, mask, self.kl_coef, wl.kl_estimator)
+        rewards = sequence_rewards_with_kl(score, blogp, ref_logp, mask, self.kl_coef, o.kl_estimator)
         adv, returns = token_gae(rewards, old_values, mask, cfg.gamma, cfg.gae_lambda, cfg.normalize_advantages)
         return Samples(blogp, adv, old_values, returns, prox, mask=mask), rewards
 
     def update(self, batches: list[dict[str, Tensor]], generator: torch.Generator) -> dict[str, float]:
-        cfg, model, wl = self.cfg, self.model, self.wl
+        cfg, model, o = self.cfg, self.model, self.options
         b = {k: torch.cat([x[k] for x in batches]).to(model.compute_device) for k in batches[0]}
         tps = b.pop("maker_tokens_per_s")
         tokens, attn = b["tokens"], b["attention_mask"]
-        response = tokens[:, wl.max_prompt_tokens:]
+        response = tokens[:, o.max_prompt_tokens:]
         t_start = time.perf_counter()
-        if wl.ref_on == "trainers":  # before train mode: the reference forward is an eval one
+        if o.ref_on == "trainers":  # before train mode: the reference forward is an eval one
             model.eval()
             b["ref_logp"] = self.reference_logp(tokens, attn, b["action_mask"], batches[0]["tokens"].shape[0])
         model.train()  # dropout is off (build_model); train mode is what gradient checkpointing acts in
@@ -118,29 +122,29 @@ class HFLearner(AdamLearner):
             if not self.packing_checked:
                 check_packing(model)
                 self.packing_checked = True
-            trim = _Pack(attn, b["action_mask"], wl.max_prompt_tokens)
+            trim = _Pack(attn, b["action_mask"], o.max_prompt_tokens)
         elif cfg.trim_padding:
-            trim = _Trim(attn, b["action_mask"], wl.max_prompt_tokens)
+            trim = _Trim(attn, b["action_mask"], o.max_prompt_tokens)
 
         def forward(idx: Tensor) -> Outputs:
             if trim is not None:
-                return trim.forward(model, tokens, attn, response, idx, wl.temperature, critic)
-            logits = model.action_logits(tokens[idx], attn[idx]).float() / wl.temperature
+                return trim.forward(model, tokens, attn, response, idx, o.temperature, critic)
+            logits = model.action_logits(tokens[idx], attn[idx]).float() / o.temperature
             logp_all = torch.log_softmax(logits, -1)
             logp = logp_all.gather(-1, response[idx].unsqueeze(-1)).squeeze(-1)
             values = model.values(tokens[idx], attn[idx]).float() if critic else None
             return Outputs(logp, -(logp_all.exp() * logp_all).sum(-1), values)
 
         n = tokens.shape[0]
-        minibatches = min(cfg.minibatches, n // wl.group_size if wl.algo == "grpo" else n) or 1
+        minibatches = min(cfg.minibatches, n // o.group_size if o.algo == "grpo" else n) or 1
         step = GradStep(self.optimizer, self.params, self.grad_average, cfg.max_grad_norm)
         coefs = dataclasses.replace(Coefs.of(cfg), kl=self.kl_coef)
         width = tokens.shape[1]
         cost = (lambda rows: len(rows) * width) if trim is None else trim.cost  # noqa: E731  (padded: all of it)
         stats = ppo_update(forward, samples, coefs, Plan(cfg.epochs, minibatches), step, generator,
-                           stats_dtype=torch.float64, logp_gap=True, micro_batch_size=wl.micro_batch_size,
+                           stats_dtype=torch.float64, logp_gap=True, micro_batch_size=o.micro_batch_size,
                            loss_norm=cfg.loss_norm, piece_key=None if trim is None else trim.key,
-                           micro_batch_tokens=wl.micro_batch_tokens, piece_cost=cost)
+                           micro_batch_tokens=o.micro_batch_tokens, piece_cost=cost)
         stats.update(_sequence_stats(samples, b["ref_logp"].float(), b["score"].float(), rewards),
                      maker_tokens_per_s=tps.mean(), tokens=attn.sum())
         if cfg.kl_target is not None:
@@ -153,8 +157,8 @@ class HFLearner(AdamLearner):
         out.update(lr=lr, kl_coef=self.finish_update(measured, n * self.trainers()))
         out.update(sequences=float(n),
                    trainer_tokens_per_s=tokens_done * cfg.epochs / max(time.perf_counter() - t_start, 1e-9))
-        if wl.eval_every and self.updates % wl.eval_every == 0:  # every trainer: the same numbers
-            out.update(evaluate(wl, model, self.updates))
+        if o.eval_every and self.updates % o.eval_every == 0:  # every trainer: the same numbers
+            out.update(evaluate(o, self.task, model, self.updates))
         return out
 
 
