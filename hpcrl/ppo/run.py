@@ -10,6 +10,7 @@ import tyro
 
 from hpcrl import checkpoint, rundir
 from hpcrl.comm import StopRequest, detect_launch, init_distributed, shutdown
+from hpcrl.comm.bootstrap import explain_failure, unwatch_peers, watch_peers
 from hpcrl.comm.local import record_dropped
 from hpcrl.comm.native_log import divert_native_stderr, restore_native_stderr
 from hpcrl.conventions import ppo_role
@@ -105,6 +106,10 @@ def train(cfg: DetachedConfig, events: Events = ignore) -> dict[str, float]:
         groups = make_role_planes(ctx, top)  # every rank, same order: a torch.distributed rule
         remember_hosts(ctx)
         beat = Heartbeat(liveness_store(ctx.store, cfg.heartbeat_timeout_s), ctx.rank)
+        if role == "trainer" and top.trainers > 1:
+            # A trainer blocked in a collective or a shared-memory sum cannot notice a frozen peer trainer
+            # itself: this watch ends the process with one line naming it (the trainers' loss ends the run).
+            watch_peers(cfg.heartbeat_timeout_s, ranks=range(top.trainers), role="trainer", beat=False)
         try:
             if role == "maker":
                 out = Maker(ctx, top, cfg, workload, groups, events).run()
@@ -118,7 +123,11 @@ def train(cfg: DetachedConfig, events: Events = ignore) -> dict[str, float]:
             makers = [top.maker_rank(m) for m in range(top.makers)]
             for rank in shutdown(gone=gone, expendable=makers, heartbeat_timeout_s=cfg.heartbeat_timeout_s):
                 record_dropped(rank)
+        except Exception as err:
+            explain_failure(err)  # a collective that failed under a lost trainer: the watch's line names it
+            raise
         finally:
+            unwatch_peers()  # after an error (shutdown ended it otherwise): no watch outlives the run here
             beat.stop()
     finally:
         restore_native_stderr()
