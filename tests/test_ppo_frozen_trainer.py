@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,7 +44,8 @@ def _wait_rows(run: Path, n: int, procs: list[subprocess.Popen], timeout: float 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and _rows(run) < n:
         if any(p.poll() is not None for p in procs):
-            raise AssertionError("a rank ended before the freeze: " + "".join(p.communicate()[1][-2000:] for p in procs))
+            ends = "".join(p.communicate()[1][-2000:] for p in procs)
+            raise AssertionError(f"a rank ended before the freeze: {ends}")
         time.sleep(0.02)
     assert _rows(run) >= n, "the run did not log enough rows"
 
@@ -82,8 +85,10 @@ def _resume(run: Path, trainers: int) -> None:
 @pytest.mark.parametrize("trainers,frozen", [(1, 0), (2, 1)], ids=["1-of-1", "1-of-2"])
 def test_under_local_spawn_a_frozen_trainer_ends_the_run_with_its_name(tmp_path, trainers, frozen):
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.ppo", *_args(run, trainers)], env=clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    short = Path(tempfile.mkdtemp(prefix="hs", dir="/tmp"))  # the launcher's scratch and socket dirs land here
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.ppo", *_args(run, trainers)],
+                            env=clean_env(TMPDIR=str(short)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
     try:
         _wait_rows(run, 5, [proc])
         ranks = ranks_of(proc.pid)
@@ -96,6 +101,8 @@ def test_under_local_spawn_a_frozen_trainer_ends_the_run_with_its_name(tmp_path,
         if proc.poll() is None or _group(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        scratch = sorted(p.name for p in short.glob("hpcrl-spawn-*"))
+        shutil.rmtree(short, ignore_errors=True)
     print(f"{trainers} trainer(s), trainer {frozen} frozen: the launcher exited {elapsed:.1f} s later")
     assert proc.returncode == 1, err[-3000:]
     assert elapsed < BOUND_S, elapsed
@@ -103,6 +110,7 @@ def test_under_local_spawn_a_frozen_trainer_ends_the_run_with_its_name(tmp_path,
     assert last.startswith("hpcrl.ppo: error: ") and f"trainer rank {frozen} (" in last, err[-3000:]
     assert "stopped responding" in last and "Traceback" not in err, err[-3000:]
     assert not left, left  # the frozen trainer included
+    assert scratch == [], scratch
     if trainers == 1:  # the last checkpoint is intact: a resume continues from it
         _resume(run, trainers)
 

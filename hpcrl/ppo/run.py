@@ -14,6 +14,7 @@ from hpcrl.comm.bootstrap import explain_failure, unwatch_peers, watch_peers
 from hpcrl.comm.local import record_dropped
 from hpcrl.comm.native_log import divert_native_stderr, restore_native_stderr
 from hpcrl.conventions import ppo_role
+from hpcrl.rundir_files import file_mode, narrowed_umask
 
 from .config import HF_WORKLOADS, LM_WORKLOADS, ConfigError, DetachedConfig, is_plugin, tyro_call
 from .events import Events, ignore
@@ -81,7 +82,13 @@ def check_resumable(cfg: DetachedConfig, top: Topology) -> None:
 
 def train(cfg: DetachedConfig, events: Events = ignore) -> dict[str, float]:
     """Run one rank (its role from its rank: trainers ``[0, T)``, makers after); ``events`` sees what
-    happens (:mod:`hpcrl.ppo.events`). Returns the trainer's final row, or the maker's totals."""
+    happens (:mod:`hpcrl.ppo.events`). Returns the trainer's final row, or the maker's totals. Every file
+    the rank makes (DCP shards, exports too) is private from its creation (:func:`~hpcrl.rundir.file_mode`)."""
+    with narrowed_umask(file_mode()):
+        return _train(cfg, events)
+
+
+def _train(cfg: DetachedConfig, events: Events) -> dict[str, float]:
     stop = StopRequest.install()  # makers only record it: trainers decide, then send STOP credits
     cfg.check()  # before anything starts: a bad --threads or device would fail less clearly below
     torch.set_num_threads(cfg.threads)
