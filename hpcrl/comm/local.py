@@ -299,11 +299,13 @@ def _supervise(job: Job, expendable: frozenset[int], deadline: float | None, tim
 def _ends_run(job: Job, rank: int, expendable: frozenset[int]) -> bool:
     """An expendable ``rank``'s failure ends the run too: a configuration error (every rank has it), or its
     heartbeat watch found an essential rank frozen or gone (e.g. a maker that lost its trainer; the frozen
-    trainer would otherwise hold the run for as long as it stays frozen)."""
+    trainer would otherwise hold the run for as long as it stays frozen). Not once that peer finished: a
+    rank that outlived it may take its silence for a freeze."""
     assert job.exits is not None and job.tmp is not None
     rec = read_error(job.tmp, rank)
     peer = job.exits.lost_peer(rank)
-    return bool(rec is not None and rec.get("config")) or (peer is not None and peer not in expendable)
+    lost = peer is not None and peer not in expendable and not job.exits.succeeded(peer)
+    return bool(rec is not None and rec.get("config")) or lost
 
 
 def _results(job: Job, nproc: int, expendable: frozenset[int]) -> list[Any]:

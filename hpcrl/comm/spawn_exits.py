@@ -109,5 +109,5 @@ class Exits:
                   if r not in self.order and r != rank and r not in earlier and not self.succeeded(r)]
         if later:
             text += "; then " + ", ".join(f"rank {r} ({self.describe(r)})" for r in later)
-        detail = rec["traceback"] if rec is not None else "no traceback recorded; see the rank's stderr"
-        return SpawnError(f"{text}:\n{detail}".rstrip(), rank, code)
+        detail = (rec["traceback"] if rec is not None else "").strip()
+        return SpawnError(f"{text}:\n{detail}" if detail else text, rank, code)
