@@ -338,6 +338,8 @@ def test_the_rank_that_failed_first_is_named(tmp_path):
     killer.join()
     message = str(err.value)
     assert message.startswith("rank 0 failed first (killed by SIGKILL)"), message
+    # no record of its own (a signal): nothing to append, not an empty ":" nor a pointer to an empty log
+    assert not message.rstrip().endswith(":") and "no traceback recorded" not in message, message
     assert err.value.rank == 0 and err.value.exitcode == -signal.SIGKILL
     assert not isinstance(err.value, SpawnConfigError)
 
