@@ -1,8 +1,8 @@
-"""A trainer frozen for good (SIGSTOP) ends a detached-PPO run: real processes, cartpole, 2 makers,
-``--heartbeat-timeout-s 3``. Under ``python -m hpcrl.ppo`` spawning its ranks, the parent exits 1 within a
-bound of the heartbeat timeout with one line naming the frozen trainer, and no process of the run is left
-(the frozen one SIGKILLed: it never acts on SIGTERM); torchrun-style, every other rank decides for itself
-and exits 1 naming it. The last checkpoint stays loadable."""
+"""A trainer frozen for good (SIGSTOP), or every maker lost, ends a detached-PPO run: real processes,
+cartpole, 2 makers, ``--heartbeat-timeout-s 3``. Under ``python -m hpcrl.ppo`` spawning its ranks, the
+parent exits 1 within a bound of the heartbeat timeout with one line naming the frozen trainer, and no
+process of the run is left (the frozen one SIGKILLed: it never acts on SIGTERM); torchrun-style, every
+other rank decides for itself and exits 1 naming it. The last checkpoint stays loadable."""
 
 from __future__ import annotations
 
@@ -145,3 +145,30 @@ def test_torchrun_style_every_other_rank_exits_naming_the_frozen_trainer(tmp_pat
             err[-3000:]
         if rank < trainers:
             assert "stopped responding" in last, err[-3000:]
+
+
+def test_under_local_spawn_losing_every_maker_ends_the_run_in_one_line(tmp_path):
+    """Both makers SIGKILLed: the trainer cannot go on; the parent exits 1 with the trainer's one line (no
+    traceback: an expected loss, as under a launcher) and nothing of the run is left."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.ppo", *_args(run, 1)], env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_rows(run, 5, [proc])
+        for pid in ranks_of(proc.pid)[1:]:
+            os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=BOUND_S + 30)
+        elapsed = time.monotonic() - t0
+        left = _gone(proc.pid)
+    finally:
+        if proc.poll() is None or _group(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    print(f"every maker killed: the launcher exited {elapsed:.1f} s later")
+    assert proc.returncode == 1, err[-3000:]
+    assert elapsed < BOUND_S, elapsed
+    last = err.rstrip().splitlines()[-1]
+    assert last.startswith("hpcrl.ppo: error: trainer 0: every maker is dead"), err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert not left, left

@@ -9,6 +9,7 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Collection, Sequence
 
+from .heartbeat import PeerLost
 from .spawn_errors import SpawnConfigError, SpawnDataError, SpawnError, SpawnPeerLost
 
 if TYPE_CHECKING:
@@ -27,6 +28,9 @@ def read_error(tmp: str, rank: int) -> dict | None:
         return json.loads(Path(tmp, f"error-{rank}").read_text())
     except (OSError, ValueError):
         return None
+
+
+PEER_LOST = f"{PeerLost.__module__}.{PeerLost.__qualname__}"  # how a rank's error record names it
 
 
 def _how(code: int | None) -> str:
@@ -100,8 +104,13 @@ class Exits:
             return SpawnDataError(rec["message"] or rec["last"], rank, code)
         if rec is not None and "lost" in rec:  # blame the peer it named, not the rank that noticed
             return SpawnPeerLost(rec["message"], rec["lost"], code)
-        text = f"rank {rank} failed first ({self.describe(rank)})"
         earlier = [r for r in lost if r != rank]
+        if rec is not None and rec.get("type") == PEER_LOST:  # an expected loss (every maker dead): one line
+            text = rec["message"]
+            if earlier:
+                text += "; earlier, expendable " + ", ".join(f"rank {r} ({self.describe(r)})" for r in earlier)
+            return SpawnError(text, rank, code)
+        text = f"rank {rank} failed first ({self.describe(rank)})"
         if earlier:
             text += "; earlier, expendable " + ", ".join(f"rank {r} ({self.describe(r)})" for r in earlier)
         later = [r for r in self.order if r != rank and r not in earlier and not self.succeeded(r)]
