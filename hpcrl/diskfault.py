@@ -17,6 +17,7 @@ import errno
 import io
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -24,7 +25,7 @@ from hpcrl.rundir import RunDirError
 from hpcrl.rundir_files import file_mode
 
 __all__ = ["DISK_ERRNOS", "DiskFault", "fault_line", "free_space", "human_bytes", "is_disk_error", "owned_file",
-           "warn_low_space"]
+           "quiet_writer_threads", "warn_low_space"]
 
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG, errno.EROFS})
 
@@ -140,3 +141,24 @@ def warn_low_space(where: str | os.PathLike, need: int, what: str) -> bool:
     print(f"hpcrl: warning: {where}: {human_bytes(free)} free, less than {what} needs ({human_bytes(need)}); "
           "free some space or it will fail", file=sys.stderr, flush=True)
     return True
+
+
+_quiet_modules: set[str] = set()
+
+
+def quiet_writer_threads(module: str) -> None:
+    """A thread of a class from ``module`` (a library's background writer, e.g. TensorBoard's event writer)
+    that dies of a disk error dies without printing a traceback: the library raises that error again in
+    the thread that writes next, where it becomes one :class:`DiskFault` line. Other threads' deaths, and
+    other errors, are reported as before (the previous ``threading.excepthook``)."""
+    if not _quiet_modules:
+        previous = threading.excepthook
+
+        def hook(args: threading.ExceptHookArgs) -> None:
+            where = type(args.thread).__module__ if args.thread is not None else ""
+            quiet = args.exc_value is not None and is_disk_error(args.exc_value)
+            if not (quiet and any(where == m or where.startswith(m + ".") for m in _quiet_modules)):
+                previous(args)
+
+        threading.excepthook = hook
+    _quiet_modules.add(module)

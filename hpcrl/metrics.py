@@ -17,15 +17,15 @@ import shutil
 import sys
 import time
 from collections import deque
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, TextIO
+from typing import Any, Callable, TextIO
 
 from hpcrl.checkpoint_rows import saved_rows
 from hpcrl.config_check import ConfigError
-from hpcrl.diskfault import DiskFault, fault_line
+from hpcrl.diskfault import DiskFault, fault_line, is_disk_error, quiet_writer_threads
 from hpcrl.progress import LOG_WIDTH, early_stop_line, fit, progress_fields, recent_rate, summary_lines
 from hpcrl.rundir import file_mode, make_dir, write_text
+from hpcrl.rundir_files import narrowed_umask
 
 
 RATE_ROWS = 8  # the ETA's rate is measured over this many latest rows
@@ -76,20 +76,6 @@ def _missing_rows(kept: list[str], saved: list[str], key: str) -> list[str]:
     last = json.loads(kept[-1])[key] if kept else -math.inf
     have = set(kept)
     return [line for line in saved if line not in have and json.loads(line)[key] >= last]
-
-
-@contextmanager
-def _umask_for(mode: int) -> Iterator[None]:
-    """Files created meanwhile get at most ``mode`` from their creation on (the umask narrowed, never
-    widened), for writers that open files by path themselves, as TensorBoard's does: no chmod after,
-    so no instant at the umask's wider mode. The umask is the process's: held only while rank 0 starts
-    its logger, when no other thread of it creates files."""
-    old = os.umask(0o777)
-    os.umask(old | (0o777 & ~mode))
-    try:
-        yield
-    finally:
-        os.umask(old)
 
 
 def finite_row(row: dict[str, Any]) -> dict[str, Any]:
@@ -150,8 +136,9 @@ class RunLogger:
                 # purge_step: TensorBoard hides the events of this step on from earlier writers of the
                 # directory (the replayed steps after a resume; everything of the previous run on a fresh start)
                 tb = make_dir(Path(run_dir) / "tb")
-                with _umask_for(file_mode()):  # the writer creates its event file here, by path
-                    self._writer = SummaryWriter(str(tb), purge_step=resume_env_steps)
+                quiet_writer_threads("tensorboard")  # its writer thread's disk error comes back in _events
+                with narrowed_umask(file_mode()):  # the writer creates its event file here, by path
+                    self._writer = self._events(lambda: SummaryWriter(str(tb), purge_step=resume_env_steps))
         if wandb_project:
             self._wandb = open_wandb(self.run_dir, wandb_project, wandb_mode, wandb_config or {},
                                      resume=bool(resume_env_steps))
@@ -167,8 +154,8 @@ class RunLogger:
         numbers = {k: v for k, v in row.items()
                    if k not in ("time", "env_steps") and isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._writer is not None:
-            for key, value in numbers.items():
-                self._writer.add_scalar(key, value, row["env_steps"])
+            writer = self._writer
+            self._events(lambda: [writer.add_scalar(key, value, row["env_steps"]) for key, value in numbers.items()])
         if self._wandb is not None:
             self._wandb.log({**numbers, "env_steps": row["env_steps"]}, step=int(row["env_steps"]))
         self._progress(row)
@@ -234,9 +221,24 @@ class RunLogger:
         if self._open_line:
             self._say("")
         self._file.close()
-        if self._writer is not None:
-            self._writer.close()
-        self._close_wandb()
+        try:
+            if self._writer is not None:
+                writer = self._writer
+                self._events(writer.flush)  # raises what its writer thread met since the last row
+                writer.close()
+        finally:
+            self._close_wandb()
+
+    def _events(self, call: Callable[[], Any]) -> Any:
+        """A TensorBoard call's result; a disk error its writer thread met (raised again here, by the next
+        call) is a :class:`DiskFault`, and the writer, dead for good, is dropped."""
+        try:
+            return call()
+        except OSError as err:
+            if not is_disk_error(err):
+                raise
+            self._writer = None
+            raise DiskFault(fault_line(self.run_dir / "tb", err)) from None
 
     def _close_wandb(self) -> None:
         if self._wandb is not None:

@@ -14,7 +14,8 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["SHARED_ENV", "atomic_path", "dir_mode", "file_mode", "make_dir", "shared", "write_text"]
+__all__ = ["SHARED_ENV", "atomic_path", "dir_mode", "file_mode", "make_dir", "narrowed_umask", "shared",
+           "write_text"]
 
 SHARED_ENV = "HPCRL_SHARED_RUN_DIR"
 
@@ -79,3 +80,17 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     """Atomically replace ``path`` with ``text`` (temp file, fsync, rename), mode :func:`file_mode`."""
     with atomic_path(path) as tmp:
         tmp.write_text(text)
+
+
+@contextlib.contextmanager
+def narrowed_umask(mode: int) -> Iterator[None]:
+    """Files created meanwhile get at most ``mode`` from their creation on (directories at most ``mode`` plus
+    the search bits its read bits imply: 0600 -> 0700, 0640 -> 0750; the umask narrowed, never widened),
+    for writers that open files by path themselves (TensorBoard's, torch.distributed.checkpoint's, an export's
+    ``save_pretrained``): no chmod after, so no instant at the umask's wider mode. The umask is the process's."""
+    old = os.umask(0o777)
+    os.umask(old | (0o777 & ~(mode | (mode & 0o444) >> 2)))
+    try:
+        yield
+    finally:
+        os.umask(old)

@@ -59,14 +59,18 @@ def reference(tmp_path_factory) -> Path:
     return ref
 
 
-@pytest.fixture
-def small_disk(tmp_path) -> Path:
-    where = tmp_path / "small"
-    where.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(where)], capture_output=True,
+def _mount_tmpfs(where: Path, size: str = "2m") -> None:
+    where.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True,
                              text=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {(mounted.stderr or mounted.stdout).strip()}")
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Path:
+    where = tmp_path / "small"
+    _mount_tmpfs(where)
     yield where
     subprocess.run(["umount", "-l", str(where)], check=False)
 
@@ -159,6 +163,28 @@ def test_a_metrics_write_on_a_full_disk_is_a_disk_fault(small_disk):
         for step in range(10_000):  # the file's current page takes a few rows before the disk refuses
             logger.log({"env_steps": step, "updates": step, "loss": 0.5})
     assert str(err.value).startswith(f"{logger.path}: No space left on device (0 B free of 2.0 MiB")
+
+
+def test_a_tensorboard_write_on_a_full_disk_is_a_disk_fault_without_a_traceback(tmp_path, capfd):
+    """TensorBoard writes its events from its own thread: the disk error it meets there comes back at the
+    next row (or at close) as one DiskFault line naming the events dir, and the thread prints no traceback."""
+    from hpcrl.metrics import RunLogger
+
+    run, tb = tmp_path / "run", tmp_path / "run" / "tb"
+    _mount_tmpfs(tb, "1m")  # the events alone on a small disk: metrics.jsonl keeps room
+    try:
+        logger = RunLogger(run, True, 10**9, stream=open(os.devnull, "w"))
+        _fill(tb, 0)
+        with pytest.raises(DiskFault) as err:
+            for step in range(100_000):
+                logger.log({"env_steps": step, "updates": step, "loss": 0.5})
+            logger.close()
+        assert str(err.value).startswith(f"{tb}: No space left on device (0 B free of 1.0 MiB"), str(err.value)
+        assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["updates"] == step
+        logger.close()  # after the fault: nothing more to raise
+        assert "Traceback" not in capfd.readouterr().err
+    finally:
+        subprocess.run(["umount", "-l", str(tb)], check=False)
 
 
 def test_one_rank_failing_stops_both_with_the_same_line(tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -337,6 +338,8 @@ def test_the_rank_that_failed_first_is_named(tmp_path):
     killer.join()
     message = str(err.value)
     assert message.startswith("rank 0 failed first (killed by SIGKILL)"), message
+    # no record of its own (a signal): nothing to append, not an empty ":" nor a pointer to an empty log
+    assert not message.rstrip().endswith(":") and "no traceback recorded" not in message, message
     assert err.value.rank == 0 and err.value.exitcode == -signal.SIGKILL
     assert not isinstance(err.value, SpawnConfigError)
 
@@ -373,3 +376,32 @@ def test_a_dead_maker_is_dropped_under_local_spawn(tmp_path):
     final = _rows(run)[-1]
     assert final["policy_version"] == 40 and final["makers_lost"] == 1
     assert "rank 2 failed (killed by SIGKILL); it is expendable" in err
+
+
+@pytest.mark.parametrize("stop", [False, True], ids=["finished", "sigterm"])
+def test_detached_ppo_leaves_neither_its_scratch_nor_its_socket_dir(tmp_path, stop):
+    """``python -m hpcrl.ppo`` leaves through ``os._exit`` (past multiprocessing's exit hook that removes the
+    forkserver's socket dir): both dirs go anyway, after a finished run (0) and a stopped one (75). Its
+    checkpoint files are 0600 in 0700 dirs."""
+    short = Path(tempfile.mkdtemp(prefix="hs", dir="/tmp"))  # short enough for the socket: it lands here
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.ppo", "--workload", "ppo_toy:ToyWorkload", "--makers", "1",
+                             "--trainers", "1", "--total-steps", "400" if stop else "10", "--rollout-s", "0.05",
+                             "--run-dir", str(run)], env={**_env(tmp_path), "TMPDIR": str(short)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        if stop:
+            _wait_for(lambda: len(_rows(run)) >= 3, proc, what="three metrics rows")
+            assert [p.name for p in short.glob("hpcrl-spawn-*/listener-*")], "the socket dir is not where looked"
+            proc.send_signal(signal.SIGTERM)
+        _, err = _finish(proc, 80)
+        assert proc.returncode == (75 if stop else 0), err[-3000:]
+        assert sorted(p.name for p in short.glob("hpcrl-spawn-*")) == [], err[-2000:]
+        # the checkpoint's files (DCP shards among them) private from creation, as FastSAC's
+        made = list(checkpoint.checkpoint_root(run).rglob("*"))
+        assert any(p.parent.name == "dcp" for p in made), made
+        loose = [f"{p} {p.stat().st_mode & 0o777:o}" for p in made if p.stat().st_mode & 0o077]
+        assert loose == [], loose
+    finally:
+        _finish(proc, 1)
+        shutil.rmtree(short, ignore_errors=True)

@@ -226,14 +226,16 @@ def _say(line: str) -> None:
     os.write(terminal_fd(), (line + "\n").encode(errors="replace"))  # unbuffered: the process ends right after
 
 
-def watch_peers(timeout_s: float) -> None:
-    """Beat, and watch every other rank of the active job (:class:`hpcrl.comm.heartbeat.PeerWatch`): a rank
-    silent for ``timeout_s`` is named in one line and this process exits 1, even from inside a collective.
-    :func:`shutdown` ends the watch (rank 0 only after its peers left: it waits for them meanwhile)."""
+def watch_peers(timeout_s: float, ranks: Sequence[int] | None = None, role: str = "", beat: bool = True) -> None:
+    """Beat, and watch every other rank of the active job (or ``ranks``, named as ``role``; ``beat=False``:
+    the caller beats already) (:class:`hpcrl.comm.heartbeat.PeerWatch`): a rank silent for ``timeout_s``
+    is named in one line and this process exits 1, even from inside a collective. :func:`shutdown` ends
+    the watch (rank 0 only after its peers left: it waits for them meanwhile)."""
     global _watch
     if _active is None or not _active.is_distributed or _watch is not None:
         return
-    _watch = PeerWatch(_active, timeout_s, say=_say, record=record_peer_lost)
+    _watch = PeerWatch(_active, timeout_s, say=_say, record=record_peer_lost,
+                       ranks=None if ranks is None else list(ranks), role=role, beat=beat)
 
 
 def explain_failure(err: BaseException) -> None:

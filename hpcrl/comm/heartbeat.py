@@ -31,7 +31,12 @@ __all__ = ["MAX_BEAT", "Heartbeat", "PeerLost", "PeerWatch", "StoreUnresponsive"
 
 
 class PeerLost(RuntimeError):
-    """A peer stopped responding; the message names it."""
+    """A peer stopped responding; the message names it, ``peer`` its rank when one is to blame (None: the
+    store, or no one rank). A spawned rank's launcher stops that peer and ends the run with this line."""
+
+    def __init__(self, message: str, peer: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
 
 
 class StoreUnresponsive(RuntimeError):
@@ -184,19 +189,23 @@ def _clock(t: float) -> str:
 
 
 class PeerWatch:
-    """This rank's heartbeat and a watcher thread over every other rank; a peer silent for ``timeout_s``
-    (or a store that stops answering) ends this process: ``say(line)``, ``record(line, peer)``, then
-    ``os._exit(EXIT_FAILED)``, as PPO's lost trainer is exit 1 too. :meth:`close` (the run ended here)
-    marks this rank done, so peers still finishing do not take its silence for a freeze."""
+    """This rank's heartbeat and a watcher thread over every other rank (or over ``ranks``, named as
+    ``role``); a peer silent for ``timeout_s`` (or a store that stops answering) ends this process:
+    ``say(line)``, ``record(line, peer)``, then ``os._exit(EXIT_FAILED)``, as PPO's lost trainer is exit 1
+    too. ``beat=False``: the caller beats already (its own :class:`Heartbeat`). :meth:`close` (the run
+    ended here) marks this rank done, so peers still finishing do not take its silence for a freeze."""
 
     def __init__(self, ctx: DistContext, timeout_s: float, say: Callable[[str], None],
-                 record: Callable[[str, int | None], None], poll_s: float = 0.5) -> None:
+                 record: Callable[[str, int | None], None], poll_s: float = 0.5, ranks: list[int] | None = None,
+                 role: str = "", beat: bool = True) -> None:
         assert ctx.store is not None
         self._ctx, self._timeout, self._say, self._record, self._poll = ctx, timeout_s, say, record, poll_s
+        self._role = role
         remember_hosts(ctx)
         self._store = liveness_store(ctx.store, timeout_s)
-        self._beat = Heartbeat(liveness_store(ctx.store, timeout_s), ctx.rank)
-        self._watcher = Watcher(self._store, [r for r in range(ctx.world_size) if r != ctx.rank], timeout_s)
+        self._beat = Heartbeat(liveness_store(ctx.store, timeout_s), ctx.rank) if beat else None
+        watched = [r for r in range(ctx.world_size) if r != ctx.rank] if ranks is None else ranks
+        self._watcher = Watcher(self._store, [r for r in watched if r != ctx.rank], timeout_s)
         self._closed, self._lock = threading.Event(), threading.Lock()
         self._thread = threading.Thread(target=self._run, name="peer-watch", daemon=True)
         self._thread.start()
@@ -229,8 +238,8 @@ class PeerWatch:
         for rank in dead:
             count, when = self._watcher.last_seen(rank)
             seen = f"last seen {_clock(when)}, beat {count}" if count else "never seen since the watch began"
-            parts.append(f"{describe(self._ctx, rank)} stopped responding: no heartbeat for {self._timeout:g} s "
-                         f"({seen})")
+            parts.append(f"{describe(self._ctx, rank, self._role)} stopped responding: no heartbeat for "
+                         f"{self._timeout:g} s ({seen})")
         return "; ".join(parts) + f"; rank {self._ctx.rank} exits"
 
     def _store_lost(self, err: BaseException) -> str:
@@ -266,4 +275,5 @@ class PeerWatch:
                 bounded(lambda: self._store.set(_done_key(self._ctx.rank), "1"), self._timeout)
             except (StoreUnresponsive, RuntimeError):  # the peers' watchers say what became of the store
                 pass
-        self._beat.stop()
+        if self._beat is not None:
+            self._beat.stop()

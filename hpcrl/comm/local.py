@@ -36,8 +36,11 @@ The parent supervises like an agent:
   by a signal before one that raised, then the earlier exception), with its signal name, exit code
   or the exception's last line, not to a peer that died of it later.
 - **A frozen rank** that its peers' heartbeat watch named (:mod:`hpcrl.comm.heartbeat`; the rank that
-  noticed exits 1) is blamed with the watch's one line (:class:`SpawnPeerLost`) and SIGKILLed at once:
-  a stopped process never acts on SIGTERM.
+  noticed exits 1, with :class:`~hpcrl.comm.heartbeat.PeerLost` naming it or from its watch thread) is
+  blamed with the watch's one line (:class:`SpawnPeerLost`) and SIGKILLed at once: a stopped process never
+  acts on SIGTERM. That holds when the rank that noticed is expendable too: an essential rank frozen for
+  good would hold the run for as long as it stays frozen. Any rank stopped on a failure that is in state
+  ``T`` is SIGKILLed at once, for the same reason.
 - **Configuration errors** raised inside a rank (an instance of one of
   :data:`~hpcrl.comm.spawn_errors.CONFIG_ERRORS`) come back as :class:`SpawnConfigError` carrying the rank's one-line
   message, so entry points exit 2 without a traceback however many ranks hit it.
@@ -58,8 +61,6 @@ import pickle
 import shutil
 import signal
 import socket
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -73,16 +74,17 @@ from hpcrl import rundir
 from .rank_start import current_mask, is_open, start_method
 from .scratch import make_scratch_dir
 from .secret import SECRET_ENV, new_secret
-from .spawn_child import _SCRATCH, STOP_SIGNALS, InheritedFd, run_child, write_atomic
+from .spawn_child import STOP_SIGNALS, InheritedFd, run_child
 from .spawn_errors import (CONFIG_ERRORS, DATA_ERRORS, SpawnConfigError, SpawnDataError, SpawnError, is_config_error,
                            is_data_error)
-from .spawn_exits import _Exits, _read_error, _signame
+from .spawn_exits import Exits, read_error
+from .spawn_signals import Forwarder
+from .spawn_stops import kill_frozen, record_dropped, stop_ranks, stop_unwanted, take, warn
 from .stop import INTERRUPT_ENV
 
 __all__ = ["CONFIG_ERRORS", "DATA_ERRORS", "FORWARD_SIGNALS", "SpawnConfigError", "SpawnDataError", "SpawnError",
            "is_config_error", "is_data_error", "record_dropped", "spawn"]
 
-_KILL_GRACE_S = 3.0  # SIGTERM -> SIGKILL when spawn stops ranks itself
 _EXPENDABLE_GRACE_S = 30.0  # expendable ranks still running this long after the others finished are stopped
 _INTERRUPTED = "interrupted"  # a file in the scratch dir: the SIGTERMs the ranks get are a forwarded Ctrl-C
 _LOOK_S = 0.25  # how often the expendable ranks still running after the others finished are looked at
@@ -92,157 +94,6 @@ FORWARD_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR2, s
 
 
 # -- the parent -------------------------------------------------------------------------------------
-class _Forwarder:
-    """The parent's handlers for the forwarded signals (installed only from the main thread)."""
-
-    def __init__(self, signals: Sequence[int], procs: list, live: set[int]) -> None:
-        self.signals = tuple(dict.fromkeys(int(s) for s in signals))
-        self.procs, self.live = procs, live
-        self.previous: dict[int, Any] = {}
-        self.requested: str = ""  # the first forwarded signal's name
-        self.interrupts = 0
-        self.killed = False
-        self.marker: Path | None = None  # written before a Ctrl-C is forwarded (the ranks' stop reason)
-
-    @property
-    def active(self) -> bool:
-        return bool(self.previous)
-
-    def install(self) -> None:
-        if not self.signals or threading.current_thread() is not threading.main_thread():
-            return
-        for sig in self.signals:
-            self.previous[sig] = signal.signal(sig, self._handle)
-
-    def restore(self) -> None:
-        for sig, prev in self.previous.items():
-            signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
-        self.previous = {}
-
-    def _send(self, sig: int) -> None:
-        for r in list(self.live):  # exits not yet observed: at worst a zombie, never a reused pid
-            pid = self.procs[r].pid
-            if pid:
-                try:
-                    os.kill(pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-
-    def _handle(self, signum: int, _frame: Any) -> None:
-        if signum == signal.SIGINT:
-            self.interrupts += 1
-            if self.interrupts > 1:
-                self._send(signal.SIGKILL)
-                if not self.killed:
-                    self.killed = True
-                    raise KeyboardInterrupt
-                return
-            os.write(2, b"hpcrl: interrupted: the ranks stop at their next step boundary (checkpoint, exit 75); "
-                        b"interrupt again to kill them without a checkpoint\n")
-        self.requested = self.requested or _signame(signum)
-        if signum == signal.SIGINT and self.marker is not None:
-            try:
-                self.marker.touch()
-            except OSError:  # the ranks then say SIGTERM: a worse reason, the same stop
-                pass
-        self._send(signal.SIGTERM if signum == signal.SIGINT else signum)
-
-
-def _stop(procs: list, ranks: Collection[int], exits: _Exits | None = None) -> None:
-    """SIGTERM the still-running ``ranks``, SIGKILL those left after the grace period; reap them all."""
-    alive = [r for r in ranks if procs[r].pid and procs[r].exitcode is None and procs[r].is_alive()]
-    for r in alive:
-        procs[r].terminate()
-        if exits is not None:
-            exits.stopped.add(r)
-    deadline = time.monotonic() + _KILL_GRACE_S
-    for r in alive:
-        procs[r].join(max(0.0, deadline - time.monotonic()))
-        if procs[r].is_alive():
-            procs[r].kill()
-    for p in procs:
-        if p.pid:
-            p.join()
-
-
-def record_dropped(rank: int) -> None:
-    """Inside a spawned rank: the run dropped ``rank`` (an expendable rank, e.g. a maker that froze past
-    the heartbeat timeout), so once the others finished the parent stops it at once instead of granting
-    it the grace period. Outside :func:`spawn`, nothing."""
-    if not _SCRATCH:
-        return
-    try:
-        write_atomic(Path(_SCRATCH[0], _dropped_name(rank)), b"")
-    except OSError:  # the parent then grants it the grace period: slower, no worse
-        pass
-
-
-def _dropped_name(rank: int) -> str:
-    return f"dropped-{int(rank)}"
-
-
-def _is_stopped(pid: int | None) -> bool:
-    """``pid`` is in state T (stopped by SIGSTOP / SIGTSTP): it acts on nothing until SIGCONT (Linux;
-    elsewhere False). A tracer's stop (``t``, a debugger) is left alone."""
-    if not pid:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
-    except (OSError, IndexError):
-        return False
-
-
-def _stop_unwanted(job: "_Job", expendable: frozenset[int], finished: bool) -> None:
-    """Stop at once the expendable ranks nobody waits for: one that is stopped (state T) and that the run
-    dropped, at any time (SIGKILL: a stopped process never acts on SIGTERM; woken, it would only leave,
-    and until it is gone its peers' connections to it hold their own exits); once the essential ranks
-    ``finished``, any stopped one (SIGKILL) and any dropped one (SIGTERM, then SIGKILL)."""
-    assert job.tmp is not None
-    candidates = job.running & expendable
-    marked = {r for r in candidates if Path(job.tmp, _dropped_name(r)).exists()}
-    frozen = [r for r in candidates if (finished or r in marked) and _is_stopped(job.procs[r].pid)]
-    dropped = [r for r in marked if r not in frozen] if finished else []
-    job.running.difference_update(frozen + dropped)  # first: the signal forwarder must not signal them any more
-    for r in frozen:
-        _kill_frozen(job.procs[r])
-    for r in dropped:
-        if job.procs[r].exitcode is None and job.procs[r].is_alive():
-            job.procs[r].terminate()
-    if job.exits is not None:
-        job.exits.stopped.update(frozen + dropped)
-    deadline = time.monotonic() + _KILL_GRACE_S
-    for r in dropped:
-        job.procs[r].join(max(0.0, deadline - time.monotonic()))
-        if job.procs[r].is_alive():
-            job.procs[r].kill()
-    for r in frozen + dropped:
-        job.procs[r].join()
-    if frozen or dropped:
-        why = ([f"rank {r} is stopped (SIGSTOP)" + (" and was dropped by the run" if r in marked else "")
-                for r in frozen] + [f"rank {r} was dropped by the run" for r in dropped])
-        _warn(f"expendable {', '.join(why)}" + ("; the others finished" if finished else "") + ": stopped at once")
-
-
-def _kill_frozen(proc) -> None:
-    """SIGKILL a rank its peers found frozen: a SIGSTOPped process never acts on SIGTERM."""
-    if proc.pid and proc.exitcode is None:
-        try:
-            os.kill(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def _take(running: set[int]) -> set[int]:
-    """Empty ``running`` (the signal forwarder's list: no signal to a pid once it may be reaped), return its ranks."""
-    ranks = set(running)
-    running.clear()
-    return ranks
-
-
-def _warn(message: str) -> None:
-    print(f"hpcrl.comm.spawn: warning: {message}", file=sys.stderr, flush=True)
-
-
 def _loopback_store(nproc: int) -> dist.TCPStore:
     """A store server listening on 127.0.0.1 only. TCPStore(host=...) would bind every interface
     (its server ignores the host), so the socket is bound here and handed over; the store owns it."""
@@ -307,7 +158,7 @@ def spawn(
     expendable = _check_ranks(nproc, expendable)
     procs: list = []
     running: set[int] = set()
-    job = _Job(procs, running, _Forwarder(forward_signals, procs, running))
+    job = Job(procs, running, Forwarder(forward_signals, procs, running))
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         job.fwd.install()
@@ -316,22 +167,22 @@ def spawn(
         return _results(job, nproc, expendable)
     finally:
         job.running.clear()
-        _stop(job.procs, range(len(job.procs)), job.exits)
+        stop_ranks(job.procs, range(len(job.procs)), job.exits)
         if job.tmp is not None:
             shutil.rmtree(job.tmp, ignore_errors=True)
         job.fwd.restore()
 
 
 @dataclass
-class _Job:
+class Job:
     """What :func:`spawn` started, filled in as it goes (so its cleanup finds whatever exists)."""
 
     procs: list
     running: set[int]  # ranks whose exit is not yet observed (shared with the signal forwarder)
-    fwd: _Forwarder
+    fwd: Forwarder
     store: dist.TCPStore | None = None  # held for the run: the ranks' rendezvous lives as long as this object
     tmp: str | None = None
-    exits: _Exits | None = None
+    exits: Exits | None = None
 
 
 def _check_ranks(nproc: int, expendable: Collection[int]) -> frozenset[int]:
@@ -361,7 +212,7 @@ def _child_env(rank: int, nproc: int, port: int, tmp: str, secret: str, env: dic
     }
 
 
-def _launch(job: _Job, fn: Callable[..., Any], args: tuple, nproc: int, num_threads: int | None,
+def _launch(job: Job, fn: Callable[..., Any], args: tuple, nproc: int, num_threads: int | None,
             env: dict[str, str] | None, preload: Sequence[str]) -> None:
     """Host the store, make the scratch dir and start the ranks, the forwarded signals held meanwhile."""
     fwd = job.fwd
@@ -380,7 +231,7 @@ def _launch(job: _Job, fn: Callable[..., Any], args: tuple, nproc: int, num_thre
         job.store = _loopback_store(nproc)
         secret = new_secret()
         job.tmp = tmp = make_scratch_dir()
-        job.exits = _Exits(job.procs, tmp, fwd)
+        job.exits = Exits(job.procs, tmp, fwd)
         fwd.marker = Path(tmp, _INTERRUPTED)
         streams = [InheritedFd(fd) if is_open(fd) else None for fd in (1, 2)]
         for rank in range(nproc):
@@ -396,7 +247,7 @@ def _launch(job: _Job, fn: Callable[..., Any], args: tuple, nproc: int, num_thre
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)  # pending signals are forwarded now
 
 
-def _supervise(job: _Job, expendable: frozenset[int], deadline: float | None, timeout_s: float | None) -> None:
+def _supervise(job: Job, expendable: frozenset[int], deadline: float | None, timeout_s: float | None) -> None:
     """Wait for every rank; stop the others and raise on the first essential failure, the timeout or
     (expendable ranks only) the grace period after the essential ones finished."""
     procs, running, exits = job.procs, job.running, job.exits
@@ -408,7 +259,7 @@ def _supervise(job: _Job, expendable: frozenset[int], deadline: float | None, ti
         if grace_end is None and essential and not (essential & running):
             grace_end = time.monotonic() + _EXPENDABLE_GRACE_S
         if expendable & running:
-            _stop_unwanted(job, expendable, finished=grace_end is not None)
+            stop_unwanted(job, expendable, finished=grace_end is not None)
             if not running:
                 break
         ends = [t for t in (deadline, grace_end) if t is not None]
@@ -419,12 +270,12 @@ def _supervise(job: _Job, expendable: frozenset[int], deadline: float | None, ti
         if not ready:
             if deadline is not None and time.monotonic() >= deadline:
                 names = ", ".join(f"rank {r}" for r in sorted(running))
-                _stop(procs, _take(running), exits)
+                stop_ranks(procs, take(running), exits)
                 raise SpawnError(f"timed out after {timeout_s:g} s; still running: {names}", None, None)
             if grace_end is not None and time.monotonic() >= grace_end:
                 late = sorted(running)
-                _stop(procs, _take(running), exits)
-                _warn(f"expendable rank(s) {', '.join(map(str, late))} still running {_EXPENDABLE_GRACE_S:g} s "
+                stop_ranks(procs, take(running), exits)
+                warn(f"expendable rank(s) {', '.join(map(str, late))} still running {_EXPENDABLE_GRACE_S:g} s "
                       "after the others finished: stopped")
             continue
         batch = [r for r in running if procs[r].sentinel in ready]
@@ -434,19 +285,30 @@ def _supervise(job: _Job, expendable: frozenset[int], deadline: float | None, ti
         for r in exits.observe(batch):
             if exits.succeeded(r):
                 continue
-            rec = _read_error(job.tmp, r)
-            if r in expendable and not (rec is not None and rec.get("config")):
+            if r in expendable and not _ends_run(job, r, expendable):
                 lost.append(r)
-                _warn(f"rank {r} failed ({exits.describe(r)}); it is expendable, the others go on without it")
+                warn(f"rank {r} failed ({exits.describe(r)}); it is expendable, the others go on without it")
                 continue
             first = exits.first(r, lost)
             if (peer := exits.lost_peer(first)) is not None:
-                _kill_frozen(procs[peer])
-            _stop(procs, _take(running), exits)
+                kill_frozen(procs[peer])
+            stop_ranks(procs, take(running), exits)
             raise exits.failure(first, lost)
 
 
-def _results(job: _Job, nproc: int, expendable: frozenset[int]) -> list[Any]:
+def _ends_run(job: Job, rank: int, expendable: frozenset[int]) -> bool:
+    """An expendable ``rank``'s failure ends the run too: a configuration error (every rank has it), or its
+    heartbeat watch found an essential rank frozen or gone (e.g. a maker that lost its trainer; the frozen
+    trainer would otherwise hold the run for as long as it stays frozen). Not once that peer finished: a
+    rank that outlived it may take its silence for a freeze."""
+    assert job.exits is not None and job.tmp is not None
+    rec = read_error(job.tmp, rank)
+    peer = job.exits.lost_peer(rank)
+    lost = peer is not None and peer not in expendable and not job.exits.succeeded(peer)
+    return bool(rec is not None and rec.get("config")) or lost
+
+
+def _results(job: Job, nproc: int, expendable: frozenset[int]) -> list[Any]:
     assert job.exits is not None and job.tmp is not None
     results = []
     for rank in range(nproc):

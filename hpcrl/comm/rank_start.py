@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from .scratch import PREFIX, host_tag, make_scratch_dir, start_tag
 
-__all__ = ["current_mask", "is_open", "start_method"]
+__all__ = ["current_mask", "is_open", "remove_socket_dir", "start_method"]
 
 _PRELOAD = ["hpcrl.forkserver_preload"]
 
@@ -50,9 +50,20 @@ def _socket_dir_fits() -> bool:
         if not fits or not os.access(fits[0], os.W_OK):
             return False
         path = make_scratch_dir(fits[0])
-        util.Finalize(None, _remove_temp_dir, args=(shutil.rmtree, path), exitpriority=-100)
+        _REMOVE[:] = [util.Finalize(None, _remove_temp_dir, args=(shutil.rmtree, path), exitpriority=-100)]
         config["tempdir"] = path
     return len(os.path.join(config["tempdir"], "listener-12345678")) <= _SUN_PATH_MAX
+
+
+_REMOVE: list[Callable[[], Any]] = []  # the finalizer that removes the socket dir made above, once
+
+
+def remove_socket_dir() -> None:
+    """Remove the forkserver's socket dir now. Interpreter exit does it (a multiprocessing finalizer);
+    call this before leaving through ``os._exit``, which skips that. Ranks can no longer be started
+    from this process afterwards."""
+    if _REMOVE:
+        _REMOVE.pop()()
 
 
 def _remove_temp_dir(rmtree: Callable[..., None], path: str) -> None:  # rmtree held: called late at exit

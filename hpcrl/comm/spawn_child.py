@@ -19,6 +19,7 @@ import torch
 
 from hpcrl.process_state import pid_alive
 
+from .heartbeat import PeerLost
 from .spawn_errors import is_config_error, is_data_error
 
 _HOLD_S = 5.0  # a stop signal held for the rank function's own handler is delivered by default after this
@@ -160,6 +161,11 @@ def write_atomic(path: Path, data: bytes) -> None:
 _SCRATCH: list[str] = []  # [scratch dir, rank] inside a spawned rank: where record_peer_lost writes
 
 
+def scratch_dir() -> str | None:
+    """Inside a spawned rank, its parent's scratch dir (where it leaves records for the parent); else None."""
+    return _SCRATCH[0] if _SCRATCH else None
+
+
 def record_peer_lost(message: str, peer: int | None) -> None:
     """This rank's heartbeat watch is about to end it (``os._exit``, past any ``except``): leave the
     parent the record run_child would have, naming ``peer`` (None: the store) as the one to blame."""
@@ -194,6 +200,8 @@ def run_child(fn: Callable[..., Any], args: Sequence[Any], env: dict[str, str], 
         record = {"time": time.time(), "type": f"{type(err).__module__}.{type(err).__qualname__}",
                   "config": is_config_error(err), "data": is_data_error(err), "message": str(err),
                   "last": (lines[-1] if lines else repr(err)).strip(), "traceback": traceback.format_exc()}
+        if isinstance(err, PeerLost) and err.peer is not None:  # the launcher blames (and stops) that peer
+            record["lost"] = int(err.peer)
         write_atomic(Path(tmp, f"error-{rank}"), json.dumps(record).encode())
         raise SystemExit(1) from None
     finally:

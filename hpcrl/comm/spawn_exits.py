@@ -9,36 +9,40 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Collection, Sequence
 
+from .heartbeat import PeerLost
 from .spawn_errors import SpawnConfigError, SpawnDataError, SpawnError, SpawnPeerLost
 
 if TYPE_CHECKING:
-    from .local import _Forwarder
+    from .spawn_signals import Forwarder
 
 
-def _signame(signum: int) -> str:
+def signal_name(signum: int) -> str:
     try:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
 
 
-def _read_error(tmp: str, rank: int) -> dict | None:
+def read_error(tmp: str, rank: int) -> dict | None:
     try:
         return json.loads(Path(tmp, f"error-{rank}").read_text())
     except (OSError, ValueError):
         return None
 
 
+PEER_LOST = f"{PeerLost.__module__}.{PeerLost.__qualname__}"  # how a rank's error record names it
+
+
 def _how(code: int | None) -> str:
     if code is None:
         return "still running"
-    return f"killed by {_signame(-code)}" if code < 0 else f"exit code {code}"
+    return f"killed by {signal_name(-code)}" if code < 0 else f"exit code {code}"
 
 
-class _Exits:
+class Exits:
     """What the parent saw: exits in the order it observed them, the ranks it stopped itself."""
 
-    def __init__(self, procs: list, tmp: str, fwd: _Forwarder) -> None:
+    def __init__(self, procs: list, tmp: str, fwd: Forwarder) -> None:
         self.procs, self.tmp, self.fwd = procs, tmp, fwd
         self.order: list[int] = []
         self.stopped: set[int] = set()  # terminated / killed by spawn (after a failure, timeout, grace)
@@ -51,7 +55,7 @@ class _Exits:
         """Record ranks whose sentinels fired together, in the order their failures most likely happened:
         killed by a signal (no record: a peer's exception is usually its consequence), then by exception time."""
         def key(r: int) -> tuple:
-            rec = _read_error(self.tmp, r)
+            rec = read_error(self.tmp, r)
             code = self.procs[r].exitcode
             if self.succeeded(r):
                 return (2, 0.0, r)
@@ -65,13 +69,13 @@ class _Exits:
 
     def lost_peer(self, rank: int) -> int | None:
         """The frozen peer that ``rank``'s heartbeat watch named before ending it, if any."""
-        peer = (_read_error(self.tmp, rank) or {}).get("lost")
+        peer = (read_error(self.tmp, rank) or {}).get("lost")
         return peer if isinstance(peer, int) and 0 <= peer < len(self.procs) else None
 
     def describe(self, rank: int) -> str:
         """"killed by SIGKILL" / "exit code 1: ValueError: boom" / "stopped by spawn"."""
         code = self.procs[rank].exitcode
-        rec = _read_error(self.tmp, rank)
+        rec = read_error(self.tmp, rank)
         if rec is not None:
             return f"{_how(code)}: {rec['last']}"
         if rank in self.stopped:
@@ -85,14 +89,14 @@ class _Exits:
     def first(self, rank: int, lost: Collection[int] = ()) -> int:
         """``rank`` (the first failure observed), unless it raised and another rank raised earlier: that one
         (it may still have been exiting). Exception times compare; a signal death has none, so it stands."""
-        mine = _read_error(self.tmp, rank)
+        mine = read_error(self.tmp, rank)
         if mine is None:
             return rank
-        records = {r: rec for r in range(len(self.procs)) if r not in lost and (rec := _read_error(self.tmp, r))}
+        records = {r: rec for r in range(len(self.procs)) if r not in lost and (rec := read_error(self.tmp, r))}
         return min(records, key=lambda r: (float(records[r]["time"]), r))
 
     def failure(self, rank: int, lost: Sequence[int] = ()) -> SpawnError:
-        rec = _read_error(self.tmp, rank)
+        rec = read_error(self.tmp, rank)
         code = self.procs[rank].exitcode
         if rec is not None and rec.get("config"):
             return SpawnConfigError(rec["message"] or rec["last"], rank, code, rec.get("type", ""))
@@ -100,8 +104,13 @@ class _Exits:
             return SpawnDataError(rec["message"] or rec["last"], rank, code)
         if rec is not None and "lost" in rec:  # blame the peer it named, not the rank that noticed
             return SpawnPeerLost(rec["message"], rec["lost"], code)
-        text = f"rank {rank} failed first ({self.describe(rank)})"
         earlier = [r for r in lost if r != rank]
+        if rec is not None and rec.get("type") == PEER_LOST:  # an expected loss (every maker dead): one line
+            text = rec["message"]
+            if earlier:
+                text += "; earlier, expendable " + ", ".join(f"rank {r} ({self.describe(r)})" for r in earlier)
+            return SpawnError(text, rank, code)
+        text = f"rank {rank} failed first ({self.describe(rank)})"
         if earlier:
             text += "; earlier, expendable " + ", ".join(f"rank {r} ({self.describe(r)})" for r in earlier)
         later = [r for r in self.order if r != rank and r not in earlier and not self.succeeded(r)]
@@ -109,5 +118,5 @@ class _Exits:
                   if r not in self.order and r != rank and r not in earlier and not self.succeeded(r)]
         if later:
             text += "; then " + ", ".join(f"rank {r} ({self.describe(r)})" for r in later)
-        detail = rec["traceback"] if rec is not None else "no traceback recorded; see the rank's stderr"
-        return SpawnError(f"{text}:\n{detail}".rstrip(), rank, code)
+        detail = (rec["traceback"] if rec is not None else "").strip()
+        return SpawnError(f"{text}:\n{detail}" if detail else text, rank, code)

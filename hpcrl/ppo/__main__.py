@@ -132,9 +132,13 @@ def _exit(code: int) -> None:
     """Leave without interpreter teardown. After a maker or trainer was lost, a receive thread may still
     be blocked on it inside gloo, and cannot be cancelled; tearing the process groups down under it at
     interpreter exit can abort the process (rc -6) after a run that succeeded. Everything that matters
-    (metrics, checkpoints, TensorBoard) is closed and flushed by then."""
+    (metrics, checkpoints, TensorBoard) is closed and flushed by then; the forkserver's socket dir is
+    removed here (the run's scratch dir went with :func:`hpcrl.comm.spawn`)."""
     sys.stdout.flush()
     sys.stderr.flush()
+    rank_start = sys.modules.get("hpcrl.comm.rank_start")  # loaded once ranks were spawned from here
+    if rank_start is not None:
+        rank_start.remove_socket_dir()  # multiprocessing's exit hook would have; os._exit skips it
     os._exit(code)
 
 

@@ -259,7 +259,7 @@ class Maker:
         if dead:
             names = ", ".join(describe(self.ctx, r, "trainer") for r in dead)
             raise PeerLost(f"maker {self.index}: {names} stopped responding (no heartbeat for "
-                           f"{self.cfg.heartbeat_timeout_s:.0f} s) while waiting for {waiting_for}")
+                           f"{self.cfg.heartbeat_timeout_s:.0f} s) while waiting for {waiting_for}", peer=dead[0])
         return False
 
     def _next_credit(self) -> Credit | None:

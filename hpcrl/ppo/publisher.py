@@ -122,9 +122,10 @@ class Publisher:
         self.publish_ms = seconds * 1000
         self._lose(failed)
         if self.weights.transport != before and self._end_at is None:  # at the end: nobody needs the news
+            # a count only once the trainers dropped the lost maker: a broadcast may fail before they know
+            to = f"the {len(self._live)} live maker(s)" if len(self._live) < self._makers else "each live maker"
             print(f"hpcrl.ppo: the weight broadcast to the makers could not complete at v{version} (a maker is "
-                  f"lost or hangs); weights go {self.weights.transport} to the {len(self._live)} live maker(s) "
-                  "from now on", flush=True)
+                  f"lost or hangs); weights go {self.weights.transport} to {to} from now on", flush=True)
         self.events(WeightsPublished(time.time(), version, seconds, self.weights.nbytes, len(live),
                                      self.weights.transport))
         return True

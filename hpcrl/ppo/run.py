@@ -10,10 +10,12 @@ import tyro
 
 from hpcrl import checkpoint, rundir
 from hpcrl.comm import StopRequest, detect_launch, init_distributed, shutdown
+from hpcrl.comm.bootstrap import explain_failure, unwatch_peers, watch_peers
 from hpcrl.comm.heartbeat import Heartbeat, liveness_store, remember_hosts
 from hpcrl.comm.local import record_dropped
 from hpcrl.comm.native_log import divert_native_stderr, restore_native_stderr
 from hpcrl.conventions import ppo_role
+from hpcrl.rundir_files import file_mode, narrowed_umask
 
 from .config import HF_WORKLOADS, LM_WORKLOADS, ConfigError, DetachedConfig, is_plugin, tyro_call
 from .events import Events, ignore
@@ -81,7 +83,13 @@ def check_resumable(cfg: DetachedConfig, top: Topology) -> None:
 
 def train(cfg: DetachedConfig, events: Events = ignore) -> dict[str, float]:
     """Run one rank (its role from its rank: trainers ``[0, T)``, makers after); ``events`` sees what
-    happens (:mod:`hpcrl.ppo.events`). Returns the trainer's final row, or the maker's totals."""
+    happens (:mod:`hpcrl.ppo.events`). Returns the trainer's final row, or the maker's totals. Every file
+    the rank makes (DCP shards, exports too) is private from its creation (:func:`~hpcrl.rundir.file_mode`)."""
+    with narrowed_umask(file_mode()):
+        return _train(cfg, events)
+
+
+def _train(cfg: DetachedConfig, events: Events) -> dict[str, float]:
     stop = StopRequest.install()  # makers only record it: trainers decide, then send STOP credits
     cfg.check()  # before anything starts: a bad --threads or device would fail less clearly below
     torch.set_num_threads(cfg.threads)
@@ -106,6 +114,10 @@ def train(cfg: DetachedConfig, events: Events = ignore) -> dict[str, float]:
         groups = make_role_planes(ctx, top)  # every rank, same order: a torch.distributed rule
         remember_hosts(ctx)
         beat = Heartbeat(liveness_store(ctx.store, cfg.heartbeat_timeout_s), ctx.rank)
+        if role == "trainer" and top.trainers > 1:
+            # A trainer blocked in a collective or a shared-memory sum cannot notice a frozen peer trainer
+            # itself: this watch ends the process with one line naming it (the trainers' loss ends the run).
+            watch_peers(cfg.heartbeat_timeout_s, ranks=range(top.trainers), role="trainer", beat=False)
         try:
             if role == "maker":
                 out = Maker(ctx, top, cfg, workload, groups, events).run()
@@ -119,7 +131,11 @@ def train(cfg: DetachedConfig, events: Events = ignore) -> dict[str, float]:
             makers = [top.maker_rank(m) for m in range(top.makers)]
             for rank in shutdown(gone=gone, expendable=makers, heartbeat_timeout_s=cfg.heartbeat_timeout_s):
                 record_dropped(rank)
+        except Exception as err:
+            explain_failure(err)  # a collective that failed under a lost trainer: the watch's line names it
+            raise
         finally:
+            unwatch_peers()  # after an error (shutdown ended it otherwise): no watch outlives the run here
             beat.stop()
     finally:
         restore_native_stderr()

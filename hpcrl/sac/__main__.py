@@ -13,8 +13,8 @@ Without a launcher and with ``--nproc N`` it spawns N local ranks (gloo); under 
 ``torchrun`` every task runs one rank (the bootstrap reads the launcher's variables).
 
 Exit codes: 0 done, 2 bad configuration (one line, whichever rank found it), 65 (sysexits
-EX_DATAERR) the env returned a non-finite reward or observation (``--nonfinite error``; under
-``--nproc`` > 1 it is "rank N failed", exit 1, with the same line), 1 a rank failed (the message names
+EX_DATAERR) the env returned a non-finite reward or observation (``--nonfinite error``; one line
+naming env, rank and step, whichever rank met it, under ``--nproc`` too), 1 a rank failed (the message names
 the rank that failed first) or stopped responding (every other rank exits 1 within
 ``--heartbeat-timeout-s``, naming it), 75 stopped by SIGUSR2/SIGTERM after writing a checkpoint
 (resume with ``--resume``; the sbatch script requeues on 75), 74 (sysexits EX_IOERR) a checkpoint or
