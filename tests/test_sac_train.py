@@ -16,7 +16,7 @@ import torch
 from hpcrl import checkpoint
 from hpcrl.comm import Plane
 from hpcrl.sac import FastSAC, UpdateNoise, plan, preset
-from hpcrl.sac.train import ConfigError
+from hpcrl.sac.run import ConfigError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sac_workers  # noqa: E402
@@ -76,7 +76,7 @@ def test_events_hook_sees_updates_rows_and_evals(tmp_path, monkeypatch):
     from hpcrl.metrics import finite_row
     from hpcrl.sac import events as ev
     from hpcrl.sac.__main__ import parse
-    from hpcrl.sac.train import train
+    from hpcrl.sac.run import train
 
     for k in [k for k in os.environ if k.startswith("SLURM_")]:
         monkeypatch.delenv(k)

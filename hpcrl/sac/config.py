@@ -202,7 +202,7 @@ class SACConfig:
         """Every value against its documented range, before any rank starts: :class:`ConfigError` (a
         ValueError) with one line naming the flag, the bad value, the valid range and a value that works
         (world-size dependent checks, e.g. divisibility by the number of ranks, are
-        :func:`hpcrl.sac.train.plan`'s)."""
+        :func:`hpcrl.sac.run.plan`'s)."""
         known = isinstance(self.preset, str) and self.preset in PRESETS
         c = Check(self, preset(self.preset) if known else None,
                   f"the {self.preset} preset's" if known and self.preset != "holosoma" else "the default")
