@@ -85,7 +85,7 @@ def test_events_hook_sees_updates_rows_and_evals(tmp_path, monkeypatch):
                         "--eval-episodes", "1", "--run-dir", str(tmp_path)])
     train(cfg, events=seen.append)
     updates = [e for e in seen if isinstance(e, ev.UpdatesDone)]
-    assert [e.iteration for e in updates] == list(range(5, 11))  # learning_starts 4, 10 vector steps
+    assert [e.vector_step for e in updates] == list(range(5, 11))  # learning_starts 4, 10 vector steps
     assert all(e.updates == 2 and e.seconds > 0 and e.rank == 0 for e in updates)
     rows = [finite_row({k: v for k, v in e.row.items() if k != "sps"}) for e in seen if isinstance(e, ev.RowLogged)]
     written = metrics(tmp_path)

@@ -58,7 +58,7 @@ class UpdateNoise(NamedTuple):
 
 @dataclass
 class Counters:
-    iteration: int = 0  # env steps of the vector env (each = num_envs transitions globally)
+    vector_steps: int = 0  # steps of all envs at once (each = num_envs transitions globally)
     critic_steps: int = 0
     actor_steps: int = 0
 
@@ -150,7 +150,7 @@ class FastSAC(nn.Module):
             "critic_opt": optimizer_state_out(self.critic_opt.state_dict(), self.layout.reshapes["critic"]),
             "actor_opt": optimizer_state_out(self.actor_opt.state_dict(), self.layout.reshapes["actor"]),
             "alpha_opt": self.alpha_opt.state_dict(),
-            "counters": [self.counters.iteration, self.counters.critic_steps, self.counters.actor_steps],
+            "counters": [self.counters.vector_steps, self.counters.critic_steps, self.counters.actor_steps],
             **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {}),
         }
 

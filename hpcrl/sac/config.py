@@ -248,7 +248,7 @@ class SACConfig:
         c.integer("learning_starts", 0, hint="vector steps before the first update")
         c.integer("random_steps", 0, hint="vector steps with random actions")
         c.boolean("obs_normalization")
-        c.integer("num_updates", 1, hint="critic updates per env step")
+        c.integer("num_updates", 1, hint="critic updates per vector step")
         c.integer("policy_frequency", 1, hint="critic updates per actor update")
 
     def _check_learner(self, c: Check) -> None:

@@ -14,13 +14,13 @@ from typing import Any, Callable, Union
 
 @dataclass(frozen=True)
 class UpdatesDone:
-    """One env step's learner updates on this rank (``num_updates`` of them, each: sample, normalise,
+    """One vector step's learner updates on this rank (``num_updates`` of them, each: sample, normalise,
     update with its gradient averaging, and the replica check when one is due)."""
 
     time: float
     rank: int
-    iteration: int
-    """Vector-env steps done, this one included."""
+    vector_step: int
+    """Vector steps done, this one included."""
     updates: int
     seconds: float
     """Wall time of the updates on the host (device work still queued at the end is not waited for)."""
