@@ -64,7 +64,7 @@ def _key(**changes) -> str:
     agent = workers.FastSAC(cfg, workers.OBS, workers.ACT, -torch.ones(workers.ACT), torch.ones(workers.ACT),
                             torch.device("cpu"), plane=workers.Plane.local("device"))
     cu = agent.compiled
-    args = (cu.fn, cu.state(), Data.of(*workers.global_data(0)), True)  # update(...)'s arguments
+    args = (cu.fn, cu.state(), Data.of(*workers.global_data(0)), True)  # run_update(...)'s arguments
     return graph_key("whole-1", args, cfg, cu.modules(), cu.fn.constants())
 
 

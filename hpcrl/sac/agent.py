@@ -26,7 +26,7 @@ from .eager import EagerSteps
 from .flat import optimizer_state_in, optimizer_state_out
 from .networks import Actor, BatchedCritic, DistributionalCritic
 from .params import ParamLayout
-from .update import Data, Objective, update
+from .update import Data, Objective, run_update
 
 
 def amp_mode(cfg: SACConfig) -> str:
@@ -133,7 +133,7 @@ class FastSAC(nn.Module):
         if self.compiled is not None:
             out = self.compiled.update(data, actor_due)
         else:
-            out = update(self.eager, None, data, actor_due)
+            out = run_update(self.eager, None, data, actor_due)
         self.counters.critic_steps += 1
         self.counters.actor_steps += int(actor_due)
         if self.scaler is not None:

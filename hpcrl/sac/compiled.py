@@ -33,7 +33,7 @@ from hpcrl.config_check import ConfigError
 
 from .functional import Functional, adam_state
 from .graph_store import GraphStore, default_dir, graph_key
-from .update import Data, Steps, update
+from .update import Data, Steps, run_update
 
 if TYPE_CHECKING:
     from .agent import FastSAC
@@ -96,7 +96,7 @@ class CompiledUpdate(Steps):
         # one rank: nothing to average, the whole update is one graph
         self.local = agent.critic_average.world_size == 1 and agent.actor_average.world_size == 1
         if self.local:
-            self._whole = torch.compile(partial(update, self.fn), **compile_)
+            self._whole = torch.compile(partial(run_update, self.fn), **compile_)
         else:
             self._critic_stage = torch.compile(self.fn.critic_stage, **compile_)
             self._middle_stage = torch.compile(self.fn.middle_stage, **compile_)
@@ -124,16 +124,16 @@ class CompiledUpdate(Steps):
                      States(adam_state(agent.critic_opt), adam_state(agent.actor_opt), adam_state(agent.alpha_opt)))
 
     def update(self, data: Data, actor_due: bool) -> dict[str, torch.Tensor]:
-        """hpcrl/sac/update.py's update, captured: one graph (one rank), else a graph per stage."""
+        """hpcrl/sac/update.py's run_update, captured: one graph (one rank), else a graph per stage."""
         start = time.perf_counter()
         state = self.state()
         fits = self._fits(data)
         self._use_stored = fits and self.store is not None
         with self._stance(fits):
             if self.local:
-                out = self._run(f"whole-{int(actor_due)}", update, self._whole, self.fn, state, data, actor_due)
+                out = self._run(f"whole-{int(actor_due)}", run_update, self._whole, self.fn, state, data, actor_due)
             else:
-                out = update(self, state, data, actor_due)
+                out = run_update(self, state, data, actor_due)
         self._count_compile(actor_due, start)
         return {k: self._keep(v) for k, v in out.items()}
 

@@ -1,4 +1,4 @@
-"""FastSAC's update, once: the order of its steps (:func:`update`) and its two objectives
+"""FastSAC's update, once: the order of its steps (:func:`run_update`) and its two objectives
 (:func:`critic_objective`, :func:`actor_objective`).
 
 Both paths run this code. The eager one (:class:`hpcrl.sac.agent.EagerSteps`) takes gradients with
@@ -126,7 +126,7 @@ class Steps:
         return self.actor_step(state)
 
 
-def update(steps: Steps, state: Any, data: Data, actor_due: bool) -> dict[str, torch.Tensor]:
+def run_update(steps: Steps, state: Any, data: Data, actor_due: bool) -> dict[str, torch.Tensor]:
     """One critic (+alpha) step, the target update, and the actor step when it is due: detached scalar
     tensors (no host read) for logging."""
     critic_loss, alpha_loss, alpha = steps.critic_stage(state, data)
