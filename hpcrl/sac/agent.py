@@ -84,8 +84,8 @@ class FastSAC(nn.Module):
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
         self.log_alpha = nn.Parameter(torch.tensor(float(cfg.alpha_init), device=device).log())
         # DDP reduces its own gradient buckets: it keeps per-parameter tensors.
-        self.flat = cfg.flat_params and cfg.grad_average != "ddp"
-        self.layout = ParamLayout(self.critic, self.actor, self.critic_target, self.log_alpha, self.flat)
+        self.layout = ParamLayout(self.critic, self.actor, self.critic_target, self.log_alpha,
+                                  flat=cfg.flat_params and cfg.grad_average != "ddp")
         # fused: one kernel for all parameters (CPU and CUDA) instead of a dozen ops per tensor.
         adamw = dict(betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=True)
         self.critic_opt = torch.optim.AdamW(self.layout.critic, lr=cfg.critic_lr, **adamw)
@@ -94,14 +94,14 @@ class FastSAC(nn.Module):
         self.alpha_opt = torch.optim.Adam([self.log_alpha], lr=cfg.alpha_lr, betas=(0.9, 0.95), fused=True)
         self.critic_average, self.actor_average = self._averagers(plane)
         self.counters = Counters()
-        self.amp = amp_mode(cfg)
-        autocast = (torch.autocast(device.type, dtype=torch.bfloat16 if self.amp == "bf16" else torch.float16)
-                    if self.amp != "none" else contextlib.nullcontext())
+        amp = amp_mode(cfg)
+        autocast = (torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
+                    if amp != "none" else contextlib.nullcontext())
         self.objective = Objective(self.critic.support, self.critic.q_value, -cfg.target_entropy_ratio * action_dim,
                                    cfg.cdq, autocast)
         # fp16 only: bf16 has fp32's range (holosoma's scaler under bf16 is overhead, docs/holosoma.md).
         # One scaler for the critic (+alpha) and the actor steps, updated after each, as holosoma does.
-        self.scaler = torch.amp.GradScaler(device.type) if self.amp == "fp16" else None
+        self.scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
         self.eager = EagerSteps(self)
         # --compile: the same update captured (hpcrl/sac/compiled.py); eager stays the default.
         self.compiled = CompiledUpdate(self) if cfg.compile else None
@@ -110,7 +110,7 @@ class FastSAC(nn.Module):
         """One collective per optimizer update: critic + log-alpha together, the actor alone."""
         cfg, layout = self.cfg, self.layout
         # Captured (--compile): gradients come out of one graph, nothing to overlap with.
-        overlap = cfg.overlap_grad_average and (self.flat or cfg.grad_average == "view") and not cfg.compile
+        overlap = cfg.overlap_grad_average and (layout.flat or cfg.grad_average == "view") and not cfg.compile
         averagers = tuple(GradAverager(params, cfg.grad_average, plane=plane, grad_buffers=buffers, overlap=overlap,
                                        timeout_s=float(cfg.timeout_s))
                           for params, buffers in ((layout.critic_grads, layout.critic_buffers),
@@ -118,6 +118,11 @@ class FastSAC(nn.Module):
         for averager in averagers:
             averager.zero_grad()
         return averagers
+
+    @property
+    def flat(self) -> bool:
+        """Each model's parameters and gradients in one flat buffer (else per-parameter tensors)."""
+        return self.layout.flat
 
     @property
     def alpha(self) -> torch.Tensor:
