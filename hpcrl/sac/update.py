@@ -1,12 +1,14 @@
 """FastSAC's update, once: the order of its steps (:func:`run_update`) and its two objectives
 (:func:`critic_objective`, :func:`actor_objective`).
 
-Both paths run this code. The eager one (:class:`hpcrl.sac.agent.EagerSteps`) takes gradients with
+Both paths run this code. The eager one (:class:`hpcrl.sac.eager.EagerSteps`) takes gradients with
 autograd and steps the optimizers, so it serves every layout, gradient-averaging mode, the overlap of the
 all-reduce with backward and the fp16 GradScaler; the captured one (:class:`hpcrl.sac.functional.Functional`,
 compiled by hpcrl/sac/compiled.py under ``--compile``) takes them with ``torch.func.grad`` over flat
-buffers and steps with the same arithmetic as plain tensor ops. Which of them runs, and which averaging
-mode, critic, overlap or precision, are parameters of these steps, not branches of the update.
+buffers and steps with the fused optimizers' arithmetic as plain tensor ops (their kernels, DDP's and the
+overlap's backward hooks do not trace; the two agree to float rounding, not bit for bit). Which of them
+runs, and which averaging mode, critic, overlap or precision, are parameters of these steps, not branches
+of the update.
 
 The order (holosoma's, docs/holosoma.md#data-parallelism), cut at the two gradient all-reduces::
 
