@@ -86,6 +86,8 @@ def test_events_hook_sees_updates_rows_and_evals(tmp_path, monkeypatch):
     train(cfg, events=seen.append)
     updates = [e for e in seen if isinstance(e, ev.UpdatesDone)]
     assert [e.vector_step for e in updates] == list(range(5, 11))  # learning_starts 4, 10 vector steps
+    with pytest.warns(DeprecationWarning, match="vector_step"):
+        assert updates[0].iteration == 5  # the field's old name still reads
     assert all(e.updates == 2 and e.seconds > 0 and e.rank == 0 for e in updates)
     rows = [finite_row({k: v for k, v in e.row.items() if k != "sps"}) for e in seen if isinstance(e, ev.RowLogged)]
     written = metrics(tmp_path)

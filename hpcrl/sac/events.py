@@ -8,6 +8,7 @@ of a module-level class). ``time`` is ``time.time()`` when the event happened.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Union
 
@@ -24,6 +25,12 @@ class UpdatesDone:
     updates: int
     seconds: float
     """Wall time of the updates on the host (device work still queued at the end is not waited for)."""
+
+    @property
+    def iteration(self) -> int:
+        """The old name of :attr:`vector_step`, kept for existing callbacks."""
+        warnings.warn("UpdatesDone.iteration is now UpdatesDone.vector_step", DeprecationWarning, stacklevel=2)
+        return self.vector_step
 
 
 @dataclass(frozen=True)
