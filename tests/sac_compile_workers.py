@@ -45,9 +45,9 @@ def run(compile: bool, updates: int = UPDATES, rank: int = 0, world: int = 1, ct
             dynamo.append(count())
     dynamo.append(count())
     return {**state(agent, outs), "early": early_state, "dynamo": dynamo,
-            "compile_s": agent._compiled.compile_s if compile else 0.0,
-            "unguarded": agent._compiled.unguarded if compile else 0,
-            "graphs": _graphs(agent._compiled.store) if compile else None}
+            "compile_s": agent.compiled.compile_s if compile else 0.0,
+            "unguarded": agent.compiled.unguarded if compile else 0,
+            "graphs": _graphs(agent.compiled.store) if compile else None}
 
 
 def _graphs(store) -> dict | None:

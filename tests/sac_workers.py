@@ -242,7 +242,7 @@ def register_toy() -> None:
 def train_rank(cfg) -> dict:
     """One rank of hpcrl.sac.train on the toy env; returns the final row and the env's shared state."""
     register_toy()
-    from hpcrl.sac.train import train
+    from hpcrl.sac.run import train
 
     ToyPrivileged.INSTANCES.clear()
     row = train(cfg)

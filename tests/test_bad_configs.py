@@ -26,7 +26,7 @@ from hpcrl.sac.config import PRESETS, SACConfig, preset
 
 TESTS = Path(__file__).resolve().parent
 NAN, INF = float("nan"), float("inf")
-# until hpcrl.sac.train.plan / hpcrl.ppo.run.validate call cfg.check() (its ConfigError means exit 2), the
+# until hpcrl.sac.run.plan / hpcrl.ppo.run.validate call cfg.check() (its ConfigError means exit 2), the
 # CLIs accept these values; the marks come off once they do
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcrl.sac.compiled import Data
+from hpcrl.sac.update import Data
 from hpcrl.sac.graph_store import GraphStore, graph_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -63,12 +63,9 @@ def _key(**changes) -> str:
     torch.manual_seed(0)
     agent = workers.FastSAC(cfg, workers.OBS, workers.ACT, -torch.ones(workers.ACT), torch.ones(workers.ACT),
                             torch.device("cpu"), plane=workers.Plane.local("device"))
-    cu = agent._compiled
-    batch, noise = workers.global_data(0)
-    data = Data(batch.q_obs, batch.action, batch.reward, batch.next_obs, batch.q_next_obs, batch.discount,
-                        batch.obs, noise.next_eps, noise.actor_eps)
-    args = (cu, cu.bufs, cu.grads, cu._states(), data, True)
-    return graph_key("whole-1", args, cfg, cu._modules(), cu._constants())
+    cu = agent.compiled
+    args = (cu.fn, cu.state(), Data.of(*workers.global_data(0)), True)  # run_update(...)'s arguments
+    return graph_key("whole-1", args, cfg, cu.modules(), cu.fn.constants())
 
 
 def test_the_key_follows_what_the_graph_depends_on_and_nothing_else():

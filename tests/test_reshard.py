@@ -218,7 +218,7 @@ def test_reshard_of_a_real_checkpoint_is_exact_in_process(two_ranks):
     from hpcrl.sac.config import SACConfig
     from hpcrl.sac.layout import plan
     from hpcrl.sac.state import restore, run_identity
-    from hpcrl.sac.train import _build
+    from hpcrl.sac.run import _build
 
     run = two_ranks  # read only
     path = checkpoint.latest(run)
@@ -318,7 +318,7 @@ def _loaded(name: str, env_states: list[dict]) -> list:
     for state in env_states:
         n = len(state["envs"]) if "envs" in state else state["state"].shape[0]
         env = make_env(name, n, seed=12345)  # the seed is overwritten by the state
-        env.reset()  # as a resuming rank builds it (hpcrl.sac.train._build), then restores
+        env.reset()  # as a resuming rank builds it (hpcrl.sac.run._build), then restores
         env.load_state_dict(state)
         envs.append(env)
     return envs

@@ -277,7 +277,7 @@ def test_resume_refuses_what_it_cannot_resume_and_falls_back_past_a_corrupt_chec
 
 def test_resume_missing_fresh_starts_over_when_there_is_nothing(tmp_path, capsys, monkeypatch):
     from hpcrl.sac.__main__ import parse
-    from hpcrl.sac.train import RunDirConfigError, train
+    from hpcrl.sac.run import RunDirConfigError, train
 
     for k in [k for k in os.environ if k.startswith("SLURM_")]:
         monkeypatch.delenv(k)

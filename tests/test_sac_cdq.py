@@ -13,6 +13,7 @@ import torch
 from hpcrl.comm import Plane
 from hpcrl.sac import FastSAC, losses
 from hpcrl.sac.functional import Functional
+from hpcrl.sac.update import Data
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sac_workers import ACT, OBS, global_data, small_config  # noqa: E402
@@ -64,11 +65,11 @@ def test_the_captured_pieces_compute_the_same_losses():
     batch, noise = global_data(0)
     a = agent(True)
     fn, f32 = Functional(a), torch.float32
-    bufs = (a._flat_critic.buffers[f32], a._flat_actor.buffers[f32], a._flat_target.buffers[f32])
-    _, (critic_loss, _, alpha) = fn.critic_loss(*bufs, batch.obs, batch.action, batch.reward, batch.next_obs,
-                                                 batch.next_obs, batch.discount, noise.next_eps)
+    bufs = [flat.buffers[f32] for flat in a.layout.flats()]  # critic, actor, target
+    data = Data.of(batch, noise)
+    _, (critic_loss, _, alpha) = fn.critic_loss(*bufs, data)
     torch.testing.assert_close(critic_loss, by_hand(a, batch, noise))
-    actor_loss, _ = fn.actor_loss(bufs[1], bufs[0], batch.obs, noise.actor_eps, batch.obs, alpha)
+    actor_loss, _ = fn.actor_loss(bufs[1], bufs[0], data, alpha)
     with torch.no_grad():
         action, log_prob = a.actor.sample(batch.obs, noise.actor_eps)
         q = a.critic.q_value(a.critic(batch.obs, action))

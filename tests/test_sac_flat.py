@@ -195,11 +195,12 @@ def test_flat_agent_steps_once_per_model_and_keeps_every_view():
     agent = _run(_agent(True, True), range(4))
     assert [len(g["params"]) for g in agent.critic_opt.param_groups] == [1]
     assert [len(g["params"]) for g in agent.actor_opt.param_groups] == [1]
-    for model, flat in ((agent.actor, agent._flat_actor), (agent.critic, agent._flat_critic)):
+    flat_critic, flat_actor, flat_target = agent.layout.flats()
+    for model, flat in ((agent.actor, flat_actor), (agent.critic, flat_critic)):
         grads = flat.grad_buffers[torch.float32].untyped_storage().data_ptr()
         for p in model.parameters():
             assert p.grad is not None and p.grad.untyped_storage().data_ptr() == grads
-    target = agent._flat_target.buffers[torch.float32].untyped_storage().data_ptr()
+    target = flat_target.buffers[torch.float32].untyped_storage().data_ptr()
     assert all(p.untyped_storage().data_ptr() == target for p in agent.critic_target.parameters())
     assert not any(p.requires_grad for p in agent.critic_target.parameters())
     ddp = _agent(True, True, grad_average="ddp")

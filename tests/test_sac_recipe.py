@@ -22,7 +22,7 @@ from hpcrl.envs import make_env
 from hpcrl.replay import ReplayShard
 from hpcrl.sac import FastSAC, UpdateNoise, preset
 from hpcrl.sac.agent import mirror_batch
-from hpcrl.sac.train import reduce_shared_state
+from hpcrl.sac.run import reduce_shared_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sac_workers  # noqa: E402

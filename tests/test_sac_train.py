@@ -16,7 +16,7 @@ import torch
 from hpcrl import checkpoint
 from hpcrl.comm import Plane
 from hpcrl.sac import FastSAC, UpdateNoise, plan, preset
-from hpcrl.sac.train import ConfigError
+from hpcrl.sac.run import ConfigError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sac_workers  # noqa: E402
@@ -76,7 +76,7 @@ def test_events_hook_sees_updates_rows_and_evals(tmp_path, monkeypatch):
     from hpcrl.metrics import finite_row
     from hpcrl.sac import events as ev
     from hpcrl.sac.__main__ import parse
-    from hpcrl.sac.train import train
+    from hpcrl.sac.run import train
 
     for k in [k for k in os.environ if k.startswith("SLURM_")]:
         monkeypatch.delenv(k)
@@ -85,7 +85,9 @@ def test_events_hook_sees_updates_rows_and_evals(tmp_path, monkeypatch):
                         "--eval-episodes", "1", "--run-dir", str(tmp_path)])
     train(cfg, events=seen.append)
     updates = [e for e in seen if isinstance(e, ev.UpdatesDone)]
-    assert [e.iteration for e in updates] == list(range(5, 11))  # learning_starts 4, 10 vector steps
+    assert [e.vector_step for e in updates] == list(range(5, 11))  # learning_starts 4, 10 vector steps
+    with pytest.warns(DeprecationWarning, match="vector_step"):
+        assert updates[0].iteration == 5  # the field's old name still reads
     assert all(e.updates == 2 and e.seconds > 0 and e.rank == 0 for e in updates)
     rows = [finite_row({k: v for k, v in e.row.items() if k != "sps"}) for e in seen if isinstance(e, ev.RowLogged)]
     written = metrics(tmp_path)

@@ -86,9 +86,9 @@ def rung_call(name: str, rung: dict[str, bool], batch: int | None, compile_s: di
     def call() -> None:
         for _ in range(cfg.policy_frequency):
             agent.update(data, noise)
-    if agent._compiled is not None:  # compile (critic and actor parts) outside the timed calls
+    if agent.compiled is not None:  # compile (critic and actor parts) outside the timed calls
         call()
-        compile_s["compiled"] = agent._compiled.compile_s
+        compile_s["compiled"] = agent.compiled.compile_s
     return call
 
 
@@ -205,8 +205,8 @@ def bench_world(name: str, repeats: int, min_repeat_s: float, batch: int | None)
     w2 = {k: max(_median(r["wall"][k]) for r in ranks) for k in W2_PATHS}
     w2_cpu = {k: max(_median(r["cpu"][k]) for r in ranks) for k in W2_PATHS}
     agent = _agent(name, 8, local)[0]
-    critic_b = sum(b.numel() * b.element_size() for b in agent._flat_critic.grad_buffers.values())
-    actor_b = sum(b.numel() * b.element_size() for b in agent._flat_actor.grad_buffers.values())
+    critic_b = sum(b.numel() * b.element_size() for b in agent.layout.flat_critic.grad_buffers.values())
+    actor_b = sum(b.numel() * b.element_size() for b in agent.layout.flat_actor.grad_buffers.values())
     fit = alpha_beta_fit()
     model = None
     if fit is not None:

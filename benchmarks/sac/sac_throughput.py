@@ -179,7 +179,7 @@ class Recorder:
         if isinstance(event, RowLogged):
             self.rates.append(event.row["sps"])
         elif isinstance(event, UpdatesDone):
-            self.updates[event.iteration] = event.seconds / event.updates
+            self.updates[event.vector_step] = event.seconds / event.updates
 
 
 def loop_config(steps: int, **over: Any) -> SACConfig:

@@ -6,24 +6,10 @@ takes to import on a loaded node)."""
 
 from __future__ import annotations
 
-import sys
-import types
-
 from hpcrl.lazy_names import lazy_names
 
 __all__ = ["FastSAC", "UpdateNoise", "SACConfig", "PRESETS", "preset", "ConfigError", "plan", "train"]
 __getattr__, __dir__ = lazy_names(__name__, {"FastSAC": "agent", "UpdateNoise": "agent", "SACConfig": "config",
                                              "PRESETS": "config", "preset": "config", "ConfigError": "config",
-                                             "plan": "train", "train": "train"})
+                                             "plan": "run", "train": "run"})
 
-
-class _Package(types.ModuleType):
-    def __setattr__(self, name: str, value) -> None:
-        # Importing the submodule hpcrl.sac.train binds it here; ``hpcrl.sac.train`` stays the function,
-        # as when this package imported it eagerly (the module is sys.modules["hpcrl.sac.train"]).
-        if name == "train" and isinstance(value, types.ModuleType) and value.__name__ == f"{__name__}.train":
-            value = value.train
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

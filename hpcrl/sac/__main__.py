@@ -76,7 +76,7 @@ def _run(cfg: SACConfig) -> list[dict]:
     # heavy: after every refusal that needs no torch
     from hpcrl.comm import check_local_gpus, cuda_count, detect_launch, spawn
 
-    from .train import plan, train
+    from .run import plan, train
 
     if cfg.nproc > 1:
         plan(cfg, cfg.nproc)  # fail before spawning anything

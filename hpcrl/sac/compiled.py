@@ -1,18 +1,12 @@
-"""``--compile``: FastSAC's whole update step captured by ``torch.compile`` as pure functions of the flat
-buffers (hpcrl/sac/functional.py): ``torch.func.grad`` w.r.t. each model's flat buffer (one gradient
-tensor, no autograd engine at update time), the fused AdamW/Adam kernels of the eager optimizers on
+"""``--compile``: FastSAC's update (hpcrl/sac/update.py) captured by ``torch.compile`` on its pure steps over the
+flat buffers (hpcrl/sac/functional.py): ``torch.func.grad`` w.r.t. each model's flat buffer (one gradient
+tensor, no autograd engine at update time), the arithmetic of the eager optimizers' fused AdamW/Adam on
 their own state, Polyak one lerp. On one rank the whole update is one graph (two variants: with and
-without the actor step). With W > 1 ranks it is cut at the two gradient all-reduces, which stay eager
-collectives on the device plane (the named break points)::
+without the actor step). With W > 1 ranks each of the update's stages is one graph and the two gradient
+all-reduces between them stay eager collectives on the device plane (the named break points,
+hpcrl/sac/update.py's docstring).
 
-    critic_grad               target (no grad) + critic and alpha losses + their gradient -> grad buffer
-    -- GradAverager.all_reduce (critic + log-alpha) --
-    critic_step[+actor_grad]  clip -> AdamW (critic) + Adam (alpha) -> zero the grad buffer -> Polyak
-                              [-> actor loss through the stepped critic + its gradient -> grad buffer]
-    -- GradAverager.all_reduce (actor) --
-    actor_step                clip -> AdamW (actor) -> zero the grad buffer
-
-Same arithmetic in the same order as :meth:`FastSAC.update` (the eager path), so the two agree to float
+Same arithmetic in the same order as the eager steps (hpcrl/sac/eager.py), so the two agree to float
 rounding (inductor fuses elementwise ops; tests/test_sac_compile.py states the tolerance). Every graph
 has static shapes and reads nothing back to the host, so on CUDA it runs as a CUDA graph
 (``mode="reduce-overhead"``), and once both variants are compiled only the guards that tell them apart
@@ -28,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
@@ -38,16 +33,15 @@ from hpcrl.config_check import ConfigError
 
 from .functional import Functional, adam_state
 from .graph_store import GraphStore, default_dir, graph_key
+from .update import Data, Steps, run_update
 
 if TYPE_CHECKING:
-    from hpcrl.replay import Batch
-
-    from .agent import FastSAC, UpdateNoise
+    from .agent import FastSAC
 
 
 def supported(agent: "FastSAC") -> str | None:
     """Why ``agent`` cannot run the captured update (None: it can)."""
-    if not agent.flat:
+    if not agent.layout.flat:
         return "--compile needs flat parameters (flat_params on, grad_average 'flat' or 'view')"
     if agent.scaler is not None:
         return "--compile does not capture the fp16 GradScaler (use --amp bf16 or none)"
@@ -71,20 +65,17 @@ class States(NamedTuple):  # (exp_avg, exp_avg_sq, step) of each optimizer's one
     alpha: tuple
 
 
-class Data(NamedTuple):
-    q_obs: torch.Tensor
-    action: torch.Tensor
-    reward: torch.Tensor
-    next_obs: torch.Tensor
-    q_next_obs: torch.Tensor
-    discount: torch.Tensor
-    obs: torch.Tensor
-    next_eps: torch.Tensor
-    actor_eps: torch.Tensor
+class State(NamedTuple):
+    """What the update's steps mutate: the graphs' inputs."""
+
+    bufs: Bufs
+    grads: Grads
+    states: States
 
 
-class CompiledUpdate:
-    """The captured update of one :class:`FastSAC` (same parameters, optimizers and averagers)."""
+class CompiledUpdate(Steps):
+    """The captured update of one :class:`FastSAC` (same parameters, optimizers and averagers). As
+    :class:`Steps` it is the update's stages as graphs (W > 1 ranks)."""
 
     def __init__(self, agent: "FastSAC") -> None:
         reason = supported(agent)
@@ -93,11 +84,11 @@ class CompiledUpdate:
         self.agent = agent
         self.fn = Functional(agent)
         dtype = torch.float32
-        if {*agent._flat_critic.buffers, *agent._flat_actor.buffers, *agent._flat_target.buffers} != {dtype}:
+        critic, actor, target = agent.layout.flats()
+        if {*critic.buffers, *actor.buffers, *target.buffers} != {dtype}:
             raise ConfigError("--compile needs fp32 parameters")
-        self.bufs = Bufs(agent._flat_critic.buffers[dtype], agent._flat_actor.buffers[dtype],
-                         agent._flat_target.buffers[dtype])
-        self.grads = Grads(agent._flat_critic.grad_buffers[dtype], agent._flat_actor.grad_buffers[dtype])
+        self.bufs = Bufs(critic.buffers[dtype], actor.buffers[dtype], target.buffers[dtype])
+        self.grads = Grads(critic.grad_buffers[dtype], actor.grad_buffers[dtype])
         cuda = agent.log_alpha.device.type == "cuda"
         # CPU: a C++ wrapper calls the kernels (the Python one cost ~0.2 ms of a 2 ms pendulum update)
         compile_ = dict(dynamic=False, fullgraph=True, **({"mode": "reduce-overhead"} if cuda
@@ -105,11 +96,11 @@ class CompiledUpdate:
         # one rank: nothing to average, the whole update is one graph
         self.local = agent.critic_average.world_size == 1 and agent.actor_average.world_size == 1
         if self.local:
-            self._whole = torch.compile(self._whole_eager, **compile_)
+            self._whole = torch.compile(partial(run_update, self.fn), **compile_)
         else:
-            self._critic_grad = torch.compile(self.fn.critic_grad, **compile_)
-            self._critic_step = torch.compile(self._critic_step_eager, **compile_)
-            self._actor_step = torch.compile(self.fn.actor_step, **compile_)
+            self._critic_stage = torch.compile(self.fn.critic_stage, **compile_)
+            self._middle_stage = torch.compile(self.fn.middle_stage, **compile_)
+            self._actor_stage = torch.compile(self.fn.actor_stage, **compile_)
         if cuda:  # buffers the graphs mutate keep their addresses: CUDA graphs may capture them
             for t in (*self.bufs, *self.grads):
                 torch._dynamo.mark_static_address(t)
@@ -118,6 +109,7 @@ class CompiledUpdate:
         cache = agent.cfg.compile_cache
         self.store = None if cuda or cache == "none" else GraphStore(Path(cache) if cache else default_dir())
         self._stored: dict[str, Callable] = {}
+        self._use_stored = False  # this update runs the stored graphs (its batch fits them)
         # A CUDA graph's outputs are overwritten by its next replay; the loop keeps metrics across updates.
         self._keep = (lambda t: t.detach().clone()) if cuda else (lambda t: t.detach())
         self.compile_s = 0.0  # wall seconds of the first update without and with the actor step (compilation)
@@ -125,45 +117,47 @@ class CompiledUpdate:
         self._spec: tuple | None = None  # the batch's shapes, strides and dtypes the graphs were compiled for
         self.unguarded = 0  # updates that ran without Dynamo's guards (stored graphs, or all but the variant's)
 
-    def _states(self) -> States:
-        """The optimizers' state tensors, read each update (a resume replaces them)."""
+    def state(self) -> State:
+        """The buffers and the optimizers' state tensors, read each update (a resume replaces the latter)."""
         agent = self.agent
-        return States(adam_state(agent.critic_opt), adam_state(agent.actor_opt), adam_state(agent.alpha_opt))
+        return State(self.bufs, self.grads,
+                     States(adam_state(agent.critic_opt), adam_state(agent.actor_opt), adam_state(agent.alpha_opt)))
 
-    def update(self, batch: "Batch", noise: "UpdateNoise") -> dict[str, torch.Tensor]:
-        """What :meth:`FastSAC.update` does, captured."""
-        agent = self.agent
-        actor_due = (agent.counters.critic_steps + 1) % agent.cfg.policy_frequency == 0
+    def update(self, data: Data, actor_due: bool) -> dict[str, torch.Tensor]:
+        """hpcrl/sac/update.py's run_update, captured: one graph (one rank), else a graph per stage."""
         start = time.perf_counter()
-        data = Data(batch.q_obs, batch.action, batch.reward, batch.next_obs, batch.q_next_obs, batch.discount,
-                    batch.obs, noise.next_eps, noise.actor_eps)
-        states = self._states()
+        state = self.state()
         fits = self._fits(data)
-        stored = fits and self.store is not None
-
-        def run(name: str, fn: Callable, guarded: Callable, owner: object, *args):
-            """The stored graph of ``fn`` (an unbound function of ``owner``) on a batch that fits, else Dynamo's."""
-            return self._stored_graph(name, fn, owner, args)(owner, *args) if stored else guarded(*args)
-
+        self._use_stored = fits and self.store is not None
         with self._stance(fits):
             if self.local:
-                out = run(f"whole-{int(actor_due)}", CompiledUpdate._whole_eager, self._whole, self,
-                          self.bufs, self.grads, states, data, actor_due)
+                out = self._run(f"whole-{int(actor_due)}", run_update, self._whole, self.fn, state, data, actor_due)
             else:
-                critic_loss, alpha_loss, alpha = run("critic_grad", Functional.critic_grad, self._critic_grad,
-                                                     self.fn, self.bufs, self.grads, data)
-                agent.critic_average.all_reduce()
-                out = run(f"critic_step-{int(actor_due)}", CompiledUpdate._critic_step_eager, self._critic_step,
-                          self, self.bufs, self.grads, states, data, alpha, actor_due)
-                out.update(critic_loss=critic_loss, alpha_loss=alpha_loss)
-                if actor_due:
-                    agent.actor_average.all_reduce()
-                    out["actor_grad_norm"] = run("actor_step", Functional.actor_step, self._actor_step,
-                                                 self.fn, self.bufs, self.grads, states)
-        agent.counters.critic_steps += 1
-        agent.counters.actor_steps += int(actor_due)
+                out = run_update(self, state, data, actor_due)
         self._count_compile(actor_due, start)
         return {k: self._keep(v) for k, v in out.items()}
+
+    # -- W > 1: the update's stages as graphs, the all-reduces between them eager collectives
+
+    def critic_stage(self, state: State, data: Data) -> tuple:
+        return self._run("critic_grad", Functional.critic_stage, self._critic_stage, self.fn, state, data)
+
+    def reduce_critic(self) -> None:
+        self.agent.critic_average.all_reduce()
+
+    def middle_stage(self, state: State, data: Data, alpha: torch.Tensor, actor_due: bool) -> dict:
+        return self._run(f"critic_step-{int(actor_due)}", Functional.middle_stage, self._middle_stage, self.fn,
+                         state, data, alpha, actor_due)
+
+    def reduce_actor(self) -> None:
+        self.agent.actor_average.all_reduce()
+
+    def actor_stage(self, state: State) -> torch.Tensor:
+        return self._run("actor_step", Functional.actor_stage, self._actor_stage, self.fn, state)
+
+    def _run(self, name: str, fn: Callable, guarded: Callable, owner: object, *args):
+        """The stored graph of ``fn`` (a function of ``owner``) on a batch that fits, else Dynamo's."""
+        return self._stored_graph(name, fn, owner, args)(owner, *args) if self._use_stored else guarded(*args)
 
     def _fits(self, data: Data) -> bool:
         """Whether the batch has the shapes, strides and dtypes of the first one (what the graphs were compiled
@@ -179,17 +173,14 @@ class CompiledUpdate:
         called on batches that :meth:`_fits`."""
         graph = self._stored.get(name)
         if graph is None:
-            key = graph_key(name, (owner, *args), self.agent.cfg, self._modules(), self._constants())
+            key = graph_key(name, (owner, *args), self.agent.cfg, self.modules(), self.fn.constants())
             graph = self._stored[name] = self.store.graph(name, fn, (owner, *args), key)
         return graph
 
-    def _modules(self) -> dict[str, torch.nn.Module]:
+    def modules(self) -> dict[str, torch.nn.Module]:
+        """The modules the graphs run (their structure is part of a stored graph's key)."""
         agent = self.agent
         return {"actor": agent.actor, "critic": agent.critic, "critic_target": agent.critic_target}
-
-    def _constants(self) -> dict:
-        """What the graphs take from :class:`Functional` as constants (learning rates, tau, layouts, ...)."""
-        return {k: v for k, v in vars(self.fn).items() if k != "agent"}
 
     def _stance(self, fits: bool):
         """Dynamo's guards, checked on every call, cost ~0.1 ms per update at the pendulum preset (~5 %):
@@ -223,22 +214,3 @@ class CompiledUpdate:
         if store.unstored:
             print(f"hpcrl.sac: --compile: could not store a compiled graph ({store.unstored}): the next run "
                   "compiles it again", flush=True)
-
-    # -- the captured graphs: compositions of hpcrl/sac/functional.py's pieces
-
-    def _whole_eager(self, bufs, grads, states, data, actor_due: bool) -> dict:
-        fn = self.fn
-        critic_loss, alpha_loss, alpha = fn.critic_grad(bufs, grads, data)
-        out = {"critic_loss": critic_loss, "alpha_loss": alpha_loss,
-               "critic_grad_norm": fn.critic_step(bufs, grads, states)}
-        if actor_due:
-            out["actor_loss"], out["entropy"] = fn.actor_grad(bufs, grads, data, alpha)
-            out["actor_grad_norm"] = fn.actor_step(bufs, grads, states)
-        return out
-
-    def _critic_step_eager(self, bufs, grads, states, data, alpha, actor_due: bool) -> dict:
-        fn = self.fn
-        out = {"critic_grad_norm": fn.critic_step(bufs, grads, states)}
-        if actor_due:
-            out["actor_loss"], out["entropy"] = fn.actor_grad(bufs, grads, data, alpha)
-        return out

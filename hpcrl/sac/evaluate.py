@@ -34,7 +34,7 @@ def evaluate(cfg: SACConfig, agent: FastSAC, normalizer: ObsNormalizer, device: 
 
 def eval_row(agent: FastSAC, cfg: SACConfig, eval_return: float) -> dict[str, float]:
     """An eval row: its own line in metrics.jsonl (``eval_return`` at this ``env_steps``; transitions)."""
-    return {"env_steps": agent.counters.iteration * cfg.num_envs, "updates": agent.counters.critic_steps,
+    return {"env_steps": agent.counters.vector_steps * cfg.num_envs, "updates": agent.counters.critic_steps,
             "eval_return": round(eval_return, 6)}
 
 
@@ -44,7 +44,7 @@ def snapshot(run: Run, kind: str, eval_return: float | None) -> Path:
 
     cfg, agent = run.cfg, run.parts.agent
     path = rundir.make_dir(Path(cfg.run_dir) / kind) / "policy.pt"
-    meta = {"env": cfg.env, "env_steps": agent.counters.iteration * cfg.num_envs, "eval_return": eval_return,
+    meta = {"env": cfg.env, "env_steps": agent.counters.vector_steps * cfg.num_envs, "eval_return": eval_return,
             "seed": cfg.seed, "kind": kind}
     save_policy(path, Policy.from_agent(agent, run.parts.normalizer), meta)
     return path
@@ -57,7 +57,7 @@ def evaluate_and_keep_best(run: Run, state: LoopState) -> float:
     eval_return = evaluate(cfg, agent, run.parts.normalizer, ctx.device, ctx,
                            episodes=max(1, cfg.eval_episodes))["eval_return"]
     run.logger.log(eval_row(agent, cfg, eval_return))
-    run.events(EvalDone(time.time(), ctx.rank, agent.counters.iteration * cfg.num_envs, eval_return,
+    run.events(EvalDone(time.time(), ctx.rank, agent.counters.vector_steps * cfg.num_envs, eval_return,
                         time.perf_counter() - t0))
     if ctx.rank == 0 and math.isfinite(eval_return) and eval_return > state.best:
         state.best = eval_return

@@ -8,22 +8,29 @@ of a module-level class). ``time`` is ``time.time()`` when the event happened.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Union
 
 
 @dataclass(frozen=True)
 class UpdatesDone:
-    """One env step's learner updates on this rank (``num_updates`` of them, each: sample, normalise,
+    """One vector step's learner updates on this rank (``num_updates`` of them, each: sample, normalise,
     update with its gradient averaging, and the replica check when one is due)."""
 
     time: float
     rank: int
-    iteration: int
-    """Vector-env steps done, this one included."""
+    vector_step: int
+    """Vector steps done, this one included."""
     updates: int
     seconds: float
     """Wall time of the updates on the host (device work still queued at the end is not waited for)."""
+
+    @property
+    def iteration(self) -> int:
+        """The old name of :attr:`vector_step`, kept for existing callbacks."""
+        warnings.warn("UpdatesDone.iteration is now UpdatesDone.vector_step", DeprecationWarning, stacklevel=2)
+        return self.vector_step
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,10 @@ class FlatParams:
             if grad is not None:
                 self.grad_buffers[dtype] = grad
 
+    def offset(self, param: nn.Parameter) -> int:
+        """Where ``param`` starts in its dtype's buffer (elements)."""
+        return self._offsets[id(param)]
+
     def _span(self, params: Sequence[nn.Parameter]) -> tuple[torch.dtype, int, int]:
         """(dtype, start, end) of ``params``, which must be consecutive in one buffer."""
         dtype = params[0].dtype

@@ -1,4 +1,5 @@
-"""The FastSAC update as pure functions of flat buffers, for ``--compile`` (hpcrl/sac/compiled.py).
+"""The steps of FastSAC's update (hpcrl/sac/update.py) as pure functions of flat buffers, for ``--compile``
+(hpcrl/sac/compiled.py).
 
 Each model is one flat parameter buffer (:class:`hpcrl.sac.flat.FlatParams`); the modules run through
 ``torch.func.functional_call`` on views of a buffer, and ``torch.func.grad`` differentiates the loss
@@ -12,43 +13,17 @@ graph break) on the optimizers' own state tensors, so checkpoints are unchanged;
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 from torch.func import functional_call
 
-from . import losses
+from .params import ModuleViews
+from .update import Data, Nets, Steps, actor_objective, critic_objective
 
 if TYPE_CHECKING:
     from .agent import FastSAC
-    from .flat import FlatParams
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where a module's parameters sit in its flat buffer: names, offsets, shapes (all static)."""
-
-    names: tuple[str, ...]
-    offsets: tuple[int, ...]
-    shapes: tuple[torch.Size, ...]
-
-    @staticmethod
-    def of(module: nn.Module, flat: "FlatParams") -> "Layout":
-        named = list(module.named_parameters())
-        return Layout(tuple(n for n, _ in named), tuple(flat._offsets[id(p)] for _, p in named),
-                      tuple(p.shape for _, p in named))
-
-    def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The parameters as views of ``buffer``, cut by one ``split_with_sizes``: its backward is one
-        concatenation (slices' backward would be a masked sum over every parameter per element)."""
-        sizes, at = [], 0
-        for o, s in zip(self.offsets, self.shapes):
-            sizes += [o - at, s.numel()]
-            at = o + s.numel()
-        sizes.append(buffer.numel() - at)
-        pieces = buffer.split_with_sizes(sizes)
-        return {n: pieces[2 * i + 1].view(s) for i, (n, s) in enumerate(zip(self.names, self.shapes))}
 
 
 @dataclass(frozen=True)
@@ -112,71 +87,69 @@ def clip_(grad: torch.Tensor, max_norm: float) -> torch.Tensor:
     return norm
 
 
-class Functional:
-    """The update's pieces as pure functions of tensors (buffers, optimizer state, batch), built on one
-    :class:`FastSAC`'s modules and layouts. All arguments a piece mutates are its inputs."""
+class Functional(Steps):
+    """The update's steps as pure functions of tensors: ``state`` is (buffers, gradient buffers, optimizer
+    states), all a step mutates, so the captured graphs take it as their inputs. Built on one
+    :class:`FastSAC`'s modules, flat layout and optimizers' hyper-parameters (constants of the graphs)."""
 
     def __init__(self, agent: "FastSAC") -> None:
         self.agent = agent
-        self.critic_layout = Layout.of(agent.critic, agent._flat_critic)
-        self.actor_layout = Layout.of(agent.actor, agent._flat_actor)
-        self.target_layout = Layout.of(agent.critic_target, agent._flat_target)
-        self.alpha_at = agent._flat_critic._offsets[id(agent.log_alpha)]
-        self.online_span = agent._target_params[0].numel()  # the critic range the target follows
-        self.actor_span = agent._actor_params[0].numel()
+        flat_critic, flat_actor, flat_target = agent.layout.flats()
+        self.critic_views = ModuleViews.of(agent.critic, flat_critic)
+        self.actor_views = ModuleViews.of(agent.actor, flat_actor)
+        self.target_views = ModuleViews.of(agent.critic_target, flat_target)
+        self.alpha_at = flat_critic.offset(agent.log_alpha)
+        self.online_span = agent.layout.target[0].numel()  # the critic range the target follows
+        self.actor_span = agent.layout.actor[0].numel()
         self.critic_h = AdamHyper.of(agent.critic_opt)
         self.actor_h = AdamHyper.of(agent.actor_opt)
         self.alpha_h = AdamHyper.of(agent.alpha_opt)
         self.autotune = bool(agent.cfg.autotune_alpha)
         self.tau = float(agent.cfg.tau)
-        self.max_norm = float(agent.max_grad_norm)
-        self.target_entropy = float(agent.target_entropy)
+        self.max_norm = float(agent.cfg.max_grad_norm)
+        self.target_entropy = float(agent.objective.target_entropy)
+        self.cdq = bool(agent.objective.cdq)
 
-    # -- losses of flat buffers
+    def constants(self) -> dict:
+        """What the graphs take from here as constants (learning rates, tau, layouts, ...), by name."""
+        return {k: v for k, v in vars(self).items() if k != "agent"}
 
-    def _actor_sample(self, actor_buf, obs, eps):
-        mean, log_std = functional_call(self.agent.actor, self.actor_layout.views(actor_buf), (obs,))
-        return self.agent.actor.squash(mean, log_std, eps)
+    # -- the networks on flat buffers
 
-    def critic_loss(self, critic_buf, actor_buf, target_buf, q_obs, action, reward, next_obs, q_next_obs,
-                    discount, next_eps):
+    def _sample(self, actor_buf, obs, eps):
+        actor = self.agent.actor
+        return actor.squash(*functional_call(actor, self.actor_views.views(actor_buf), (obs,)), eps)
+
+    def _critic(self, module, views: ModuleViews, buf, obs, action):
+        return functional_call(module, views.views(buf), (obs, action))
+
+    def critic_loss(self, critic_buf, actor_buf, target_buf, data: Data):
+        """The critic + alpha objective of the buffers (the actor and target held fixed)."""
         agent = self.agent
-        log_alpha = critic_buf[self.alpha_at]
-        alpha = log_alpha.detach().exp()
-        with torch.no_grad(), agent._autocast:
-            next_action, next_log_prob = self._actor_sample(actor_buf.detach(), next_obs, next_eps)
-            next_log_prob = next_log_prob.float()
-            target_logits = functional_call(agent.critic_target, self.target_layout.views(target_buf.detach()),
-                                            (q_next_obs, next_action))
-            soft = losses.soft_reward(reward, discount, alpha, next_log_prob)
-            target = losses.target_distribution(target_logits, soft, discount, agent.critic.support, agent.cfg.cdq)
-        with agent._autocast:
-            logits = functional_call(agent.critic, self.critic_layout.views(critic_buf), (q_obs, action))
-        critic_loss = losses.critic_loss(logits, target)
-        alpha_loss = losses.alpha_loss(log_alpha, next_log_prob, self.target_entropy)
-        return critic_loss + alpha_loss, (critic_loss.detach(), alpha_loss.detach(), alpha)
+        nets = Nets(partial(self._sample, actor_buf.detach()),
+                    partial(self._critic, agent.critic, self.critic_views, critic_buf),
+                    partial(self._critic, agent.critic_target, self.target_views, target_buf.detach()))
+        return critic_objective(nets, critic_buf[self.alpha_at], data, agent.objective)
 
-    def actor_loss(self, actor_buf, critic_buf, obs, eps, q_obs, alpha):
+    def actor_loss(self, actor_buf, critic_buf, data: Data, alpha):
+        """The actor objective of the buffers (the critic held fixed)."""
         agent = self.agent
-        with agent._autocast:
-            action, log_prob = self._actor_sample(actor_buf, obs, eps)
-            q = agent.critic.q_value(functional_call(agent.critic, self.critic_layout.views(critic_buf.detach()),
-                                                     (q_obs, action)))
-        loss = losses.actor_loss(log_prob.float(), q, alpha, clipped=agent.cfg.cdq)
-        return loss, (loss.detach(), -log_prob.detach().float().mean())
+        nets = Nets(partial(self._sample, actor_buf),
+                    partial(self._critic, agent.critic, self.critic_views, critic_buf.detach()), None)
+        return actor_objective(nets, data, alpha, agent.objective)
 
-    # -- the pieces: gradients into the grad buffers, steps from them
+    # -- the steps: gradients into the grad buffers, steps from them
 
-    def critic_grad(self, bufs, grads, data):
-        """Critic + log-alpha gradient into ``grads.critic``; (critic_loss, alpha_loss, alpha)."""
-        g, aux = torch.func.grad(self.critic_loss, has_aux=True)(
-            bufs.critic, bufs.actor, bufs.target, data.q_obs, data.action, data.reward, data.next_obs,
-            data.q_next_obs, data.discount, data.next_eps)
+    def critic_grad(self, state, data):
+        """Critic + log-alpha gradient into the critic grad buffer; (critic_loss, alpha_loss, alpha)."""
+        bufs, grads, _ = state
+        g, aux = torch.func.grad(self.critic_loss, has_aux=True)(bufs.critic, bufs.actor, bufs.target, data)
         grads.critic.copy_(g)
         return aux
 
-    def critic_step(self, bufs, grads, states):
+    def critic_step(self, state):
         """clip -> AdamW (critic) + Adam (log-alpha) -> Polyak; the grad buffer is left zeroed."""
+        bufs, grads, states = state
         critic = bufs.critic[: self.online_span]
         g = grads.critic[: self.online_span]
         norm = clip_(g, self.max_norm)
@@ -188,14 +161,15 @@ class Functional:
         torch._foreach_lerp_([bufs.target[: self.online_span]], [critic], self.tau)
         return norm
 
-    def actor_grad(self, bufs, grads, data, alpha):
-        """Actor gradient into ``grads.actor`` (the critic, already stepped, held fixed); (loss, entropy)."""
-        g, aux = torch.func.grad(self.actor_loss, has_aux=True)(bufs.actor, bufs.critic, data.obs,
-                                                                 data.actor_eps, data.q_obs, alpha)
+    def actor_grad(self, state, data, alpha):
+        """Actor gradient into the actor grad buffer (the critic, already stepped, held fixed); (loss, entropy)."""
+        bufs, grads, _ = state
+        g, aux = torch.func.grad(self.actor_loss, has_aux=True)(bufs.actor, bufs.critic, data, alpha)
         grads.actor.copy_(g)
         return aux
 
-    def actor_step(self, bufs, grads, states):
+    def actor_step(self, state):
+        bufs, grads, states = state
         g = grads.actor[: self.actor_span]
         norm = clip_(g, self.max_norm)
         adam_(self.actor_h, bufs.actor[: self.actor_span], g, states.actor)

@@ -15,7 +15,7 @@ class Layout:
     world_size: int
     envs_per_rank: int
     batch_per_rank: int
-    iterations: int  # vector-env steps; each collects num_envs transitions globally
+    vector_steps: int  # steps of all envs at once; each collects num_envs transitions globally
 
 
 def _nearest_multiples(value: int, world: int) -> str:

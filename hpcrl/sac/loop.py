@@ -1,12 +1,12 @@
 """FastSAC's training loop on one rank, in named steps: collect -> store -> update -> log (and
 evaluate, keep the best) -> checkpoint -> stop?, then the end of the run.
 
-Envs and replay are rank-local. Once per env step, in one all-reduce on the device plane: the
+Envs and replay are rank-local. Once per vector step, in one all-reduce on the device plane: the
 normaliser statistics (actor and, when the env has privileged critic observations, critic) of the
 observations about to be acted on, packed with the env's shared state the previous step left (it is
 first read by this step's env.step; a checkpoint reduces it on its own first). The stop agreement runs
-every env step on the host plane (one gloo all-reduce of a CPU flag, no device wait; none in one
-process), so a signal is acted on within one env step plus the checkpoint.
+every vector step on the host plane (one gloo all-reduce of a CPU flag, no device wait; none in one
+process), so a signal is acted on within one vector step plus the checkpoint.
 """
 
 from __future__ import annotations
@@ -31,20 +31,20 @@ from .state import LoopState, Run, Window, save
 
 
 def run_loop(run: Run, state: LoopState) -> dict[str, float]:
-    """The env steps left, then the end of the run; returns the final row (``preempted`` after a stop)."""
+    """The vector steps left, then the end of the run; returns the final row (``preempted`` after a stop)."""
     agent, cfg = run.parts.agent, run.cfg
     if state.sampler is not None:  # resumed: continue the replay stream where the checkpoint left it
         run.sampler.load_state_dict(state.sampler)
     state.window.start = time.time()
     shared = SharedPending()
-    for it in range(agent.counters.iteration, run.layout.iterations):
+    for it in range(agent.counters.vector_steps, run.layout.vector_steps):
         step = collect(run, state, it, shared)
         store(run, state, step, shared)
         if it >= cfg.learning_starts:
             update(run, state)
-        agent.counters.iteration = it + 1
+        agent.counters.vector_steps = it + 1
         state.window.iters += 1
-        last = it + 1 == run.layout.iterations
+        last = it + 1 == run.layout.vector_steps
         log(run, state, last)
         due = bool(cfg.checkpoint_every) and (it + 1) % cfg.checkpoint_every == 0
         if due and not last:
@@ -56,7 +56,7 @@ def run_loop(run: Run, state: LoopState) -> dict[str, float]:
 
 @dataclass
 class SharedPending:
-    """The env's shared state at the end of an env step, packed (:func:`reduce_shared_state`) and not
+    """The env's shared state at the end of a vector step, packed (:func:`reduce_shared_state`) and not
     yet reduced over the ranks: the next step's one collective, or a checkpoint's, reduces it."""
 
     template: dict[str, torch.Tensor] | None = None
@@ -69,7 +69,7 @@ class SharedPending:
 
 @dataclass(frozen=True)
 class Collected:
-    """One env step's transition, as it goes to the replay."""
+    """One vector step's transition, as it goes to the replay."""
 
     action: torch.Tensor
     result: Any  # the env's step result; sanitized when it held non-finite data
@@ -78,7 +78,7 @@ class Collected:
 
 
 def collect(run: Run, state: LoopState, it: int, shared: SharedPending) -> Collected:
-    """Normaliser update (with the shared state), action (uniform during ``random_steps``), env step,
+    """Normaliser update (with the shared state), action (uniform during ``random_steps``), ``env.step``,
     non-finite check."""
     cfg, ctx, p = run.cfg, run.ctx, run.parts
     reduce_step(run, state, shared)
@@ -143,7 +143,7 @@ def reduce_step(run: Run, state: LoopState, shared: SharedPending) -> None:
 
 def save_reduced(run: Run, state: LoopState, shared: SharedPending) -> None:
     """Collective: a checkpoint, with the pending shared state reduced first (its own collective), so a
-    checkpoint holds what an env step acts on."""
+    checkpoint holds what a vector step acts on."""
     template, pending = shared.take()
     if template is not None:
         if run.reduce_sum is not None:
@@ -164,7 +164,7 @@ def update(run: Run, state: LoopState) -> None:
             check_replicas_equal([(f"actor.{n}", p) for n, p in agent.actor.named_parameters()]
                                      + [(f"critic.{n}", p) for n, p in agent.critic.named_parameters()]
                                      + [("log_alpha", agent.log_alpha)], run.ctx.device_plane)
-    run.events(UpdatesDone(time.time(), run.ctx.rank, agent.counters.iteration + 1, cfg.num_updates,
+    run.events(UpdatesDone(time.time(), run.ctx.rank, agent.counters.vector_steps + 1, cfg.num_updates,
                            time.perf_counter() - t0))
 
 
@@ -187,8 +187,8 @@ def _sample(run: Run) -> tuple[Any, UpdateNoise]:
 
 
 def log(run: Run, state: LoopState, last: bool) -> None:
-    """Every ``log_every`` env steps and at the last: the metrics row; every ``eval_every``: an eval."""
-    cfg, steps = run.cfg, run.parts.agent.counters.iteration
+    """Every ``log_every`` vector steps and at the last: the metrics row; every ``eval_every``: an eval."""
+    cfg, steps = run.cfg, run.parts.agent.counters.vector_steps
     if steps % cfg.log_every and not last:
         return
     state.row = log_row(run, state.window)
@@ -200,7 +200,7 @@ def log(run: Run, state: LoopState, last: bool) -> None:
 
 
 def stop_agreed(run: Run, fault: bool, last: bool) -> bool:
-    """Every env step: one gloo all-reduce of a CPU flag on the host plane (no device wait); its cost
+    """Every vector step: one gloo all-reduce of a CPU flag on the host plane (no device wait); its cost
     per step is in the README (measured at 2 ranks). Raises when a rank found non-finite env data.
     One process has nothing to agree on (a fault raised in collect): the signal flag alone."""
     if not run.ctx.is_distributed:
@@ -217,7 +217,7 @@ def preempt(run: Run, state: LoopState, shared: SharedPending, saved: bool) -> d
         save_reduced(run, state, shared)
     if run.ctx.rank == 0:
         print(f"hpcrl.sac: stop requested ({run.stop.reason}); checkpoint at env step "
-              f"{run.parts.agent.counters.iteration * run.cfg.num_envs} written, resume with --resume", flush=True)
+              f"{run.parts.agent.counters.vector_steps * run.cfg.num_envs} written, resume with --resume", flush=True)
     run.logger.close()
     shutdown()
     return {**state.row, "preempted": 1.0}
@@ -262,7 +262,7 @@ def log_row(run: Run, window: Window) -> dict[str, float]:
                          sums=("nonfinite_dropped",) if dropped is not None else ())
     if "nonfinite_dropped" in out:
         out["nonfinite_dropped"] = int(out["nonfinite_dropped"])
-    return {"env_steps": agent.counters.iteration * cfg.num_envs, "updates": agent.counters.critic_steps,
+    return {"env_steps": agent.counters.vector_steps * cfg.num_envs, "updates": agent.counters.critic_steps,
             "actor_updates": agent.counters.actor_steps, **{k: round(v, 6) for k, v in sorted(out.items())},
             "sps": round(window.iters * cfg.num_envs / max(seconds, 1e-9), 1)}
 

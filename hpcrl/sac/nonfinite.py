@@ -1,4 +1,4 @@
-"""Non-finite env data (``--nonfinite error | skip``): detect it with one host read per env step, stop
+"""Non-finite env data (``--nonfinite error | skip``): detect it with one host read per vector step, stop
 every rank with one message, or replace the affected transitions by "nothing happened"."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Observation normaliser whose statistics are reduced across ranks once per env step."""
+"""Observation normaliser whose statistics are reduced across ranks once per vector step."""
 
 from __future__ import annotations
 

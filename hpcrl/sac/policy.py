@@ -162,8 +162,9 @@ def policy_from_checkpoint(step_dir: str | os.PathLike, device: str | torch.devi
     learner = torch.load(step_dir / checkpoint.LEARNER, map_location="cpu", weights_only=True)
     policy = Policy.from_state(cfg, learner["agent"]["actor"], learner["normalizer"],
                                enabled=bool(cfg.get("obs_normalization", True)))
-    iteration = int(learner["agent"]["counters"][0])
-    meta = {"env": cfg.get("env"), "env_steps": iteration * int(cfg.get("num_envs", 1)), "vector_steps": iteration,
+    vector_steps = int(learner["agent"]["counters"][0])
+    meta = {"env": cfg.get("env"), "env_steps": vector_steps * int(cfg.get("num_envs", 1)),
+            "vector_steps": vector_steps,
             "seed": cfg.get("seed"), "eval_return": None, "source": str(step_dir), "step": manifest["step"]}
     return policy.to(device).eval(), meta
 

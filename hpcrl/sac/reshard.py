@@ -9,7 +9,7 @@ length, and every stored transition (the multiset over all ranks is the same; ea
 order). What is per rank and not per env, and what happens to it:
 
 - the rank's sampling generator (random actions, update noise) and the replay sampler's (seed, offset):
-  re-derived from :func:`stream_seed` (the run's seed, the new rank, W', the env step), offset 0;
+  re-derived from :func:`stream_seed` (the run's seed, the new rank, W', the vector step), offset 0;
 - a pure-torch env's generator (it draws the reset states of all of a rank's envs at once): re-derived
   the same way, so episodes in progress continue exactly and the next reset states are fresh draws;
 - the episode accumulators since the last metrics row (return sum, length sum, count) and the window's
@@ -89,7 +89,7 @@ def merge_replay(parts: list[tuple[dict[str, Any], Piece]]) -> dict[str, Any]:
     first = parts[0][0]
     ptr, capacity = int(first["ptr"]), int(first["capacity"])
     if any(int(s["ptr"]) != ptr for s, _ in parts):
-        raise ReshardError("replay shards of the checkpoint hold different numbers of env steps; "
+        raise ReshardError("replay shards of the checkpoint hold different numbers of vector steps; "
                            "it cannot be resharded")
     out: dict[str, Any] = {k: first[k] for k in ("capacity", "obs_dim", "action_dim", "n_step", "gamma")}
     out["critic_obs_dim"] = first.get("critic_obs_dim", 0)
@@ -145,7 +145,7 @@ def merge_env(parts: list[tuple[dict[str, Any], Piece]], new_seed: int, generato
 
 def _same(parts: list[tuple[dict[str, Any], Piece]], known: set[str]) -> dict[str, Any]:
     """An env subclass's extra state (e.g. a curriculum level): kept when every old rank holds the same
-    value (shared state, reduced every env step); a value that differs may be per env: refused."""
+    value (shared state, reduced every vector step); a value that differs may be per env: refused."""
     first = parts[0][0]
     out = {}
     for key in sorted(set(first) - known):
@@ -186,7 +186,7 @@ def _merge_window(states: list[dict[str, Any]], owned: list[dict[str, Any]]) -> 
 @dataclass(frozen=True)
 class Target:
     """Where a checkpoint goes: the global env count, the old and new world sizes, this new rank, and
-    what re-derives its streams (the run's seed, the env step, a generator-state factory for the env's device)."""
+    what re-derives its streams (the run's seed, the vector step, a generator-state factory for the env's device)."""
 
     num_envs: int
     old_world: int
@@ -234,5 +234,5 @@ def _rank_state(parts: list[tuple[dict[str, Any], Piece]], states: list[dict[str
     if "critic_obs" in states[0]:
         out["critic_obs"] = _cat([s["critic_obs"][p.lo:p.hi] for s, p in parts])
     if states[0].get("shared_state"):
-        out["shared_state"] = states[0]["shared_state"]  # the same on every rank (reduced every env step)
+        out["shared_state"] = states[0]["shared_state"]  # the same on every rank (reduced every vector step)
     return out

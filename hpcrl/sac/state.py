@@ -1,4 +1,4 @@
-"""What a FastSAC rank runs with (:class:`Run`), what changes from one env step to the next
+"""What a FastSAC rank runs with (:class:`Run`), what changes from one vector step to the next
 (:class:`LoopState`), and how a checkpoint saves and restores both."""
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class Run:
 
 @dataclass
 class Window:
-    """The env steps since the last metrics row; a checkpoint taken mid-window (a stop) carries it, so
+    """The vector steps since the last metrics row; a checkpoint taken mid-window (a stop) carries it, so
     a resumed run logs the same rows."""
 
     metrics: dict[str, list[torch.Tensor]] = field(default_factory=dict)
@@ -104,7 +104,7 @@ class Window:
 
 @dataclass
 class LoopState:
-    """What changes from one env step to the next, besides the parts (the step count is the agent's)."""
+    """What changes from one vector step to the next, besides the parts (the step count is the agent's)."""
 
     obs: torch.Tensor
     critic_obs: torch.Tensor | None
@@ -162,7 +162,7 @@ def _cpu(value: Any) -> Any:
 
 
 def save(run: Run, state: LoopState) -> None:
-    """Collective: a checkpoint of every rank at the current env step."""
+    """Collective: a checkpoint of every rank at the current vector step."""
     cfg, ctx, p = run.cfg, run.ctx, run.parts
     # best_eval_return: what a resumed run's best/ must beat (rank 0's learner state; -inf = no eval yet)
     learner = ({"agent": p.agent.learner_state(), "normalizer": p.normalizer.state_dict(),
@@ -175,6 +175,6 @@ def save(run: Run, state: LoopState) -> None:
     rank_state = {"replay": p.replay.state_dict(), "env": p.env.state_dict(), "episode_stats": p.stats.state_dict(),
                   "generator": p.generator.get_state(), "sampler": run.sampler.state_dict(), "obs": state.obs,
                   **{k: v for k, v in extra.items() if v is not None}}
-    checkpoint.save(cfg.run_dir, p.agent.counters.iteration, ctx.rank, ctx.world_size, learner, rank_state,
+    checkpoint.save(cfg.run_dir, p.agent.counters.vector_steps, ctx.rank, ctx.world_size, learner, rank_state,
                     functools.partial(barrier, ctx), keep=cfg.keep_checkpoints,
                     identity=run_identity(cfg, ctx.world_size))

@@ -91,16 +91,16 @@ def _train(cfg: SACConfig, stop: StopRequest, ctx: DistContext, layout: Layout, 
     _broadcast_learner(parts, ctx)
     if ctx.rank == 0:
         _write_config(cfg, ctx, layout, found.path if found is not None else None)
-    start_iter = parts.agent.counters.iteration
-    if start_iter >= layout.iterations:  # a finished run resumed as is
+    start = parts.agent.counters.vector_steps
+    if start >= layout.vector_steps:  # a finished run resumed as is
         if ctx.rank == 0:
-            print(f"hpcrl.sac: {run_dir} already finished ({start_iter * cfg.num_envs} of "
-                  f"{layout.iterations * cfg.num_envs} transitions); nothing left to do (raise --total-env-steps "
+            print(f"hpcrl.sac: {run_dir} already finished ({start * cfg.num_envs} of "
+                  f"{layout.vector_steps * cfg.num_envs} transitions); nothing left to do (raise --total-env-steps "
                   "to train longer)", flush=True)
         shutdown()
         return {}
-    logger = RunLogger(run_dir, ctx.rank == 0, layout.iterations * cfg.num_envs,
-                       resume_env_steps=start_iter * cfg.num_envs if found is not None else 0,
+    logger = RunLogger(run_dir, ctx.rank == 0, layout.vector_steps * cfg.num_envs,
+                       resume_env_steps=start * cfg.num_envs if found is not None else 0,
                        wandb_project=cfg.wandb_project or None, wandb_mode=cfg.wandb_mode,
                        wandb_config=dataclasses.asdict(cfg))
     return run_loop(Run(cfg, ctx, layout, parts, logger, stop, events), state)
@@ -156,12 +156,12 @@ def _write_config(cfg: SACConfig, ctx: DistContext, layout: Layout, resume_from:
     """RUN_DIR/config.json (the config with what the run resolved) and the start-up line. Rank 0."""
     world = ctx.world_size
     resolved = {**dataclasses.asdict(cfg), "world_size": world, "envs_per_rank": layout.envs_per_rank,
-                "batch_per_rank": layout.batch_per_rank, "iterations": layout.iterations,
+                "batch_per_rank": layout.batch_per_rank, "iterations": layout.vector_steps,  # config.json's name
                 "launcher": ctx.source, "hosts": hosts(ctx)}
     rundir.write_text(Path(cfg.run_dir) / "config.json", json.dumps(resolved, indent=2))
     print(f"hpcrl.sac: {world} rank(s) via {ctx.source}, device {ctx.device}; global num_envs={cfg.num_envs} "
           f"({layout.envs_per_rank}/rank), global batch={cfg.batch_size} ({layout.batch_per_rank}/rank), "
-          f"{layout.iterations} env steps x {cfg.num_envs} envs = {layout.iterations * cfg.num_envs} "
+          f"{layout.vector_steps} vector steps x {cfg.num_envs} envs = {layout.vector_steps * cfg.num_envs} "
           f"transitions" + (f"; resuming from {resume_from}" if resume_from else ""), flush=True)
 
 
