@@ -97,6 +97,12 @@ void draw_pairs(uint64_t seed, uint64_t first, int64_t count, const PairRange& r
   }
 }
 
+// dst[0, n) = src[0, n): a loop the compiler vectorises inline; rows are a few dozen floats, for which a
+// call to memcpy (size known only at run time) costs about as much as the copy.
+inline void copy_floats(float* __restrict__ dst, const float* __restrict__ src, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) dst[k] = src[k];
+}
+
 // Sampling mode of the gather: row b's pair is drawn from (seed, offset + b) and written to env / slot.
 struct Draw {
   uint64_t seed, offset;
@@ -171,8 +177,8 @@ void gather_rows(const ReplayStorage& s, const at::Tensor& env_idx, const at::Te
       const int64_t e = envs[b];
       const int64_t slot = slots[b];
       const int64_t row = slot * num_envs + e;
-      std::memcpy(o_obs + b * obs_dim, obs + row * obs_dim, obs_bytes);
-      std::memcpy(o_act + b * act_dim, action + row * act_dim, act_bytes);
+      copy_floats(o_obs + b * obs_dim, obs + row * obs_dim, obs_dim);
+      copy_floats(o_act + b * act_dim, action + row * act_dim, act_dim);
       const NStepWindow w = nstep_window(reward, flags, steps, capacity, e, slot, newest, n_step, g);
       o_rew[b] = w.ret;
       o_disc[b] = w.discount;
@@ -185,7 +191,7 @@ void gather_rows(const ReplayStorage& s, const at::Tensor& env_idx, const at::Te
       } else {
         next = obs + ((w.last + 1 == capacity ? 0 : w.last + 1) * num_envs + e) * obs_dim;
       }
-      std::memcpy(o_next + b * obs_dim, next, obs_bytes);
+      copy_floats(o_next + b * obs_dim, next, obs_dim);
     }
   });
 }

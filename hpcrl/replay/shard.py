@@ -13,12 +13,14 @@ Storage layout (time-major: one ``add`` writes one contiguous block per field)::
 C = ``capacity`` slots per env, E = ``num_envs``. Every observation is stored once: the next
 observation of slot t is ``obs[t + 1]``, except for the newest transition (``head_next_obs``) and for
 transitions that ended an episode (their true final observation, which the env replaced by a reset
-observation, lives in ``final_pool``). Rewards and flags are stored env-major and side by side so that
-an n-step window, n consecutive steps of one env, is one cache line or two instead of 2n (the sampler
-reads a window per row); ``reward``/``flags`` are [C, E] views of them, and checkpoints hold them as
-[C, E] arrays like the other fields. That is about half the memory of storing obs and next_obs
+observation, lives in ``final_pool``). That is about half the memory of storing obs and next_obs
 (docs/holosoma.md#replay-storage). The contract this relies on: for envs that did not finish, the ``obs``
 passed to the next ``add`` equals this ``next_obs`` (true of every auto-resetting vector env).
+
+Rewards and flags are the exception to time-major: they are stored env-major and side by side, so that
+an n-step window (n consecutive steps of one env, which the sampler reads for every row) is one cache
+line or two instead of 2n; ``reward`` and ``flags`` are [C, E] views of them, and checkpoints hold them
+as [C, E] arrays like the other fields.
 
 Privileged critic observations (``critic_obs_dim > 0``) are stored as extra columns of the same rows:
 ``obs[..., :obs_dim]`` is the actor's observation and ``obs[..., obs_dim:]`` the critic's, so they follow
