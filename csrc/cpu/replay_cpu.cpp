@@ -9,6 +9,10 @@
 #include <cstddef>
 #include <cstring>
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#endif
+
 #include "../common/replay_nstep.h"
 #include "../common/replay_sample.h"
 #include "../ops.h"
@@ -30,14 +34,73 @@ inline void prefetch_span(const void* p, size_t bytes) {
 #endif
 }
 
-// Multiversioned where the compiler can (GCC/clang on x86-64 Linux: ifunc picks the clone at load time):
-// the draw loop's 32x32->64-bit multiplies become AVX2 / AVX-512 vector ones, 8 or 16 rows per
-// instruction; the default clone runs on any x86-64.
-#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
-#define HPCRL_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define HPCRL_VECTOR_CLONES
+// Philox4x32-10 of many counters at once, with x86 vector multiplies where the CPU has them (picked at
+// run time; the build itself targets baseline x86-64): each 64-bit lane holds one counter's 32-bit word
+// in its low half, and vpmuludq multiplies exactly those halves into the 64-bit product mulhilo32 takes
+// apart. The high halves of the lanes carry garbage that no multiply reads and the output masks off.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HPCRL_X86_SIMD 1
+#define HPCRL_PHILOX_LANES(VEC, SET1, ADD, MUL, SRLI, SLLI, XOR, AND, OR, LOAD, STORE, LANES)          \
+  const VEC m0 = SET1(0xD2511F53), m1 = SET1(0xCD9E8D57), low = SET1(0xFFFFFFFF);                   \
+  alignas(64) int64_t lane[LANES];                                                                   \
+  for (int l = 0; l < LANES; ++l) lane[l] = l;                                                       \
+  const VEC lanes = LOAD(reinterpret_cast<const VEC*>(lane));                                        \
+  for (int64_t b = 0; b < count; b += LANES) {                                                       \
+    const VEC ctr = ADD(SET1(static_cast<int64_t>(first + static_cast<uint64_t>(b))), lanes);          \
+    VEC c0 = AND(ctr, low), c1 = SRLI(ctr, 32), c2 = SET1(0), c3 = SET1(0);                            \
+    uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);               \
+    for (int round = 0; round < 10; ++round) {                                                       \
+      const VEC p0 = MUL(c0, m0), p1 = MUL(c2, m1);                                                  \
+      c0 = XOR(XOR(SRLI(p1, 32), c1), SET1(k0));                                                     \
+      c2 = XOR(XOR(SRLI(p0, 32), c3), SET1(k1));                                                     \
+      c1 = p1;                                                                                       \
+      c3 = p0;                                                                                       \
+      k0 += 0x9E3779B9u;                                                                             \
+      k1 += 0xBB67AE85u;                                                                             \
+    }                                                                                                \
+    STORE(reinterpret_cast<VEC*>(bits + b), OR(SLLI(c1, 32), AND(c0, low)));                          \
+  }
+
+// count is a multiple of the lane count (8 / 4); bits is 64-byte aligned. (GCC 12 flags its own
+// intrinsics' _mm512_undefined_epi32 placeholders as maybe-uninitialized: a known false positive.)
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
+__attribute__((target("avx512f"))) void philox_bits_avx512(uint64_t seed, uint64_t first, int64_t count,
+                                                            uint64_t* bits) {
+  HPCRL_PHILOX_LANES(__m512i, _mm512_set1_epi64, _mm512_add_epi64, _mm512_mul_epu32, _mm512_srli_epi64,
+                     _mm512_slli_epi64, _mm512_xor_si512, _mm512_and_si512, _mm512_or_si512, _mm512_load_si512,
+                     _mm512_store_si512, 8)
+}
+
+__attribute__((target("avx2"))) void philox_bits_avx2(uint64_t seed, uint64_t first, int64_t count, uint64_t* bits) {
+  HPCRL_PHILOX_LANES(__m256i, _mm256_set1_epi64x, _mm256_add_epi64, _mm256_mul_epu32, _mm256_srli_epi64,
+                     _mm256_slli_epi64, _mm256_xor_si256, _mm256_and_si256, _mm256_or_si256, _mm256_load_si256,
+                     _mm256_store_si256, 4)
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#undef HPCRL_PHILOX_LANES
+#endif
+
+// The 64 bits sample_pair takes from Philox (words 1:0) for counters first .. first + count.
+void philox_bits(uint64_t seed, uint64_t first, int64_t count, uint64_t* bits) {
+#ifdef HPCRL_X86_SIMD
+  static const int simd = __builtin_cpu_supports("avx512f") ? 8 : __builtin_cpu_supports("avx2") ? 4 : 0;
+  if (simd != 0 && count % simd == 0) {
+    (simd == 8 ? philox_bits_avx512 : philox_bits_avx2)(seed, first, count, bits);
+    return;
+  }
+#endif
+  for (int64_t b = 0; b < count; ++b) {
+    const uint64_t c = first + static_cast<uint64_t>(b);
+    const Philox4 r = philox4x32_10(Philox4{{static_cast<uint32_t>(c), static_cast<uint32_t>(c >> 32), 0u, 0u}},
+                                    static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+    bits[b] = (static_cast<uint64_t>(r.v[1]) << 32) | r.v[0];
+  }
+}
 
 // x / d and x % d for 64-bit x by multiplication (Lemire, Kaser & Kurz, "Faster remainder by direct
 // computation", 2019: exact for every 64-bit x with a 128-bit M = floor((2^128 - 1) / d) + 1, d >= 2):
@@ -56,39 +119,19 @@ struct FastDivisor {
 };
 
 // Rows first .. first + count of seed's stream into env / slot: the pairs of sample_pair
-// (csrc/common/replay_sample.h) bit for bit. Philox runs on kLanes counters at once, its rounds written
-// as loops over the lanes so that they vectorise; the modulo and the division by E are multiplications.
-HPCRL_VECTOR_CLONES
+// (csrc/common/replay_sample.h) bit for bit, kBlock rows of Philox at a time (vectorised), then the
+// modulo and the division by E as multiplications.
 void draw_pairs(uint64_t seed, uint64_t first, int64_t count, const PairRange& range, int64_t* env, int64_t* slot) {
-  constexpr int kLanes = 16;
+  constexpr int64_t kBlock = 256;
+  alignas(64) uint64_t bits[kBlock];
   const FastDivisor pairs(range.pairs), envs(static_cast<uint64_t>(range.num_envs));
-  for (int64_t b0 = 0; b0 < count; b0 += kLanes) {
-    uint32_t c0[kLanes], c1[kLanes], c2[kLanes], c3[kLanes];
-    for (int l = 0; l < kLanes; ++l) {
-      const uint64_t c = first + static_cast<uint64_t>(b0 + l);
-      c0[l] = static_cast<uint32_t>(c);
-      c1[l] = static_cast<uint32_t>(c >> 32);
-      c2[l] = 0;
-      c3[l] = 0;
-    }
-    uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-    for (int round = 0; round < 10; ++round) {  // philox4x32_10, lane by lane
-      for (int l = 0; l < kLanes; ++l) {
-        const uint64_t p0 = static_cast<uint64_t>(0xD2511F53u) * c0[l];
-        const uint64_t p1 = static_cast<uint64_t>(0xCD9E8D57u) * c2[l];
-        const uint32_t n0 = static_cast<uint32_t>(p1 >> 32) ^ c1[l] ^ k0;
-        const uint32_t n2 = static_cast<uint32_t>(p0 >> 32) ^ c3[l] ^ k1;
-        c1[l] = static_cast<uint32_t>(p1);
-        c3[l] = static_cast<uint32_t>(p0);
-        c0[l] = n0;
-        c2[l] = n2;
-      }
-      k0 += 0x9E3779B9u;
-      k1 += 0xBB67AE85u;
-    }
-    const int lanes = count - b0 < kLanes ? static_cast<int>(count - b0) : kLanes;
-    for (int l = 0; l < lanes; ++l) {
-      const uint64_t i = pairs.mod((static_cast<uint64_t>(c1[l]) << 32) | c0[l]);
+  for (int64_t b0 = 0; b0 < count; b0 += kBlock) {
+    const int64_t n = std::min(kBlock, count - b0);
+    const int64_t whole = n - n % 8;  // the vector paths take multiples of their lanes; the rest is scalar
+    philox_bits(seed, first + static_cast<uint64_t>(b0), whole, bits);
+    philox_bits(seed, first + static_cast<uint64_t>(b0 + whole), n - whole, bits + whole);
+    for (int64_t l = 0; l < n; ++l) {
+      const uint64_t i = pairs.mod(bits[l]);
       const uint64_t q = envs.div(i);
       env[b0 + l] = static_cast<int64_t>(i - q * envs.d);
       const int64_t sl = range.base + static_cast<int64_t>(q);
