@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    machine = machine_info(args.device, args.threads)  # the load as the run starts
     # 131 k and 1 M stored transitions (the second far larger than the last-level cache), batch 256 and 8,192
     shapes = [(64, 2048, 17, 6, 256), (64, 2048, 17, 6, 8192)] if args.quick else \
         [(16, 8192, 17, 6, 256), (16, 8192, 17, 6, 8192), (128, 8192, 17, 6, 256), (128, 8192, 17, 6, 8192)]
@@ -132,8 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
     ring.fill_(1.0)
     llc, results, shard = llc_bytes(), [], None
     for E, C, D, A, B in shapes:
-        if shard is None or (shard.num_envs, shard.capacity) != (E, C):
-            shard = None  # free the previous one before filling the next
+        if shard is None or (shard.num_envs, shard.capacity, shard.obs_dim) != (E, C, D):
+            del shard  # the previous one freed before the next is filled
             shard = filled_shard(E, C, D, A, args.device)
         drawn = cold_index_sets(shard, B, llc)
         fns = cases(shard, B, drawn)
@@ -143,6 +144,8 @@ def main(argv: list[str] | None = None) -> dict:
                **{name: {"median_s": t["median_s"], "vs_floor": t["median_s"] / floor,
                          # process CPU time per call: what is left of the call when other processes take the core
                          "cpu_median_s": t["cpu_median_s"],
+                         "vs_floor_cpu": None if t["cpu_median_s"] is None
+                         else t["cpu_median_s"] / timed["index_select floor"]["cpu_median_s"],
                          "minor_faults_per_call": faults_per_call(fns[name]) if args.device == "cpu" else None}
                   for name, t in timed.items()}}
         row["sampler_speedup"] = timed["shard.sample"]["median_s"] / timed["Sampler.sample"]["median_s"]
@@ -150,13 +153,16 @@ def main(argv: list[str] | None = None) -> dict:
         results.append(row)
     del ring
     names = list(fns)
-    print_table("replay sampling (median per call; x = vs the index_select floor; faults = minor page faults per call)",
+    print_table("replay sampling (median per call, wall and process CPU time; x = vs the index_select floor; "
+                "faults = minor page faults per call)",
                 ["E x C, D/A, batch", *names, "Sampler speed-up", "prefetch16/0"],
                 [[f"{r['num_envs']}x{r['capacity']}, {r['obs_dim']}/{r['act_dim']}, {r['batch']}",
                   *[f"{fmt_time(r[n]['median_s'])} {r[n]['vs_floor']:.2f}x"
+                    + (f", cpu {fmt_time(r[n]['cpu_median_s'])} {r[n]['vs_floor_cpu']:.2f}x"
+                       if r[n]['vs_floor_cpu'] else "")
                     + (f" {r[n]['minor_faults_per_call']:.0f}f" if r[n]['minor_faults_per_call'] is not None else "")
                     for n in names], f"{r['sampler_speedup']:.2f}x", f"{r['prefetch16_vs_0']:.2f}"] for r in results])
-    machine = {**machine_info(args.device, args.threads), "loadavg_end": loadavg(), "llc_bytes": llc,
+    machine = {**machine, "loadavg_end": loadavg(), "llc_bytes": llc,
                "allocator": os.environ.get("LD_PRELOAD") or "default (glibc malloc, no LD_PRELOAD)"}
     payload = {"benchmark": "replay_sampler", "machine": machine, "results": results}
     if args.json:
