@@ -104,7 +104,9 @@ void philox_bits(uint64_t seed, uint64_t first, int64_t count, uint64_t* bits) {
 
 // x / d and x % d for 64-bit x by multiplication (Lemire, Kaser & Kurz, "Faster remainder by direct
 // computation", 2019: exact for every 64-bit x with a 128-bit M = floor((2^128 - 1) / d) + 1, d >= 2):
-// a 64-bit division costs ~15-40 cycles, this a few multiplies. d = 1 is handled by the callers' masks.
+// a 64-bit division costs ~15-40 cycles, this a few multiplies. d = 1 takes its own branch (M would be 2^128).
+// Compilers without 128-bit integers divide.
+#ifdef __SIZEOF_INT128__
 struct FastDivisor {
   __uint128_t m;
   uint64_t d;
@@ -117,6 +119,14 @@ struct FastDivisor {
   uint64_t div(uint64_t x) const { return d == 1 ? x : mul128_u64(m, x); }
   uint64_t mod(uint64_t x) const { return d == 1 ? 0 : mul128_u64(m * x, d); }
 };
+#else
+struct FastDivisor {
+  uint64_t d;
+  explicit FastDivisor(uint64_t divisor) : d(divisor) {}
+  uint64_t div(uint64_t x) const { return x / d; }
+  uint64_t mod(uint64_t x) const { return x % d; }
+};
+#endif
 
 // Rows first .. first + count of seed's stream into env / slot: the pairs of sample_pair
 // (csrc/common/replay_sample.h) bit for bit, kBlock rows of Philox at a time (vectorised), then the
