@@ -76,10 +76,13 @@ void unflatten_(const at::Tensor& flat, const std::vector<at::Tensor>& tensors, 
   }
 }
 
-void check_storage(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim, const at::Device& dev) {
+// strided: any element strides will do (the kernels index through them: reward and flags, which the
+// shard stores env-major and interleaved behind [C, E] views).
+void check_storage(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim, const at::Device& dev,
+                   bool strided = false) {
   TORCH_CHECK(t.scalar_type() == dtype, "replay_gather: ", name, " must be ", dtype, ", got ", t.scalar_type());
   TORCH_CHECK(t.dim() == dim, "replay_gather: ", name, " must have ", dim, " dims, got shape ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), "replay_gather: ", name, " must be contiguous");
+  TORCH_CHECK(strided || t.is_contiguous(), "replay_gather: ", name, " must be contiguous");
   TORCH_CHECK(t.device() == dev, "replay_gather: ", name, " is on ", t.device(), " but the shard is on ", dev);
 }
 
@@ -89,8 +92,8 @@ ReplayStorage checked_storage(const at::Tensor& obs, const at::Tensor& action, c
   const at::Device dev = reward.device();
   check_storage(obs, "obs", at::kFloat, 3, dev);
   check_storage(action, "action", at::kFloat, 3, dev);
-  check_storage(reward, "reward", at::kFloat, 2, dev);
-  check_storage(flags, "flags", at::kByte, 2, dev);
+  check_storage(reward, "reward", at::kFloat, 2, dev, /*strided=*/true);
+  check_storage(flags, "flags", at::kByte, 2, dev, /*strided=*/true);
   check_storage(final_ref, "final_ref", at::kLong, 2, dev);
   check_storage(final_pool, "final_pool", at::kFloat, 2, dev);
   check_storage(head_next_obs, "head_next_obs", at::kFloat, 2, dev);

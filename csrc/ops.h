@@ -14,7 +14,7 @@ void flatten_cpu(const std::vector<at::Tensor>& tensors, const at::Tensor& flat)
 void unflatten_cpu(const at::Tensor& flat, const std::vector<at::Tensor>& tensors, double scale);
 
 // Replay shard storage (time-major, see csrc/common/replay_nstep.h and hpcrl/replay/shard.py):
-//   obs [C, E, D] f32, action [C, E, A] f32, reward [C, E] f32, flags [C, E] u8,
+//   obs [C, E, D] f32, action [C, E, A] f32, reward [C, E] f32, flags [C, E] u8 (these two with any strides),
 //   final_ref [C, E] i64, final_pool [P, D] f32, head_next_obs [E, D] f32.
 // Rows: env_idx [B] i64, slot_idx [B] i64 (physical slots, already validated).
 // Outputs (preallocated): out_obs [B, D], out_action [B, A], out_reward [B], out_next_obs [B, D],

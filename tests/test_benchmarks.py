@@ -226,6 +226,28 @@ def test_checkpoint_size_writes_the_filled_part_only(tmp_path: Path) -> None:
     assert figures["written_mb"]["value"] * 10 < figures["capacity_mb"]["value"]
 
 
+def test_replay_floor_is_cold() -> None:
+    """The replay floor cycles through index sets whose rows add up to more than the last-level cache, so
+    no set is still cached when it comes round again (as no row is for the sampler's fresh draws)."""
+    from benchmarks.ops import replay_sampler
+
+    llc = replay_sampler.llc_bytes()
+    sysfs = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")
+    if sysfs.exists() and sysfs.read_text().strip().endswith("K"):
+        assert llc == int(sysfs.read_text().strip().rstrip("K")) * 1024
+    shard = replay_sampler.filled_shard(8, 64, 17, 6, "cpu")
+    batch = 256
+    drawn = replay_sampler.cold_index_sets(shard, batch, llc)
+    assert replay_sampler.row_bytes(shard) == (2 * 17 + 6) * 4
+    assert len(drawn) * batch * replay_sampler.row_bytes(shard) > 2 * llc
+    rows = {(int(e), int(s)) for env, slot in drawn for e, s in zip(env, slot)}
+    assert len(rows) == 8 * 64  # fresh rows: every stored pair is read in one cycle, not one set again and again
+    fns = replay_sampler.cases(shard, batch, drawn)
+    for _ in range(3):
+        fns["index_select floor"]()
+        fns["gather prefetch 16"]()
+
+
 # ---------------------------------------------------------------- scaling sweeps (pure parts, no subprocess)
 
 from benchmarks.comm import scaling  # noqa: E402

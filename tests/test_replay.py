@@ -314,6 +314,21 @@ def test_the_kernels_draw_the_reference_pairs_for_any_ring(num_envs, capacity, s
         assert torch.equal(env, want_env) and torch.equal(slot, want_slot)
 
 
+@pytest.mark.parametrize("batch", [1, 7, 13, 261, 1031])
+def test_the_kernels_draw_the_reference_pairs_for_any_batch(batch):
+    """Philox runs on 8 or 4 counters at once where the CPU has vector units and one at a time for the
+    rest of a block: every batch size, and counters whose low word wraps inside a vector, draw the same
+    pairs as the reference."""
+    shard = ReplayShard(5, 40, obs_dim=1, action_dim=1, n_step=1, gamma=0.9)
+    shard.ptr = 57
+    env, slot = torch.empty(batch, dtype=torch.int64), torch.empty(batch, dtype=torch.int64)
+    for seed, offset in [(9, 0), (2**40 + 3, 2**32 - 5)]:
+        ops.replay_sample(shard.obs, shard.action, shard.reward, shard.flags, shard.final_ref, shard.final_pool,
+                          shard.head_next_obs, shard.ptr, 1, 0.9, seed, offset, env, slot)
+        want_env, want_slot = reference.sample_pairs(seed, offset, batch, 5, 40, 57)
+        assert torch.equal(env, want_env) and torch.equal(slot, want_slot)
+
+
 @pytest.mark.parametrize("backend", ["extension", "reference"])
 @pytest.mark.parametrize("steps", [4, 7, 25])  # not full (unwritten slots never drawn), full, wrapped
 def test_sampler_draws_uniformly_gathers_exactly_and_resumes_its_stream(backend, steps, monkeypatch):

@@ -1,7 +1,9 @@
 // n-step window of one sampled transition, shared verbatim by the CPU and CUDA kernels so both
 // compute bit-for-bit the same arithmetic. Torch-free on purpose (nvcc compiles it without torch).
 //
-// Storage is time-major: element (slot s, env e) lives at s * num_envs + e.
+// obs, action and final_ref are time-major: element (slot s, env e) lives at s * num_envs + e. reward and
+// flags are addressed through strides (StepLayout): the shard stores them env-major and interleaved, so
+// the n steps of a window sit side by side (hpcrl/replay/shard.py).
 // `ptr` counts every add() ever made; the newest transition has logical time ptr - 1.
 #pragma once
 #include <cstdint>
@@ -44,12 +46,17 @@ HPCRL_HD Newest newest_of(int64_t ptr, int64_t capacity) {
   return Newest{ptr, (ptr - 1) / capacity, (ptr - 1) % capacity};
 }
 
+// Element strides of reward and flags (slot s, env e at s * slot + e * env of each array).
+struct StepLayout {
+  int64_t reward_slot, reward_env, flags_slot, flags_env;
+};
+
 // Window starting at physical slot `slot` of env `env`. Included steps stop after the first
 // terminated/truncated step (rewards of the next episode never leak in) and never reach the write
 // head (logical time >= ptr does not exist yet), so a window cannot read across the ring's seam.
 // Preconditions (checked by the callers): 0 <= slot < min(ptr, capacity), 0 <= env < num_envs.
-HPCRL_HD NStepWindow nstep_window(const float* reward, const uint8_t* flags, int64_t capacity,
-                                  int64_t num_envs, int64_t env, int64_t slot, const Newest& newest,
+HPCRL_HD NStepWindow nstep_window(const float* reward, const uint8_t* flags, const StepLayout& at,
+                                  int64_t capacity, int64_t env, int64_t slot, const Newest& newest,
                                   int64_t n_step, float gamma) {
   // Logical time of the slot: the newest write that landed on it, slot + capacity * ((ptr - 1 - slot) /
   // capacity) = the newest write's lap, or the lap before for a slot past the newest write's.
@@ -61,12 +68,11 @@ HPCRL_HD NStepWindow nstep_window(const float* reward, const uint8_t* flags, int
   uint8_t f = 0;
   int64_t s = slot;  // (slot + j) % capacity, wrapped by a compare instead of a 64-bit division per step
   for (int64_t j = 0; j < n; ++j, s = s + 1 == capacity ? 0 : s + 1) {
-    const int64_t i = s * num_envs + env;
-    w.ret += w.discount * reward[i];
+    w.ret += w.discount * reward[s * at.reward_slot + env * at.reward_env];
     w.discount *= gamma;
     w.k = j + 1;
     w.last = s;
-    f = flags[i];
+    f = flags[s * at.flags_slot + env * at.flags_env];
     if (f != 0) break;
   }
   if (f & kTerminated) w.discount = 0.0f;

@@ -9,6 +9,10 @@
 #include <cstddef>
 #include <cstring>
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#endif
+
 #include "../common/replay_nstep.h"
 #include "../common/replay_sample.h"
 #include "../ops.h"
@@ -30,6 +34,128 @@ inline void prefetch_span(const void* p, size_t bytes) {
 #endif
 }
 
+// Philox4x32-10 of many counters at once, with x86 vector multiplies where the CPU has them (picked at
+// run time; the build itself targets baseline x86-64): each 64-bit lane holds one counter's 32-bit word
+// in its low half, and vpmuludq multiplies exactly those halves into the 64-bit product mulhilo32 takes
+// apart. The high halves of the lanes carry garbage that no multiply reads and the output masks off.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HPCRL_X86_SIMD 1
+#define HPCRL_PHILOX_LANES(VEC, SET1, ADD, MUL, SRLI, SLLI, XOR, AND, OR, LOAD, STORE, LANES)          \
+  const VEC m0 = SET1(0xD2511F53), m1 = SET1(0xCD9E8D57), low = SET1(0xFFFFFFFF);                   \
+  alignas(64) int64_t lane[LANES];                                                                   \
+  for (int l = 0; l < LANES; ++l) lane[l] = l;                                                       \
+  const VEC lanes = LOAD(reinterpret_cast<const VEC*>(lane));                                        \
+  for (int64_t b = 0; b < count; b += LANES) {                                                       \
+    const VEC ctr = ADD(SET1(static_cast<int64_t>(first + static_cast<uint64_t>(b))), lanes);          \
+    VEC c0 = AND(ctr, low), c1 = SRLI(ctr, 32), c2 = SET1(0), c3 = SET1(0);                            \
+    uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);               \
+    for (int round = 0; round < 10; ++round) {                                                       \
+      const VEC p0 = MUL(c0, m0), p1 = MUL(c2, m1);                                                  \
+      c0 = XOR(XOR(SRLI(p1, 32), c1), SET1(k0));                                                     \
+      c2 = XOR(XOR(SRLI(p0, 32), c3), SET1(k1));                                                     \
+      c1 = p1;                                                                                       \
+      c3 = p0;                                                                                       \
+      k0 += 0x9E3779B9u;                                                                             \
+      k1 += 0xBB67AE85u;                                                                             \
+    }                                                                                                \
+    STORE(reinterpret_cast<VEC*>(bits + b), OR(SLLI(c1, 32), AND(c0, low)));                          \
+  }
+
+// count is a multiple of the lane count (8 / 4); bits is 64-byte aligned. (GCC 12 flags its own
+// intrinsics' _mm512_undefined_epi32 placeholders as maybe-uninitialized: a known false positive.)
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+__attribute__((target("avx512f"))) void philox_bits_avx512(uint64_t seed, uint64_t first, int64_t count,
+                                                            uint64_t* bits) {
+  HPCRL_PHILOX_LANES(__m512i, _mm512_set1_epi64, _mm512_add_epi64, _mm512_mul_epu32, _mm512_srli_epi64,
+                     _mm512_slli_epi64, _mm512_xor_si512, _mm512_and_si512, _mm512_or_si512, _mm512_load_si512,
+                     _mm512_store_si512, 8)
+}
+
+__attribute__((target("avx2"))) void philox_bits_avx2(uint64_t seed, uint64_t first, int64_t count, uint64_t* bits) {
+  HPCRL_PHILOX_LANES(__m256i, _mm256_set1_epi64x, _mm256_add_epi64, _mm256_mul_epu32, _mm256_srli_epi64,
+                     _mm256_slli_epi64, _mm256_xor_si256, _mm256_and_si256, _mm256_or_si256, _mm256_load_si256,
+                     _mm256_store_si256, 4)
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#undef HPCRL_PHILOX_LANES
+#endif
+
+// The 64 bits sample_pair takes from Philox (words 1:0) for counters first .. first + count.
+void philox_bits(uint64_t seed, uint64_t first, int64_t count, uint64_t* bits) {
+#ifdef HPCRL_X86_SIMD
+  static const int simd = __builtin_cpu_supports("avx512f") ? 8 : __builtin_cpu_supports("avx2") ? 4 : 0;
+  if (simd != 0 && count % simd == 0) {
+    (simd == 8 ? philox_bits_avx512 : philox_bits_avx2)(seed, first, count, bits);
+    return;
+  }
+#endif
+  for (int64_t b = 0; b < count; ++b) {
+    const uint64_t c = first + static_cast<uint64_t>(b);
+    const Philox4 r = philox4x32_10(Philox4{{static_cast<uint32_t>(c), static_cast<uint32_t>(c >> 32), 0u, 0u}},
+                                    static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+    bits[b] = (static_cast<uint64_t>(r.v[1]) << 32) | r.v[0];
+  }
+}
+
+// x / d and x % d for 64-bit x by multiplication (Lemire, Kaser & Kurz, "Faster remainder by direct
+// computation", 2019: exact for every 64-bit x with a 128-bit M = floor((2^128 - 1) / d) + 1, d >= 2):
+// a 64-bit division costs ~15-40 cycles, this a few multiplies. d = 1 takes its own branch (M would be 2^128).
+// Compilers without 128-bit integers divide.
+#ifdef __SIZEOF_INT128__
+struct FastDivisor {
+  __uint128_t m;
+  uint64_t d;
+  explicit FastDivisor(uint64_t divisor) : m(divisor > 1 ? ~__uint128_t{0} / divisor + 1 : 0), d(divisor) {}
+  static uint64_t mul128_u64(__uint128_t a, uint64_t b) {  // (a * b) >> 128
+    const __uint128_t low = static_cast<__uint128_t>(static_cast<uint64_t>(a)) * b;
+    const __uint128_t high = static_cast<__uint128_t>(static_cast<uint64_t>(a >> 64)) * b;
+    return static_cast<uint64_t>((high + (low >> 64)) >> 64);
+  }
+  uint64_t div(uint64_t x) const { return d == 1 ? x : mul128_u64(m, x); }
+  uint64_t mod(uint64_t x) const { return d == 1 ? 0 : mul128_u64(m * x, d); }
+};
+#else
+struct FastDivisor {
+  uint64_t d;
+  explicit FastDivisor(uint64_t divisor) : d(divisor) {}
+  uint64_t div(uint64_t x) const { return x / d; }
+  uint64_t mod(uint64_t x) const { return x % d; }
+};
+#endif
+
+// Rows first .. first + count of seed's stream into env / slot: the pairs of sample_pair
+// (csrc/common/replay_sample.h) bit for bit, kBlock rows of Philox at a time (vectorised), then the
+// modulo and the division by E as multiplications.
+void draw_pairs(uint64_t seed, uint64_t first, int64_t count, const PairRange& range, int64_t* env, int64_t* slot) {
+  constexpr int64_t kBlock = 256;
+  alignas(64) uint64_t bits[kBlock];
+  const FastDivisor pairs(range.pairs), envs(static_cast<uint64_t>(range.num_envs));
+  for (int64_t b0 = 0; b0 < count; b0 += kBlock) {
+    const int64_t n = std::min(kBlock, count - b0);
+    const int64_t whole = n - n % 8;  // the vector paths take multiples of their lanes; the rest is scalar
+    philox_bits(seed, first + static_cast<uint64_t>(b0), whole, bits);
+    philox_bits(seed, first + static_cast<uint64_t>(b0 + whole), n - whole, bits + whole);
+    for (int64_t l = 0; l < n; ++l) {
+      const uint64_t i = pairs.mod(bits[l]);
+      const uint64_t q = envs.div(i);
+      env[b0 + l] = static_cast<int64_t>(i - q * envs.d);
+      const int64_t sl = range.base + static_cast<int64_t>(q);
+      slot[b0 + l] = sl < range.capacity ? sl : sl - range.capacity;
+    }
+  }
+}
+
+// dst[0, n) = src[0, n): a loop the compiler vectorises inline; rows are a few dozen floats, for which a
+// call to memcpy (size known only at run time) costs about as much as the copy.
+inline void copy_floats(float* __restrict__ dst, const float* __restrict__ src, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) dst[k] = src[k];
+}
+
 // Sampling mode of the gather: row b's pair is drawn from (seed, offset + b) and written to env / slot.
 struct Draw {
   uint64_t seed, offset;
@@ -39,6 +165,7 @@ struct Draw {
 
 void gather_rows(const ReplayStorage& s, const at::Tensor& env_idx, const at::Tensor& slot_idx, const Draw* draw,
                  int64_t n_step, double gamma, int64_t prefetch_rows, const ReplayBatch& out) {
+  const StepLayout steps{s.reward.stride(0), s.reward.stride(1), s.flags.stride(0), s.flags.stride(1)};
   const int64_t capacity = s.reward.size(0);
   const int64_t num_envs = s.reward.size(1);
   const int64_t obs_dim = s.obs.size(2);
@@ -70,32 +197,32 @@ void gather_rows(const ReplayStorage& s, const at::Tensor& env_idx, const at::Te
   // thread; larger ones split into shares of >= 512 rows (>= ~50 us each).
   constexpr int64_t kGrainRows = 1024;
   // What row b will read, as far as it is known before its n-step window is computed: obs and
-  // action at (slot, env), reward and flags over the full window, and the bootstrap obs of a window
+  // action at (slot, env), reward and flags at the full window's first and last step (the whole
+  // window when they are stored env-major, as the shard stores them), and the bootstrap obs of a window
   // that runs its full n steps (the common case; a shorter window merely wastes the hint).
   auto prefetch_row = [&](int64_t b) {
     const int64_t e = envs[b];
-    int64_t slot = slots[b];
+    const int64_t slot = slots[b];
     const int64_t row = slot * num_envs + e;
     prefetch_span(obs + row * obs_dim, obs_bytes);
     prefetch_span(action + row * act_dim, act_bytes);
-    for (int64_t j = 0; j < n_step; ++j) {
-      prefetch_span(reward + slot * num_envs + e, sizeof(float));
-      prefetch_span(flags + slot * num_envs + e, 1);
-      slot = slot + 1 == capacity ? 0 : slot + 1;
+    const int64_t last = slot + n_step - 1 < capacity ? slot + n_step - 1 : slot + n_step - 1 - capacity;
+    for (const int64_t t : {slot, last}) {
+      prefetch_span(reward + t * steps.reward_slot + e * steps.reward_env, sizeof(float));
+      prefetch_span(flags + t * steps.flags_slot + e * steps.flags_env, 1);
     }
-    prefetch_span(obs + (slot * num_envs + e) * obs_dim, obs_bytes);
+    const int64_t next = last + 1 == capacity ? 0 : last + 1;
+    prefetch_span(obs + (next * num_envs + e) * obs_dim, obs_bytes);
   };
   const PairRange range = pair_range(num_envs, capacity, ptr);
   const Newest newest = newest_of(ptr, capacity);
-  auto draw_row = [&](int64_t b) {
-    sample_pair(draw->seed, draw->offset + static_cast<uint64_t>(b), range, draw->env + b, draw->slot + b);
-  };
   at::parallel_for(0, batch, kGrainRows, [&](int64_t begin, int64_t end) {
     // The chunk's pairs first, in a tight loop of their own: drawing each row inline, next to its
-    // cache misses, measured 1.5-1.6x slower (benchmarks/replay_sampler.py); the prefetch window needs
+    // cache misses, measured 1.5-1.6x slower (benchmarks/ops/replay_sampler.py); the prefetch window needs
     // the pairs ahead of time anyway.
     if (draw != nullptr) {
-      for (int64_t b = begin; b < end; ++b) draw_row(b);
+      draw_pairs(draw->seed, draw->offset + static_cast<uint64_t>(begin), end - begin, range, draw->env + begin,
+                 draw->slot + begin);
     }
     for (int64_t b = begin; b < std::min(end, begin + prefetch_rows); ++b) prefetch_row(b);
     for (int64_t b = begin; b < end; ++b) {
@@ -103,9 +230,9 @@ void gather_rows(const ReplayStorage& s, const at::Tensor& env_idx, const at::Te
       const int64_t e = envs[b];
       const int64_t slot = slots[b];
       const int64_t row = slot * num_envs + e;
-      std::memcpy(o_obs + b * obs_dim, obs + row * obs_dim, obs_bytes);
-      std::memcpy(o_act + b * act_dim, action + row * act_dim, act_bytes);
-      const NStepWindow w = nstep_window(reward, flags, capacity, num_envs, e, slot, newest, n_step, g);
+      copy_floats(o_obs + b * obs_dim, obs + row * obs_dim, obs_dim);
+      copy_floats(o_act + b * act_dim, action + row * act_dim, act_dim);
+      const NStepWindow w = nstep_window(reward, flags, steps, capacity, e, slot, newest, n_step, g);
       o_rew[b] = w.ret;
       o_disc[b] = w.discount;
       o_n[b] = w.k;
@@ -117,7 +244,7 @@ void gather_rows(const ReplayStorage& s, const at::Tensor& env_idx, const at::Te
       } else {
         next = obs + ((w.last + 1 == capacity ? 0 : w.last + 1) * num_envs + e) * obs_dim;
       }
-      std::memcpy(o_next + b * obs_dim, next, obs_bytes);
+      copy_floats(o_next + b * obs_dim, next, obs_dim);
     }
   });
 }

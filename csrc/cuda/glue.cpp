@@ -148,6 +148,10 @@ hpcrl_cuda::ReplayGatherArgs gather_args(const ReplayStorage& s, const at::Tenso
   a.action = s.action.const_data_ptr<float>();
   a.reward = s.reward.const_data_ptr<float>();
   a.flags = s.flags.const_data_ptr<uint8_t>();
+  a.reward_slot_stride = s.reward.stride(0);
+  a.reward_env_stride = s.reward.stride(1);
+  a.flags_slot_stride = s.flags.stride(0);
+  a.flags_env_stride = s.flags.stride(1);
   a.final_ref = s.final_ref.const_data_ptr<int64_t>();
   a.pool_size = s.final_pool.size(0);
   a.final_pool = a.pool_size > 0 ? s.final_pool.const_data_ptr<float>() : nullptr;

@@ -46,7 +46,8 @@ int multi_tensor_unflatten(const int64_t* table, int64_t num_tensors, int64_t to
 // ---------------------------------------------------------------------------------------------
 // Replay gather with n-step returns (see csrc/ops.h and csrc/common/replay_nstep.h).
 //
-// Storage is time-major: element (slot s, env e) of an [C, E, ...] array is row s * E + e.
+// Storage is time-major: element (slot s, env e) of an [C, E, ...] array is row s * E + e; reward and
+// flags are read through their element strides (the shard stores them env-major, interleaved).
 // Row b of the batch reads env = env_idx[b], slot = slot_idx[b] (already validated by the caller:
 // 0 <= env < E, 0 <= slot < min(ptr, C)), runs hpcrl::nstep_window and writes
 //   out_obs[b, :]      = obs[slot, env, :]
@@ -64,8 +65,9 @@ struct ReplayGatherArgs {
   // Storage (device pointers).
   const float* obs;            // [C, E, D]
   const float* action;         // [C, E, A]
-  const float* reward;         // [C, E]
-  const uint8_t* flags;        // [C, E]
+  const float* reward;         // [C, E], element (s, e) at s * reward_slot_stride + e * reward_env_stride
+  const uint8_t* flags;        // [C, E], element (s, e) at s * flags_slot_stride + e * flags_env_stride
+  int64_t reward_slot_stride, reward_env_stride, flags_slot_stride, flags_env_stride;
   const int64_t* final_ref;    // [C, E]
   const float* final_pool;     // [P, D] (may be null when P == 0)
   const float* head_next_obs;  // [E, D]

@@ -68,6 +68,7 @@ __global__ void __launch_bounds__(kThreads, 3)
 
   const hpcrl::PairRange range = hpcrl::pair_range(E, a.capacity, a.ptr);
   const hpcrl::Newest newest = hpcrl::newest_of(a.ptr, a.capacity);
+  const hpcrl::StepLayout steps{a.reward_slot_stride, a.reward_env_stride, a.flags_slot_stride, a.flags_env_stride};
   for (int64_t b = gtid / group; b < a.batch; b += row_stride) {
     int64_t env, slot;
     if (a.sampling) {  // every lane of the group draws the same pair (counter-based: no shared state)
@@ -81,7 +82,7 @@ __global__ void __launch_bounds__(kThreads, 3)
       slot = a.slot_idx[b];
     }
     const hpcrl::NStepWindow w =
-        hpcrl::nstep_window(a.reward, a.flags, a.capacity, E, env, slot, newest, a.n_step, a.gamma);
+        hpcrl::nstep_window(a.reward, a.flags, steps, a.capacity, env, slot, newest, a.n_step, a.gamma);
 
     if (lane == 0) {
       a.out_reward[b] = w.ret;

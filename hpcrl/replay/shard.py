@@ -4,8 +4,8 @@ Storage layout (time-major: one ``add`` writes one contiguous block per field)::
 
     obs           [C, E, D] f32  observation the action was taken from (D = obs_dim + critic_obs_dim)
     action        [C, E, A] f32
-    reward        [C, E]    f32
-    flags         [C, E]    u8   bit 0 terminated, bit 1 truncated (termination wins if both)
+    reward        [C, E]    f32  } views of one env-major [E, C] array of 8-byte steps (f32 reward, u8 flags,
+    flags         [C, E]    u8   } 3 bytes padding); flags: bit 0 terminated, bit 1 truncated (termination wins)
     final_ref     [C, E]    i64  row of final_pool holding the true final observation, -1 if none
     final_pool    [P, D]    f32  ring of final observations of finished episodes, grown on demand
     head_next_obs [E, D]    f32  next observation of the newest transition
@@ -16,6 +16,11 @@ transitions that ended an episode (their true final observation, which the env r
 observation, lives in ``final_pool``). That is about half the memory of storing obs and next_obs
 (docs/holosoma.md#replay-storage). The contract this relies on: for envs that did not finish, the ``obs``
 passed to the next ``add`` equals this ``next_obs`` (true of every auto-resetting vector env).
+
+Rewards and flags are the exception to time-major: they are stored env-major and side by side, so that
+an n-step window (n consecutive steps of one env, which the sampler reads for every row) is one cache
+line or two instead of 2n; ``reward`` and ``flags`` are [C, E] views of them, and checkpoints hold them
+as [C, E] arrays like the other fields.
 
 Privileged critic observations (``critic_obs_dim > 0``) are stored as extra columns of the same rows:
 ``obs[..., :obs_dim]`` is the actor's observation and ``obs[..., obs_dim:]`` the critic's, so they follow
@@ -90,8 +95,10 @@ class ReplayShard:
         self.row_dim = self.obs_dim + self.critic_obs_dim  # stored columns per observation
         self.obs = torch.zeros(C, E, self.row_dim, **f32)
         self.action = torch.zeros(C, E, self.action_dim, **f32)
-        self.reward = torch.zeros(C, E, **f32)
-        self.flags = torch.zeros(C, E, dtype=torch.uint8, device=self.device)
+        steps = torch.zeros(E, C, 2, **f32)  # [..., 0] reward, byte 4 of each step the flags
+        self.reward = steps[..., 0].t()
+        self.flags = steps.view(torch.uint8)[..., 4].t()
+        self._steps = steps
         self.final_ref = torch.full((C, E), -1, dtype=torch.int64, device=self.device)
         self.final_pool = torch.zeros(E, self.row_dim, **f32)  # grows; E rows = one episode end per env
         self.head_next_obs = torch.zeros(E, self.row_dim, **f32)
@@ -107,8 +114,7 @@ class ReplayShard:
         return self.num_envs * min(self.ptr, self.capacity)
 
     def nbytes(self) -> int:
-        tensors = (self.obs, self.action, self.reward, self.flags, self.final_ref, self.final_pool,
-                   self.head_next_obs)
+        tensors = (self.obs, self.action, self._steps, self.final_ref, self.final_pool, self.head_next_obs)
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # -- writing -----------------------------------------------------------------------------------
@@ -253,7 +259,7 @@ class ReplayShard:
         slots (time-major: the ring fills from slot 0, so that prefix is every written slot), the
         final-observation pool and the write head; :meth:`load_state_dict` restores full capacity, bit-identical."""
         filled = min(self.ptr, self.capacity)
-        state: dict[str, Any] = {name: getattr(self, name)[:filled] for name in self._RING}
+        state: dict[str, Any] = {name: getattr(self, name)[:filled].contiguous() for name in self._RING}
         state.update(final_pool=self.final_pool, head_next_obs=self.head_next_obs)
         state.update({name: getattr(self, name) for name in self._CONFIG})
         state.update(ptr=self.ptr, pool_cursor=self._pool_cursor, pool_live=self._pool_live,
