@@ -19,8 +19,8 @@ from typing import Annotated, Any, Callable, Literal, Union, get_args, get_origi
 from hpcrl.config_check import ConfigError, show
 from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_DISK, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_STOPPED
 
-__all__ = ["OLD_NAMES", "bool_flags", "cli", "exit_code", "flag_value", "renamed", "spell_bools", "tyro_call",
-           "warn_renamed"]
+__all__ = ["OLD_NAMES", "bool_flags", "cli", "exit_code", "flag_value", "renamed", "respell_bools", "spell_bools",
+           "switch_value", "tyro_call", "warn_renamed"]
 
 # Config fields renamed when each concept got one word ("average" gradients, "replica check"); the old
 # spellings still work, with a warning, for one release: as flags and as --config file keys.
@@ -166,7 +166,21 @@ def spell_bools(cls: Any, argv: list[str]) -> list[str]:
     same four everywhere: ``--x``, ``--no-x``, ``--x True`` / ``--x False`` (``=`` too, any case). tyro
     takes a field with a default only as ``--x`` / ``--no-x`` and a ``bool | None`` field only as
     ``--x True``; the README and the docs write both kinds with values."""
-    styles = bool_flags(cls)
+    return respell_bools(argv, bool_flags(cls))
+
+
+def switch_value(argv: list[str], flag: str) -> bool:
+    """The value of the switch ``flag`` in ``argv`` in any of its spellings (the last one wins; default
+    False), read before parsing; :class:`ConfigError` for a value that is no bool."""
+    value = False
+    for arg in respell_bools(argv, {flag: "switch"}):
+        if arg in (flag, _negated(flag)):
+            value = arg == flag
+    return value
+
+
+def respell_bools(argv: list[str], styles: dict[str, BoolStyle]) -> list[str]:
+    """:func:`spell_bools` for the bool flags ``styles`` names (:func:`bool_flags`)."""
     negated = {_negated(flag): flag for flag in styles}
     out: list[str] = []
     i = 0
@@ -188,7 +202,10 @@ def spell_bools(cls: Any, argv: list[str]) -> list[str]:
             truth, used = argv[i + 1].lower(), 2  # a value-style flag's other values (None) pass as given
         else:
             truth, used = _TRUE, 1
-        if truth not in (_TRUE, _FALSE):  # --x None, or --x=maybe: tyro's own error names it
+        if truth not in (_TRUE, _FALSE) and (eq or styles[flag] == "switch"):
+            raise ConfigError(f"{flag} {value}: a bool flag takes {flag}, {_negated(flag)}, {flag} True or {flag} "
+                              "False")
+        if truth not in (_TRUE, _FALSE):  # --x None (a bool | None flag), or tyro's own error names the value
             out += argv[i:i + used]
         elif styles[flag] == "switch":
             out.append(flag if truth == _TRUE else _negated(flag))
