@@ -138,7 +138,10 @@ def test_a_run_with_a_huge_prompt_truncated_warns_once(art, tmp_path):
                       "--makers", "1", "--trainers", "1", "--total-steps", "1", "--run-dir", str(tmp_path / "run")],
                      tmp_path, 180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stderr.count("longer than --hf.max-prompt-tokens 8") == 1, proc.stderr[-3000:]
+    warned = [line for line in proc.stderr.splitlines() if "warning" in line]
+    assert len(warned) == 1 and warned[0].startswith(f"hpcrl.ppo hf: warning: --hf.prompts {huge}: 1 prompt(s) "
+                                                     "longer than --hf.max-prompt-tokens 8 (longest: record 2, at "
+                                                     "least "), proc.stderr[-3000:]
 
 
 def test_a_reward_of_strings_is_refused_in_one_line(art, tmp_path):

@@ -109,7 +109,8 @@ class HFTask:
         size = f"{'at least ' if cut else ''}{n} tokens"
         what = f"{len(long)} prompt(s) longer than --max-prompt-tokens {o.max_prompt_tokens} (longest: record {i}, {size})"
         if o.truncate_prompts:
-            warn_once(f"hpcrl.ppo hf: warning: {where}: {what}: truncated to their last {o.max_prompt_tokens} tokens")
+            line = f"{where}: {what}: truncated to their last {o.max_prompt_tokens} tokens"
+            warn_once(f"hpcrl.ppo hf: warning: {o.renamed(ConfigError(line))}")  # flags spelt as the user did
             return
         fixes = [f"pass --truncate-prompts to keep their last {o.max_prompt_tokens} tokens"]
         if not cut and n <= self.longest_allowed:
