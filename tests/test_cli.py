@@ -174,22 +174,31 @@ def _launch(argv: list[str]) -> object:
 def _classes():
     from hpcrl.launch.__main__ import LaunchCommand
     from hpcrl.ppo.config import DetachedConfig
+    from hpcrl.ppo.export import ExportArgs
     from hpcrl.sac.config import SACConfig
 
-    return [(DetachedConfig, _ppo), (SACConfig, _sac), (LaunchCommand, _launch)]
+    return [(DetachedConfig, _ppo), (SACConfig, _sac), (LaunchCommand, _launch), (ExportArgs, _ppo_export)]
+
+
+def _ppo_export(argv: list[str]) -> object:
+    import tyro
+
+    from hpcrl.ppo.export import ExportArgs
+
+    return tyro.cli(ExportArgs, args=cli.spell_bools(ExportArgs, ["run", "--out", "o", *argv]))
 
 
 SPELLINGS = [(lambda f: [f], True), (lambda f: [cli._negated(f)], False), (lambda f: [f, "True"], True),
              (lambda f: [f, "False"], False), (lambda f: [f + "=true"], True), (lambda f: [f + "=FALSE"], False)]
 
 
-@pytest.mark.parametrize("index", range(3), ids=["ppo", "sac", "launch"])
+@pytest.mark.parametrize("index", range(4), ids=["ppo", "sac", "launch", "ppo.export"])
 def test_every_bool_flag_takes_the_same_spellings(index):
     """--x, --no-x, --x True / False (= and any case too) for every bool field of every command line, nested
     groups included, whether tyro makes it a switch (a field with a default) or a value (bool | None)."""
     cls, parse = _classes()[index]
     flags = cli.bool_flags(cls)
-    assert len(flags) >= 5, flags  # the walk finds them: not a vacuous pass
+    assert "--overwrite" in flags, flags  # the walk finds them: not a vacuous pass
     for flag in flags:
         for spell, want in SPELLINGS:
             assert _value(parse(spell(flag)), flag) is want, (flag, spell(flag))
