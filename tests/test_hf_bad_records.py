@@ -86,7 +86,8 @@ def test_a_prompt_over_the_context_gets_a_fix_that_can_work(art, tmp_path):
         _wl(art, prompts=str(fits))
     msg = str(err.value)
     assert msg.startswith(f"--hf.prompts {fits}: 1 prompt(s) longer than --hf.max-prompt-tokens 8 (longest: "
-                          "record 1, 30 tokens); raise --hf.max-prompt-tokens to 30, or pass --hf.truncate-prompts"), msg
+                          "record 1, 30 tokens); raise --hf.max-prompt-tokens to 30, or pass "
+                          "--hf.truncate-prompts"), msg
     assert _wl(art, prompts=str(fits), max_prompt_tokens=30).task.prompt_ids[1][-1] > 0  # the fix works
     over = tmp_path / "over.jsonl"  # 300 tokens: no --hf.max-prompt-tokens fits a context of 64
     over.write_text(json.dumps({"prompt": _words(300)}) + "\n")

@@ -72,7 +72,8 @@ def _read_rows(path: str, flag: str) -> list[Any]:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
                 raise ConfigError(f"{flag} {path}: line {i} is not UTF-8 (byte 0x{raw[err.start]:02x} at byte "
-                                  f"{err.start + 1} of the line); save the file as UTF-8 (JSON text is UTF-8)") from None
+                                  f"{err.start + 1} of the line); save the file as UTF-8 (JSON text is "
+                                  "UTF-8)") from None
             if not line.strip():
                 continue
             try:

@@ -107,7 +107,8 @@ class HFTask:
         o = self.options
         cut, n, i = max(long)  # cut: only the prompt's tail was tokenized, it has n tokens or more
         size = f"{'at least ' if cut else ''}{n} tokens"
-        what = f"{len(long)} prompt(s) longer than --max-prompt-tokens {o.max_prompt_tokens} (longest: record {i}, {size})"
+        what = (f"{len(long)} prompt(s) longer than --max-prompt-tokens {o.max_prompt_tokens} (longest: record {i}, "
+                f"{size})")
         if o.truncate_prompts:
             line = f"{where}: {what}: truncated to their last {o.max_prompt_tokens} tokens"
             warn_once(f"hpcrl.ppo hf: warning: {o.renamed(ConfigError(line))}")  # flags spelt as the user did
