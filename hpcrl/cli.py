@@ -6,17 +6,21 @@ run dirs before anything heavy loads."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
 import io
 import os
 import re
 import shlex
 import sys
-from typing import Any, Callable
+import types
+from typing import Annotated, Any, Callable, Literal, Union, get_args, get_origin, get_type_hints
 
 from hpcrl.config_check import ConfigError, show
 from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_DISK, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_STOPPED
 
-__all__ = ["OLD_NAMES", "cli", "exit_code", "flag_value", "renamed", "tyro_call", "warn_renamed"]
+__all__ = ["OLD_NAMES", "bool_flags", "cli", "exit_code", "flag_value", "renamed", "respell_bools", "spell_bools",
+           "switch_value", "tyro_call", "warn_renamed"]
 
 # Config fields renamed when each concept got one word ("average" gradients, "replica check"); the old
 # spellings still work, with a warning, for one release: as flags and as --config file keys.
@@ -102,11 +106,119 @@ def _error_unwrapped(parse: Callable[[], Any]) -> str | None:
 
 
 def cli(cls: type, argv: list[str], prog: str, **kwargs: Any) -> Any:
-    """``tyro.cli(cls, args=argv, prog=prog, **kwargs)`` through :func:`tyro_call` (old flag names renamed)."""
+    """``tyro.cli(cls, args=argv, prog=prog, **kwargs)`` through :func:`tyro_call` (old flag names renamed,
+    bool flags in any of their spellings: :func:`spell_bools`)."""
     import tyro
 
-    argv = _current_flags(list(argv))
+    argv = spell_bools(cls, _current_flags(list(argv)))
     return tyro_call(lambda: tyro.cli(cls, args=argv, prog=prog, **kwargs), prog, kwargs.get("default"))
+
+
+BoolStyle = Literal["switch", "value"]
+"""How tyro takes a bool field: ``switch``, a field with a default (``--x`` / ``--no-x``); ``value``, one
+without a default or ``bool | None`` (``--x True``)."""
+
+
+def bool_flags(cls: Any, prefix: str = "--") -> dict[str, BoolStyle]:
+    """Every bool flag of the tyro command line of ``cls`` (a dataclass, or a class parsed by its
+    constructor), nested groups by dots (``--ppo.trim-padding``), with the style tyro gives it."""
+    import tyro
+
+    out: dict[str, BoolStyle] = {}
+    for name, hint, has_default in _parameters(cls):
+        marks = get_args(hint)[1:] if get_origin(hint) is Annotated else ()
+        hint = get_args(hint)[0] if marks else hint
+        if any(m is tyro.conf.Suppress for m in marks):
+            continue
+        flag = prefix + name.replace("_", "-")
+        inner = [a for a in get_args(hint) if a is not type(None)] if _is_union(hint) else [hint]
+        if inner == [bool]:
+            out[flag] = "switch" if has_default and hint is bool else "value"
+        elif len(inner) == 1 and dataclasses.is_dataclass(inner[0]):
+            omit = any(m is tyro.conf.OmitArgPrefixes for m in marks)
+            out.update(bool_flags(inner[0], prefix if omit else flag + "."))
+    return out
+
+
+def _parameters(cls: Any) -> list[tuple[str, Any, bool]]:
+    """``(name, type hint, has a default)`` of each field of a dataclass / constructor argument."""
+    if dataclasses.is_dataclass(cls):
+        hints = get_type_hints(cls, include_extras=True)
+        return [(f.name, hints.get(f.name), f.default is not dataclasses.MISSING
+                 or f.default_factory is not dataclasses.MISSING) for f in dataclasses.fields(cls) if f.init]
+    try:
+        hints = get_type_hints(cls.__init__, include_extras=True)
+        params = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError, NameError):
+        return []
+    return [(p.name, hints.get(p.name), p.default is not p.empty) for p in params if p.name in hints]
+
+
+def _is_union(hint: Any) -> bool:
+    return get_origin(hint) in (Union, types.UnionType)
+
+
+_TRUE, _FALSE = "true", "false"
+
+
+def spell_bools(cls: Any, argv: list[str]) -> list[str]:
+    """``argv`` with every bool flag of ``cls`` in the spelling tyro takes for it, so that each takes the
+    same four everywhere: ``--x``, ``--no-x``, ``--x True`` / ``--x False`` (``=`` too, any case). tyro
+    takes a field with a default only as ``--x`` / ``--no-x`` and a ``bool | None`` field only as
+    ``--x True``; the README and the docs write both kinds with values."""
+    return respell_bools(argv, bool_flags(cls))
+
+
+def switch_value(argv: list[str], flag: str) -> bool:
+    """The value of the switch ``flag`` in ``argv`` in any of its spellings (the last one wins; default
+    False), read before parsing; :class:`ConfigError` for a value that is no bool."""
+    value = False
+    for arg in respell_bools(argv, {flag: "switch"}):
+        if arg in (flag, _negated(flag)):
+            value = arg == flag
+    return value
+
+
+def respell_bools(argv: list[str], styles: dict[str, BoolStyle]) -> list[str]:
+    """:func:`spell_bools` for the bool flags ``styles`` names (:func:`bool_flags`)."""
+    negated = {_negated(flag): flag for flag in styles}
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, value = arg.partition("=")
+        key = name.replace("_", "-") if name.startswith("--") else name
+        flag = key if key in styles else negated.get(key)
+        if flag is None or (eq and key not in styles):
+            out.append(arg)
+            i += 1
+            continue
+        if key != flag:  # --no-x
+            truth, used = _FALSE, 1
+        elif eq:
+            truth, used = value.lower(), 1
+        elif i + 1 < len(argv) and (argv[i + 1].lower() in (_TRUE, _FALSE)
+                                    or styles[flag] == "value" and not argv[i + 1].startswith("-")):
+            truth, used = argv[i + 1].lower(), 2  # a value-style flag's other values (None) pass as given
+        else:
+            truth, used = _TRUE, 1
+        if truth not in (_TRUE, _FALSE) and (eq or styles[flag] == "switch"):
+            raise ConfigError(f"{flag} {value}: a bool flag takes {flag}, {_negated(flag)}, {flag} True or {flag} "
+                              "False")
+        if truth not in (_TRUE, _FALSE):  # --x None (a bool | None flag), or tyro's own error names the value
+            out += argv[i:i + used]
+        elif styles[flag] == "switch":
+            out.append(flag if truth == _TRUE else _negated(flag))
+        else:
+            out += [flag, "True" if truth == _TRUE else "False"]
+        i += used
+    return out
+
+
+def _negated(flag: str) -> str:
+    """tyro's negation of a switch: ``--group.no-name``."""
+    group, dot, name = flag[2:].rpartition(".")
+    return f"--{group}{dot}no-{name}"
 
 
 _RULE = re.compile(r"[─━]{3,}|[+|\s]*-{3,}[+|\s]*$")  # a box's horizontal line (a title may sit in it)

@@ -141,3 +141,92 @@ def test_a_long_value_in_a_flag_error_keeps_its_characters(monkeypatch):
 @dataclasses.dataclass
 class BatchOnly:
     batch_size: int = 256
+
+
+def _value(obj: object, flag: str) -> object:
+    for part in flag[2:].replace("-", "_").split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _ppo(argv: list[str]) -> object:
+    from hpcrl.ppo.config import parse_args
+
+    return parse_args(argv)
+
+
+def _sac(argv: list[str]) -> object:
+    from hpcrl.sac.__main__ import parse
+
+    return parse(argv)
+
+
+def _launch(argv: list[str]) -> object:
+    from hpcrl.launch.__main__ import parse
+
+    import types
+
+    cmd, request = parse(["sac", *argv])  # the request's flags have no group prefix (OmitArgPrefixes)
+    values = {f.name: getattr(x, f.name) for x in (cmd, request) for f in dataclasses.fields(x)}
+    return types.SimpleNamespace(**values)
+
+
+def _classes():
+    from hpcrl.launch.__main__ import LaunchCommand
+    from hpcrl.ppo.config import DetachedConfig
+    from hpcrl.ppo.export import ExportArgs
+    from hpcrl.sac.config import SACConfig
+
+    return [(DetachedConfig, _ppo), (SACConfig, _sac), (LaunchCommand, _launch), (ExportArgs, _ppo_export)]
+
+
+def _ppo_export(argv: list[str]) -> object:
+    import tyro
+
+    from hpcrl.ppo.export import ExportArgs
+
+    return tyro.cli(ExportArgs, args=cli.spell_bools(ExportArgs, ["run", "--out", "o", *argv]))
+
+
+SPELLINGS = [(lambda f: [f], True), (lambda f: [cli._negated(f)], False), (lambda f: [f, "True"], True),
+             (lambda f: [f, "False"], False), (lambda f: [f + "=true"], True), (lambda f: [f + "=FALSE"], False)]
+
+
+@pytest.mark.parametrize("index", range(4), ids=["ppo", "sac", "launch", "ppo.export"])
+def test_every_bool_flag_takes_the_same_spellings(index):
+    """--x, --no-x, --x True / False (= and any case too) for every bool field of every command line, nested
+    groups included, whether tyro makes it a switch (a field with a default) or a value (bool | None)."""
+    cls, parse = _classes()[index]
+    flags = cli.bool_flags(cls)
+    assert "--overwrite" in flags, flags  # the walk finds them: not a vacuous pass
+    for flag in flags:
+        for spell, want in SPELLINGS:
+            assert _value(parse(spell(flag)), flag) is want, (flag, spell(flag))
+    if cls.__name__ == "DetachedConfig":
+        assert flags["--hf.truncate-prompts"] == "switch" and flags["--ppo.trim-padding"] == "value", flags
+        assert _value(parse(["--ppo.trim-padding", "None"]), "--ppo.trim-padding") is None  # its third value
+
+
+def test_a_plugin_constructor_bool_takes_the_same_spellings():
+    import tyro
+
+    class Plugin:
+        def __init__(self, fast: bool = False, exact: bool | None = None, name: str = "x") -> None:
+            self.fast, self.exact = fast, exact
+
+    assert cli.bool_flags(Plugin) == {"--fast": "switch", "--exact": "value"}
+    for argv, want in [(["--fast", "True", "--exact"], (True, True)), (["--no-fast", "--no-exact"], (False, False)),
+                       (["--fast=false", "--exact", "False", "--name", "y"], (False, False))]:
+        got = tyro.cli(Plugin, args=cli.spell_bools(Plugin, argv))
+        assert (got.fast, got.exact) == want, argv
+    with pytest.raises(ConfigError, match="--fast maybe: a bool flag takes --fast, --no-fast, --fast True or"):
+        cli.cli(Plugin, ["--fast=maybe"], "x")
+
+
+def test_a_switch_read_before_parsing_takes_every_spelling():
+    # hpcrl.ppo reads --resume / --overwrite before torch loads: "--resume False" must not mean resume
+    for argv, want in [(["--resume"], True), (["--resume", "False"], False), (["--resume=TRUE"], True),
+                       (["--resume", "--no-resume"], False), (["--run-dir", "r"], False)]:
+        assert cli.switch_value(argv, "--resume") is want, argv
+    with pytest.raises(ConfigError, match="--resume maybe: a bool flag takes"):
+        cli.switch_value(["--resume=maybe"], "--resume")

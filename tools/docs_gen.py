@@ -120,7 +120,8 @@ def config_page() -> str:
            "Every field of the two typed configurations is a command-line flag (tyro); `--help` prints the same",
            "text. Values come from, lowest first: the preset (`--preset`, FastSAC), a config file (`--config`,",
            "FastSAC: YAML or JSON, e.g. a run's `config.json`), the flags. A bad value exits 2 with one line",
-           "naming the flag and a value that works.", "",
+           "naming the flag and a value that works. A bool flag takes `--x`, `--no-x`, `--x True` or `--x False`",
+           "(a `bool | None` one also `--x None`: the workload's own choice).", "",
            "## FastSAC", "", f"`.venv/bin/python -m hpcrl.sac`: `{SACConfig.__module__}.SACConfig`. "
            + _cell(inspect.getdoc(SACConfig) or ""), "", "### Presets", "", *_presets_table(), "### Flags", ""]
     rows, _ = flag_rows(SACConfig)

@@ -22,7 +22,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
-from hpcrl.cli import exit_code, flag_value, run_exit
+from hpcrl.cli import exit_code, flag_value, run_exit, switch_value
 from hpcrl.config_check import ConfigError
 from hpcrl.conventions import EXIT_BAD_CONFIG
 from hpcrl.rundir import RunDirError
@@ -60,15 +60,6 @@ DEFAULT_RUN_DIR = "runs/ppo"
 """DetachedConfig.run_dir's default (hpcrl.ppo.config imports torch; a test keeps the two equal)."""
 
 
-def _last_bool(argv: list[str], name: str) -> bool:
-    """``--name`` / ``--no-name`` as tyro reads them (the last one wins; default False)."""
-    value = False
-    for arg in argv:
-        if arg in (f"--{name}", f"--no-{name}"):
-            value = arg == f"--{name}"
-    return value
-
-
 def check_run_dir_early(argv: list[str]) -> None:
     """The run-dir refusal from the raw flags, before torch is imported (which takes 20-30 s on a loaded
     node): :class:`RunDirError` when :func:`check_start` would refuse what the flags say. Anything the
@@ -78,9 +69,9 @@ def check_run_dir_early(argv: list[str]) -> None:
     try:
         run_dir = flag_value(argv, "--run-dir") or DEFAULT_RUN_DIR
         resume_missing = flag_value(argv, "--resume-missing") or "error"
+        resume, replace = switch_value(argv, "--resume"), switch_value(argv, "--overwrite")
     except ConfigError:
         return
-    resume, replace = _last_bool(argv, "resume"), _last_bool(argv, "overwrite")
     if resume_missing in ("error", "fresh") and not (resume and replace):
         check_start(run_dir, resume, resume_missing, replace)
 

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 import torch
 import tyro
 
-from hpcrl.cli import flag_value, tyro_call
+from hpcrl.cli import flag_value, spell_bools, tyro_call
 from hpcrl.config_check import DEVICE, MAX_SEED, MAX_TIMEOUT_S, Check, ConfigError, show
 from hpcrl.conventions import DEFAULT_MAKERS, DEFAULT_TRAINERS
 
@@ -275,6 +275,7 @@ def parse_args(argv: list[str], prog: str = "python -m hpcrl.ppo") -> DetachedCo
     workload = flag_value(argv, "--workload")
     if workload is not None and is_plugin(workload) and any(a in ("-h", "--help") for a in argv):
         _plugin_help(workload, prog)
+    argv = spell_bools(DetachedConfig, argv)  # every bool flag: --x, --no-x, --x True / False
     cfg, rest = tyro_call(lambda: tyro.cli(DetachedConfig, args=argv, prog=prog, return_unknown_args=True,
                                            description=DESCRIPTION), prog)
     if rest:

@@ -30,6 +30,7 @@ import torch
 import tyro
 
 from hpcrl import checkpoint
+from hpcrl.cli import spell_bools
 from hpcrl.config_check import ConfigError
 from hpcrl.rundir import RunDirError
 from hpcrl.rundir_reuse import previous_run
@@ -206,6 +207,11 @@ def export(run_dir: Path, out: Path, step: int | None = None, overwrite: bool = 
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        argv = spell_bools(ExportArgs, sys.argv[1:] if argv is None else argv)  # --overwrite True as elsewhere
+    except ConfigError as err:
+        print(f"hpcrl.ppo.export: {err}", file=sys.stderr, flush=True)
+        return 2
     args = tyro.cli(ExportArgs, args=argv, prog="python -m hpcrl.ppo.export")
     try:
         out = export(args.run_dir, args.out, args.step, args.overwrite, args.max_shard_size)

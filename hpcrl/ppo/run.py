@@ -9,6 +9,7 @@ import torch
 import tyro
 
 from hpcrl import checkpoint, rundir
+from hpcrl.cli import spell_bools
 from hpcrl.comm import StopRequest, detect_launch, init_distributed, shutdown
 from hpcrl.comm.bootstrap import explain_failure, unwatch_peers, watch_peers
 from hpcrl.comm.heartbeat import Heartbeat, liveness_store, remember_hosts
@@ -40,7 +41,8 @@ def build_workload(cfg: DetachedConfig) -> tuple[Workload, PPOConfig]:
         cls = plugin_class(cfg.workload)
         prog = f"python -m hpcrl.ppo --workload {cfg.workload}"
         try:
-            workload = tyro_call(lambda: tyro.cli(cls, args=list(cfg.plugin_args), prog=prog), prog)
+            args = spell_bools(cls, list(cfg.plugin_args))
+            workload = tyro_call(lambda: tyro.cli(cls, args=args, prog=prog), prog)
         except (ValueError, TypeError) as err:
             raise ConfigError(f"--workload {cfg.workload}: {err}") from None
         workload = as_workload(workload, f"--workload {cfg.workload}")

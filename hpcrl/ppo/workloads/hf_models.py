@@ -273,16 +273,27 @@ def reward_takes(fn: RewardFn, spec: str) -> Literal["records", "prompts"]:
 def call_reward_fn(fn: RewardFn, spec: str, prompts: list[Any], responses: list[str],
                    batch: int | str) -> list[float]:
     """``fn(prompts, responses)`` (``prompts``: records or strings, :func:`reward_takes`) checked: it
-    must return one finite number per response; anything else
-    is a :class:`ConfigError` naming the function and the batch."""
+    must return one finite number per response (int, float, bool, numpy or 0-d tensor; never a string,
+    even one that reads as a number); anything else is a :class:`ConfigError` naming the function and
+    the batch."""
     where = f"--reward-fn {spec} on batch {batch} ({len(responses)} responses)"
     try:
         out = fn(list(prompts), list(responses))
     except Exception as err:  # the user's function: report it, whatever it raised
         raise ConfigError(f"{where} raised {type(err).__name__}: {err}; it must return list[float] of "
                           "len(responses)") from None
+    words = (str, bytes, bytearray)
     try:
-        values = [float(v) for v in out]
+        items = [out] if isinstance(out, words) else list(out)
+    except TypeError:
+        items = None
+    text = next((v for v in items or () if isinstance(v, words)), None)
+    if text is not None:  # float("0.5") would take it: a reward is a number, never text parsed as one
+        got = f"the {type(text).__name__} {_preview(text)}" + ("" if text is out else f" in a {type(out).__name__}")
+        raise ConfigError(f"{where} returned {got}, not numbers; it must return list[float] of len(responses) "
+                          "(convert with float() inside the function)")
+    try:
+        values = [float(v) for v in items]
     except (TypeError, ValueError):
         raise ConfigError(f"{where} returned {type(out).__name__}, not a list of numbers; it must return "
                           "list[float] of len(responses)") from None
@@ -293,3 +304,8 @@ def call_reward_fn(fn: RewardFn, spec: str, prompts: list[Any], responses: list[
     if bad:
         raise ConfigError(f"{where} returned non-finite scores ({bad[0]}); return finite floats")
     return values
+
+
+def _preview(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 40 else shown[:37] + "..."

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -66,16 +66,45 @@ def _read_rows(path: str, flag: str) -> list[Any]:
                               "file") from None
         return pq.read_table(p).to_pylist()
     rows = []
-    with open(p) as f:
-        for i, line in enumerate(f, 1):
+    with open(p, "rb") as f:  # bytes: a line that is not UTF-8 is named, not a codec error of the file
+        for i, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ConfigError(f"{flag} {path}: line {i} is not UTF-8 (byte 0x{raw[err.start]:02x} at byte "
+                                  f"{err.start + 1} of the line); save the file as UTF-8 (JSON text is "
+                                  "UTF-8)") from None
             if not line.strip():
                 continue
             try:
                 rows.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise ConfigError(f"{flag} {path}: line {i} is not JSON ({err.msg}); one JSON object per "
+            except (json.JSONDecodeError, RecursionError) as err:
+                why = err.msg if isinstance(err, json.JSONDecodeError) else "nested too deeply"
+                raise ConfigError(f"{flag} {path}: line {i} is not JSON ({why}); one JSON object per "
                                   "line, e.g. {\"prompt\": \"...\"}") from None
     return rows
+
+
+CHARS_PER_TOKEN = 16
+"""A generous bound on the characters of one token: a prompt's tail of ``CHARS_PER_TOKEN`` times the
+tokens kept is tokenized first, a longer one only when that tail has too few tokens."""
+MARGIN = 16
+"""Tokens tokenized beyond the ones kept, so that the cut through the text (perhaps mid-word) lies
+before every token kept: those come out as tokenizing the whole text gives them."""
+
+
+def tail_tokens(tokenize: Callable[[str], list[int]], text: str, keep: int) -> tuple[list[int], bool]:
+    """``(ids, whole)``: the tokens of ``text`` when they are at most ``keep`` (``whole``, exact), else
+    ``(more than keep tokens ending with its last keep, whole)``; ``whole`` False when only a tail of the
+    text was tokenized (the count is then unknown, but more than ``keep``). The work is bounded by
+    ``keep``, not by the text: a 10 MB prompt cut to 64 tokens tokenizes a few kB."""
+    window = (keep + MARGIN) * CHARS_PER_TOKEN
+    while window < len(text):
+        ids = tokenize(text[-window:])
+        if len(ids) > keep + MARGIN:
+            return ids, False
+        window *= 4  # tokens longer than the bound: a wider tail
+    return tokenize(text), True
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:

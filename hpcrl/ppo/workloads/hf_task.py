@@ -6,20 +6,43 @@ input fails before any rank starts; the makers' collector and the trainers' eval
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from hpcrl import rundir
+from hpcrl.comm import detect_launch
 from hpcrl.config_check import ConfigError
 
 from . import hf_models as M
 from .hf_generate import SamplingParams
 from .hf_options import HFOptions
-from .hf_prompts import load_records
+from .hf_prompts import load_records, tail_tokens
 
-__all__ = ["HFTask"]
+__all__ = ["HFTask", "warn_once"]
+
+UNKNOWN_CONTEXT_FACTOR = 64
+"""Without a context in the model's config, how far past ``--max-prompt-tokens`` a long prompt is counted
+(to suggest the value that holds it)."""
+_WARNED: set[str] = set()
+
+
+def warn_once(line: str) -> None:
+    """Print ``line`` on stderr once per run: in the process that checks the inputs before spawning the
+    ranks (not again in them: they inherit its launch), or in rank 0 under srun / torchrun, where every
+    rank checks for itself; and once in that process however often the task is built."""
+    if line in _WARNED or os.environ.get(rundir.LAUNCHED_PID_ENV):
+        return
+    try:
+        first = detect_launch().rank == 0
+    except Exception:  # a partial launcher environment is reported where the run starts; warn here
+        first = True
+    if first:
+        _WARNED.add(line)
+        print(line, file=sys.stderr, flush=True)
 
 
 class HFTask:
@@ -31,6 +54,11 @@ class HFTask:
         o = self.options = options
         self.tokenizer = M.load_tokenizer(o.model)
         self.eos_id, self.pad_id = int(self.tokenizer.eos_token_id), int(self.tokenizer.pad_token_id)
+        self.context = M.context_length(M.load_config(o.flag("model"), o.model))
+        """The model's context in tokens (None if its config does not say)."""
+        self.longest_allowed = (self.context - o.max_new_tokens if self.context is not None
+                                else UNKNOWN_CONTEXT_FACTOR * o.max_prompt_tokens)
+        """The highest ``--max-prompt-tokens`` that can work with this model (``--max-new-tokens`` included)."""
         self.records = load_records(o.prompts, o.prompt_key)
         self.prompt_texts, self.prompt_ids = self._encode(self.records, "prompts", o.prompts)
         self.eval_records: list[dict[str, Any]] = []
@@ -51,30 +79,49 @@ class HFTask:
 
     def _encode(self, records: list[dict[str, Any]], flag: str, path: str) -> tuple[list[str], list[list[int]]]:
         """``(texts, token ids)`` of the records of ``--prompts`` or ``--eval-prompts`` (``flag``, read from
-        ``path``): the texts are what a prompts-reward receives (a chat record's: its templated text)."""
+        ``path``): the texts are what a prompts-reward receives (a chat record's: its templated text). A
+        prompt is tokenized from its end, only as far as a verdict needs (:func:`~.hf_prompts.tail_tokens`):
+        its last ``--max-prompt-tokens`` with ``--truncate-prompts``, else up to the longest the model allows."""
         o = self.options
+        keep = o.max_prompt_tokens if o.truncate_prompts else self.longest_allowed
         texts, out, long = [], [], []
         for i, record in enumerate(records):
             where = f"--{flag.replace('_', '-')} {path}: record {i}"
             text, templated = M.format_record(self.tokenizer, record, o.prompt_key, o.chat_template, where)
-            ids = list(self.tokenizer(text, add_special_tokens=not templated)["input_ids"])
+            tokenize = lambda t: list(self.tokenizer(t, add_special_tokens=not templated)["input_ids"])  # noqa: E731
+            ids, whole = tail_tokens(tokenize, text, keep)
             if not ids:
                 raise ConfigError(f"{where} tokenizes to nothing; drop empty prompts")
             if len(ids) > o.max_prompt_tokens:
-                long.append((i, len(ids)))
+                long.append((not whole, len(ids), i))
                 ids = ids[-o.max_prompt_tokens:]
             texts.append(record[o.prompt_key] if isinstance(record.get(o.prompt_key), str) else text)
             out.append(ids)
         if long:
-            i, n = max(long, key=lambda x: x[1])
-            what = (f"{len(long)} prompt(s) longer than --max-prompt-tokens {o.max_prompt_tokens} (longest: record "
-                    f"{i}, {n} tokens)")
-            if not o.truncate_prompts:
-                raise ConfigError(f"--{flag.replace('_', '-')} {path}: {what}; raise --max-prompt-tokens to {n} or "
-                                  "pass --truncate-prompts to keep their last tokens")
-            print(f"hpcrl.ppo hf: warning: {what}: truncated to their last {o.max_prompt_tokens} tokens",
-                  file=sys.stderr, flush=True)
+            self._long_prompts(long, f"--{flag.replace('_', '-')} {path}")
         return texts, out
+
+    def _long_prompts(self, long: list[tuple[bool, int, int]], where: str) -> None:
+        """Warn (once per run) of the prompts cut to ``--max-prompt-tokens``, or refuse them with a fix
+        that can work: a higher ``--max-prompt-tokens`` only where the model's context holds it."""
+        o = self.options
+        cut, n, i = max(long)  # cut: only the prompt's tail was tokenized, it has n tokens or more
+        size = f"{'at least ' if cut else ''}{n} tokens"
+        what = (f"{len(long)} prompt(s) longer than --max-prompt-tokens {o.max_prompt_tokens} (longest: record {i}, "
+                f"{size})")
+        if o.truncate_prompts:
+            line = f"{where}: {what}: truncated to their last {o.max_prompt_tokens} tokens"
+            warn_once(f"hpcrl.ppo hf: warning: {o.renamed(ConfigError(line))}")  # flags spelt as the user did
+            return
+        fixes = [f"pass --truncate-prompts to keep their last {o.max_prompt_tokens} tokens"]
+        if not cut and n <= self.longest_allowed:
+            fixes.insert(0, f"raise --max-prompt-tokens to {n}")
+        elif self.context is not None:
+            fixes.append(f"use a model with a longer context (--model's is {self.context} tokens, "
+                         f"--max-new-tokens {o.max_new_tokens} included)")
+        else:
+            fixes.append("shorten the record")
+        raise ConfigError(f"{where}: {what}; {', or '.join(fixes)}")
 
     def reward_inputs(self, idx: list[int], records: list[dict[str, Any]], texts: list[str]) -> list[Any]:
         """What ``--reward-fn`` receives for the prompts ``idx``: copies of the records (every field), or
