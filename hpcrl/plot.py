@@ -33,9 +33,9 @@ from typing import Annotated, Any, Literal
 import numpy as np
 import tyro
 
-from hpcrl.cli import cli
-from hpcrl.config_check import ConfigError
-from hpcrl.conventions import EXIT_BAD_CONFIG
+from hpcrl.run.cli import cli
+from hpcrl.core.config_check import ConfigError
+from hpcrl.core.conventions import EXIT_BAD_CONFIG
 
 __all__ = ["PlotConfig", "Run", "group_runs", "load_run", "main", "plot_runs"]
 

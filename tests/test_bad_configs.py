@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.conventions import EXIT_BAD_CONFIG
+from hpcrl.core.conventions import EXIT_BAD_CONFIG
 from hpcrl.launch import JobRequest, LaunchError, render
 from hpcrl.launch.__main__ import main as launch_main
 from hpcrl.launch.sbatch import ALLOC_TASKS_LINE

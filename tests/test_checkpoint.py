@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcrl import checkpoint
-from hpcrl.checkpoint import CheckpointError, CorruptCheckpoint
+from hpcrl.run import checkpoint
+from hpcrl.run.checkpoint import CheckpointError, CorruptCheckpoint
 from hpcrl.comm import SpawnError, init_distributed, shutdown, spawn
-from hpcrl.metrics import RunLogger, truncate_rows
-from hpcrl.rundir import RunDirError
+from hpcrl.run.metrics import RunLogger, truncate_rows
+from hpcrl.run.rundir import RunDirError
 
 CPU = torch.device("cpu")
 IDENTITY = {"world_size": 1, "seed": 0, "env": "pendulum", "num_envs": 4, "actor_hidden": 32}

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl import checkpoint
+from hpcrl.run import checkpoint
 
 MAX_SLEEP = 0.04  # seconds; the most a kill waits after a write began
 # 2 ranks x 2 envs, a 4096-slot buffer per env (~0.5 MB of replay per rank file), a checkpoint every

@@ -1,5 +1,5 @@
 """Every command line answers a bad flag with one line (flag, value, a valid value, tyro's "perhaps you
-meant"), exit 2; the shared pieces of hpcrl.cli (tyro's box to one line, a flag's value before
+meant"), exit 2; the shared pieces of hpcrl.run.cli (tyro's box to one line, a flag's value before
 parsing, the exit-code ladder)."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import os
 
 import pytest
 
-from hpcrl import cli
-from hpcrl.config_check import ConfigError, DataError
-from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NONFINITE
-from hpcrl.rundir import RunDirError
+from hpcrl.run import cli
+from hpcrl.core.config_check import ConfigError, DataError
+from hpcrl.core.conventions import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NONFINITE
+from hpcrl.run.rundir import RunDirError
 
 UNICODE_BOX = """\
 ╭─ Unrecognized options ─────────────────────────────────────────╮
@@ -103,7 +103,7 @@ def test_every_cli_answers_a_bad_flag_with_one_line(module, argv, parts, capsys)
 def test_old_field_names_still_work_for_one_release_with_a_warning(tmp_path, capsys):
     """--grad-sync / --check-sync-every (and those keys in a --config file) became --grad-average /
     --check-replicas-every when each concept got one word; the old spellings parse, with a warning."""
-    from hpcrl.config_file import load_config_file
+    from hpcrl.run.config_file import load_config_file
     from hpcrl.sac.config import SACConfig
 
     cfg = cli.cli(SACConfig, ["--grad-sync", "view", "--check-sync-every=7"], "python -m hpcrl.sac")

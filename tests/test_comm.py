@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import hpcrl.comm as hd
-from hpcrl.conventions import rendezvous_port
+from hpcrl.core.conventions import rendezvous_port
 from hpcrl.comm import env as dist_env
 
 TESTS = Path(__file__).resolve().parent

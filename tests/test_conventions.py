@@ -1,4 +1,4 @@
-"""hpcrl.conventions: the torch-free facts that trainers, the launcher and the sbatch scripts share.
+"""hpcrl.core.conventions: the torch-free facts that trainers, the launcher and the sbatch scripts share.
 
 It and the launcher import without torch (checked in a fresh interpreter: this test session has torch
 loaded already), its CLI prints the values the sbatch scripts read, the port rule keeps the steps of a
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl import conventions
-from hpcrl.conventions import (DEFAULT_MAKERS, DEFAULT_TRAINERS, EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_STOPPED, ppo_role,
+from hpcrl.core import conventions
+from hpcrl.core.conventions import (DEFAULT_MAKERS, DEFAULT_TRAINERS, EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_STOPPED, ppo_role,
                                rendezvous_port)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,7 +27,7 @@ def python(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=60, cwd=REPO)
 
 
-@pytest.mark.parametrize("module", ["hpcrl.conventions", "hpcrl.launch", "hpcrl.launch.__main__"])
+@pytest.mark.parametrize("module", ["hpcrl.core.conventions", "hpcrl.launch", "hpcrl.launch.__main__"])
 def test_imports_without_torch(module):
     proc = python("-c", f"import sys, {module}; bad = sorted(m for m in sys.modules if m.split('.')[0] == 'torch'); "
                         "assert not bad, bad")
@@ -35,23 +35,23 @@ def test_imports_without_torch(module):
 
 
 def test_cli_prints_values():
-    assert python("-m", "hpcrl.conventions", "EXIT_STOPPED").stdout == f"{EXIT_STOPPED}\n" == "75\n"
-    assert python("-m", "hpcrl.conventions", "DEFAULT_TRAINERS").stdout == f"{DEFAULT_TRAINERS}\n"
-    assert python("-m", "hpcrl.conventions", "rendezvous_port", "1234", "3").stdout == f"{rendezvous_port(1234, 3)}\n"
-    assert python("-m", "hpcrl.conventions", "rendezvous_port", "1234").stdout == f"{rendezvous_port(1234, 0)}\n"
-    assert python("-m", "hpcrl.conventions", "ppo_role", "1", "1", "1").stdout == "maker\n"
+    assert python("-m", "hpcrl.core.conventions", "EXIT_STOPPED").stdout == f"{EXIT_STOPPED}\n" == "75\n"
+    assert python("-m", "hpcrl.core.conventions", "DEFAULT_TRAINERS").stdout == f"{DEFAULT_TRAINERS}\n"
+    assert python("-m", "hpcrl.core.conventions", "rendezvous_port", "1234", "3").stdout == f"{rendezvous_port(1234, 3)}\n"
+    assert python("-m", "hpcrl.core.conventions", "rendezvous_port", "1234").stdout == f"{rendezvous_port(1234, 0)}\n"
+    assert python("-m", "hpcrl.core.conventions", "ppo_role", "1", "1", "1").stdout == "maker\n"
 
 
 @pytest.mark.parametrize("args, message", [
     (["EXIT_STOPPPED"], "unknown name 'EXIT_STOPPPED'; known: DEFAULT_MAKERS"),
     (["sys"], "unknown name 'sys'"),  # module globals outside __all__ are not conventions
     (["_main"], "unknown name '_main'"),
-    ([], "usage: python -m hpcrl.conventions NAME [ARGS]"),
+    ([], "usage: python -m hpcrl.core.conventions NAME [ARGS]"),
     (["rendezvous_port", "x"], "rendezvous_port('x',)"),
     (["ppo_role", "5", "1", "1"], "rank 5 outside a world of 2"),
 ])
 def test_cli_exits_2_on_bad_input(args, message):
-    proc = python("-m", "hpcrl.conventions", *args)
+    proc = python("-m", "hpcrl.core.conventions", *args)
     assert (proc.returncode, proc.stdout) == (EXIT_BAD_CONFIG, "") and message in proc.stderr, proc.stderr
 
 
@@ -88,8 +88,8 @@ def test_every_public_name_is_exported():
     assert constants | functions == set(conventions.__all__)
 
 
-COPIED = {"75": "hpcrl.conventions.EXIT_STOPPED", "20000": "hpcrl.conventions.rendezvous_port",
-          "7919": "hpcrl.conventions.rendezvous_port", "10000": "hpcrl.conventions.rendezvous_port"}
+COPIED = {"75": "hpcrl.core.conventions.EXIT_STOPPED", "20000": "hpcrl.core.conventions.rendezvous_port",
+          "7919": "hpcrl.core.conventions.rendezvous_port", "10000": "hpcrl.core.conventions.rendezvous_port"}
 
 
 def numbers(path: Path) -> set[str]:
@@ -106,6 +106,6 @@ SHARERS = sorted((REPO / "slurm").glob("*.sbatch")) + sorted((REPO / "hpcrl" / "
 
 @pytest.mark.parametrize("path", SHARERS, ids=lambda p: p.name)
 def test_launcher_and_scripts_hold_no_copies(path):
-    """The stop exit code and the port rule come from hpcrl.conventions, not from literals of their own."""
+    """The stop exit code and the port rule come from hpcrl.core.conventions, not from literals of their own."""
     copies = {n: COPIED[n] for n in numbers(path) & COPIED.keys()}
     assert not copies, f"{path.name} repeats {sorted(copies)}: use {sorted(set(copies.values()))}"

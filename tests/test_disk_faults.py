@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 import torch
 
-from hpcrl import checkpoint, checkpoint_write
-from hpcrl.conventions import EXIT_DISK
-from hpcrl.diskfault import DiskFault, owned_file
-from hpcrl.h5io import load_h5, save_h5
-from hpcrl.rundir_files import atomic_path
+from hpcrl.run import checkpoint, checkpoint_write
+from hpcrl.core.conventions import EXIT_DISK
+from hpcrl.core.diskfault import DiskFault, owned_file
+from hpcrl.core.h5io import load_h5, save_h5
+from hpcrl.core.rundir_files import atomic_path
 
 # 2 ranks x 256 envs: each checkpoint is ~0.45 MiB larger than the one before (replay up to its fill
 # level), so with --keep-checkpoints 2 the third (step 75, next to steps 25 and 50) does not fit in 2 MiB.
@@ -155,7 +155,7 @@ def test_a_torn_row_at_the_checkpoint_step_is_restored_on_resume(reference, tmp_
 
 
 def test_a_metrics_write_on_a_full_disk_is_a_disk_fault(small_disk):
-    from hpcrl.metrics import RunLogger
+    from hpcrl.run.metrics import RunLogger
 
     logger = RunLogger(small_disk / "run", True, 10**9, tensorboard=False, stream=open(os.devnull, "w"))
     _fill(small_disk, 0)
@@ -168,7 +168,7 @@ def test_a_metrics_write_on_a_full_disk_is_a_disk_fault(small_disk):
 def test_a_tensorboard_write_on_a_full_disk_is_a_disk_fault_without_a_traceback(tmp_path, capfd):
     """TensorBoard writes its events from its own thread: the disk error it meets there comes back at the
     next row (or at close) as one DiskFault line naming the events dir, and the thread prints no traceback."""
-    from hpcrl.metrics import RunLogger
+    from hpcrl.run.metrics import RunLogger
 
     run, tb = tmp_path / "run", tmp_path / "run" / "tb"
     _mount_tmpfs(tb, "1m")  # the events alone on a small disk: metrics.jsonl keeps room

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpcrl.h5io import load_h5, save_h5
+from hpcrl.core.h5io import load_h5, save_h5
 from hpcrl.envs import (
     CartPole,
     CartPoleSwingUp,
@@ -538,7 +538,7 @@ def test_gym_adapter_halfcheetah(tmp_path):
     env.reset()
     gen = torch.Generator().manual_seed(0)
     _rollout(env, 10, 0)
-    # Through the checkpoint format itself (HDF5 via hpcrl.h5io: nested dicts, no lists, no 128-bit ints).
+    # Through the checkpoint format itself (HDF5 via hpcrl.core.h5io: nested dicts, no lists, no 128-bit ints).
     path = tmp_path / "env.h5"
     save_h5(path, {"env": env.state_dict()})
     cont = _rollout(env, 10, 1)

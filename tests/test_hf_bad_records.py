@@ -15,8 +15,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 import hf_fixtures as F  # noqa: E402
-from hpcrl import rundir  # noqa: E402
-from hpcrl.config_check import ConfigError  # noqa: E402
+from hpcrl.run import rundir  # noqa: E402
+from hpcrl.core.config_check import ConfigError  # noqa: E402
 from hpcrl.ppo.workload import Workload  # noqa: E402
 from hpcrl.ppo.workloads import make_workload  # noqa: E402
 from hpcrl.ppo.workloads.hf_models import call_reward_fn  # noqa: E402

@@ -109,7 +109,7 @@ def test_sharded_load_equals_the_full_load_bit_for_bit(art):
 
 
 def test_dtype_auto_is_the_stored_dtype_and_fp16_is_refused(tmp_path):
-    from hpcrl.config_check import ConfigError
+    from hpcrl.core.config_check import ConfigError
     from hpcrl.ppo.workloads.hf_models import resolve_dtype
     from transformers import LlamaConfig
 

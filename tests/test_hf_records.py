@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 import hf_fixtures as F  # noqa: E402
-from hpcrl.config_check import ConfigError  # noqa: E402
+from hpcrl.core.config_check import ConfigError  # noqa: E402
 from hpcrl.ppo.workloads.hf import HFWorkload  # noqa: E402
 from hpcrl.ppo.workloads.hf_eval import pass_rate  # noqa: E402
 from hpcrl.ppo.workloads.hf_prompts import epoch_order  # noqa: E402

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 import hf_fixtures as F  # noqa: E402
 from hpcrl.comm import GradAverager, Plane  # noqa: E402
-from hpcrl.config_check import ConfigError  # noqa: E402
+from hpcrl.core.config_check import ConfigError  # noqa: E402
 from hpcrl.ppo.workloads.hf import HFWorkload  # noqa: E402
 from hpcrl.ppo.workloads.hf_options import HFGroupOptions  # noqa: E402
 

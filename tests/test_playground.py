@@ -79,7 +79,7 @@ def test_flags_and_final_obs_match_playground():
 
 @pytest.mark.slow
 def test_seed_and_exact_resume(tmp_path):
-    from hpcrl.h5io import load_h5, save_h5
+    from hpcrl.core.h5io import load_h5, save_h5
 
     a, b = make_env(NAME, N, seed=5), make_env(NAME, N, seed=5)
     assert torch.equal(a.reset(), b.reset())

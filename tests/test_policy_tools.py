@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcrl import checkpoint, rundir
+from hpcrl.run import checkpoint, rundir
 from hpcrl.comm import Plane
 from hpcrl.sac.agent import FastSAC
 from hpcrl.sac.config import SACConfig

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.conventions import EXIT_BAD_CONFIG
+from hpcrl.core.conventions import EXIT_BAD_CONFIG
 from hpcrl.ppo.config import DetachedConfig, parse_args
 from hpcrl.ppo.run import build_workload
 from hpcrl.ppo.workloads.options import LMOptions, PPOOptions, VectorEnvOptions

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.rundir import RunDirError
+from hpcrl.run.rundir import RunDirError
 
 from hpcrl.ppo import export as ex
 

@@ -20,7 +20,7 @@ pytest.importorskip("tokenizers")
 
 import hf_fixtures as F  # noqa: E402
 from hpcrl.comm import GradAverager, Plane  # noqa: E402
-from hpcrl.config_check import ConfigError  # noqa: E402
+from hpcrl.core.config_check import ConfigError  # noqa: E402
 from hpcrl.ppo.config import parse_args  # noqa: E402
 from hpcrl.ppo.run import build_workload  # noqa: E402
 from hpcrl.ppo.workloads.hf import HFWorkload, group_advantages, left_pad  # noqa: E402
@@ -515,7 +515,7 @@ def _run_with_checkpoint(art, run: Path, arch: str, kw: dict, model, gathered: b
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from hpcrl import checkpoint
+    from hpcrl.run import checkpoint
     from hpcrl.ppo.trainer_checkpoint import FORMAT
 
     opts = dict(model=str(art[arch]), reward_fn=REWARD, prompts=str(art["prompts"]), max_prompt_tokens=8,

@@ -21,7 +21,7 @@ pytest.importorskip("tokenizers")
 
 import hf_fixtures as F  # noqa: E402
 from hpcrl.comm import GradAverager, Plane  # noqa: E402
-from hpcrl.config_check import ConfigError  # noqa: E402
+from hpcrl.core.config_check import ConfigError  # noqa: E402
 from hpcrl.ppo.losses import adaptive_kl_coef, lr_at  # noqa: E402
 from hpcrl.ppo.workloads.hf import HFWorkload  # noqa: E402
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from hpcrl.config_check import ConfigError
+from hpcrl.core.config_check import ConfigError
 from hpcrl.ppo.losses import adaptive_kl_coef, group_advantages, loss_weights, lr_at
 from hpcrl.ppo.sync import NoGradAverage
 from hpcrl.ppo.update import (Coefs, GradStep, Outputs, Plan, Samples, micro_batches, ppo_losses, ppo_update, read_stats,

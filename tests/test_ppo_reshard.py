@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcrl import checkpoint
+from hpcrl.run import checkpoint
 from hpcrl.ppo.config import DetachedConfig
 from hpcrl.ppo.trainer_checkpoint import deal_rank_state, read_full, run_identity, upgrade_identity
 
@@ -86,7 +86,7 @@ def test_rank_state_is_dealt_by_the_stated_rule():
 
 
 def test_credits_trained_ahead_survive_the_rank_file_and_count_in_a_reshard(tmp_path):
-    from hpcrl.h5io import load_h5, save_h5
+    from hpcrl.core.h5io import load_h5, save_h5
     # trainer 1 handed out credits 6 and 8 ahead of its oldest outstanding one (5): written as its rank
     # file writes them, read back as a resume reads them
     states = {}

@@ -10,7 +10,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hpcrl.config_check import ConfigError
+from hpcrl.core.config_check import ConfigError
 from hpcrl.ppo.losses import approx_kl, masked_mean, policy_loss, value_loss
 from hpcrl.ppo.sync import NoGradAverage
 from hpcrl.ppo.update import (Coefs, GradStep, Outputs, Plan, Samples, minibatch_indices, ppo_update,

@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from hpcrl import progress
-from hpcrl.metrics import RunLogger, truncate_rows
+from hpcrl.run import progress
+from hpcrl.run.metrics import RunLogger, truncate_rows
 
 ROW = {"env_steps": 4000, "updates": 3120, "actor_updates": 1560, "actor_loss": 43.2612, "alpha": 0.0998,
        "alpha_loss": 0.15672, "critic_loss": 6.0091, "entropy": 0.5907, "episode_length": float("nan"),
@@ -139,7 +139,7 @@ def test_log_lines_are_bounded_and_the_eta_follows_the_recent_rate(tmp_path, mon
     ETA comes from the latest rows: fast warm-up rows (random steps) do not make it optimistic."""
     out = io.StringIO()
     clock = [1000.0]
-    monkeypatch.setattr("hpcrl.metrics.time.time", lambda: clock[0])
+    monkeypatch.setattr("hpcrl.run.metrics.time.time", lambda: clock[0])
     log = RunLogger(tmp_path, True, 100_000, tensorboard=False, progress_every_s=0.0, stream=out)
     wide = {f"field_{i}": 1.2345 for i in range(60)}
     for step in range(1, 21):  # 10 warm-up rows at 10,000 steps/s, then 10 rows at 100 steps/s

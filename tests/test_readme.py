@@ -141,7 +141,7 @@ def _check_ppo(args: list[str], workdir: Path) -> None:
 
 
 def _check_parse_only(module: str, args: list[str]) -> None:
-    from hpcrl.cli import cli
+    from hpcrl.run.cli import cli
 
     cls = {"hpcrl.sac.play": "hpcrl.sac.play:PlayConfig", "hpcrl.sac.export": "hpcrl.sac.export:ExportConfig",
            "hpcrl.plot": "hpcrl.plot:PlotConfig"}[module]

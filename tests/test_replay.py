@@ -9,7 +9,7 @@ import torch
 
 import hpcrl.ops as ops
 from hpcrl.ops import reference
-from hpcrl.h5io import save_h5
+from hpcrl.core.h5io import save_h5
 from hpcrl.replay import ReplayShard, Sampler, load_shard, save_shard
 
 

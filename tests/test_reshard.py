@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcrl import checkpoint
-from hpcrl.checkpoint_manifest import MANIFEST, _file_entry, rank_file
-from hpcrl.checkpoint_write import FORMAT_VERSION
-from hpcrl.h5io import load_h5, save_h5
+from hpcrl.run import checkpoint
+from hpcrl.run.checkpoint_manifest import MANIFEST, _file_entry, rank_file
+from hpcrl.run.checkpoint_write import FORMAT_VERSION
+from hpcrl.core.h5io import load_h5, save_h5
 from hpcrl.replay import ReplayShard
 from hpcrl.sac import reshard
 from torchrun_style import clean_env, finish, torchrun_style

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl import checkpoint, rundir
-from hpcrl.rundir import RunDirError, acquire
+from hpcrl.run import checkpoint, rundir
+from hpcrl.run.rundir import RunDirError, acquire
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_sac_train import TINY, metrics, run_cli  # noqa: E402
@@ -67,7 +67,7 @@ def test_heartbeat_moves_while_held(tmp_path, monkeypatch):
 
 
 def test_sigkilled_holder_leaves_a_stale_lock_that_is_taken_over(tmp_path, capsys):
-    code = ("import sys, time; from hpcrl.rundir import acquire; "
+    code = ("import sys, time; from hpcrl.run.rundir import acquire; "
             "lock = acquire(sys.argv[1]); print('held', flush=True); time.sleep(120)")
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
@@ -87,7 +87,7 @@ def test_a_killed_holder_whose_flock_outlives_it_for_a_while_is_waited_for(tmp_p
     """A SIGKILLed rank drops its flock only when its teardown ends (seconds for a big torch process under
     load; CI saw "in use" right after killing a job). Stand-in for that slow teardown: a forked child keeps
     the holder's flock for 1.5 s after the holder is dead."""
-    code = ("import os, sys, time; from hpcrl.rundir import acquire; lock = acquire(sys.argv[1]); "
+    code = ("import os, sys, time; from hpcrl.run.rundir import acquire; lock = acquire(sys.argv[1]); "
             "os.fork() or (time.sleep(1.5), os._exit(0)); print('held', flush=True); time.sleep(120)")
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
@@ -300,7 +300,7 @@ def test_outcome_record_is_this_jobs_and_read_by_the_batch_scripts(tmp_path, mon
     assert rundir.finished_by_this_job(tmp_path) is None
     rundir.record_outcome(tmp_path, "finished", policy_version=5, makers_lost=1)
     assert rundir.finished_by_this_job(tmp_path)["makers_lost"] == 1
-    cli = [sys.executable, "-m", "hpcrl.rundir", "finished", str(tmp_path)]
+    cli = [sys.executable, "-m", "hpcrl.run.rundir", "finished", str(tmp_path)]
     done = subprocess.run(cli, capture_output=True, text=True, env={**os.environ})
     assert done.returncode == 0 and "policy_version=5" in done.stdout and "makers_lost=1" in done.stdout
     for job, restart in (("78", "1"), ("77", "2")):  # another job, or a later attempt of this one

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl import rundir_reuse
-from hpcrl.rundir import RunDirError
+from hpcrl.run import rundir_reuse
+from hpcrl.run.rundir import RunDirError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_sac_train import TINY, metrics, run_cli  # noqa: E402
@@ -228,7 +228,7 @@ def test_the_run_dir_refusal_imports_no_torch(tmp_path, module):
     imports = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
     said = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
     assert proc.returncode == 2 and len(said) == 1 and f"run dir {run} holds a previous run" in said[0], said
-    assert "hpcrl.rundir_reuse" in imports  # the import log is read as intended
+    assert "hpcrl.run.rundir_reuse" in imports  # the import log is read as intended
     heavy = [m for m in imports if re.match(r"(torch|numpy|jax|transformers|gymnasium|mujoco)(\.|$)", m)]
     assert not heavy, heavy
     print(f"{module}: refused in {took:.2f} s")

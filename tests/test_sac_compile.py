@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hpcrl.comm import spawn
-from hpcrl.config_check import ConfigError
+from hpcrl.core.config_check import ConfigError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sac_compile_workers as workers  # noqa: E402

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.conventions import EXIT_FAILED
+from hpcrl.core.conventions import EXIT_FAILED
 from rank_procs import ranks_of
 from torchrun_style import torchrun_style
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcrl import checkpoint
+from hpcrl.run import checkpoint
 from hpcrl.comm import Plane
 from hpcrl.comm.local import spawn
 from hpcrl.envs import make_env

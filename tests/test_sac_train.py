@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcrl import checkpoint
+from hpcrl.run import checkpoint
 from hpcrl.comm import Plane
 from hpcrl.sac import FastSAC, UpdateNoise, plan, preset
 from hpcrl.sac.run import ConfigError
@@ -73,7 +73,7 @@ def test_plan_validates_sizes_with_actionable_messages():
 
 def test_events_hook_sees_updates_rows_and_evals(tmp_path, monkeypatch):
     """train(cfg, events=cb): one UpdatesDone per learning env step, the metrics rows as written, the evals."""
-    from hpcrl.metrics import finite_row
+    from hpcrl.run.metrics import finite_row
     from hpcrl.sac import events as ev
     from hpcrl.sac.__main__ import parse
     from hpcrl.sac.run import train
@@ -182,13 +182,13 @@ def test_bf16_autocast_update_is_finite_and_learns():
 def test_interrupted_checkpoint_never_replaces_the_last_good_one(tmp_path, monkeypatch):
     barrier = lambda name: None  # noqa: E731  (one rank)
     good = checkpoint.save(tmp_path, 10, 0, 1, {"x": torch.ones(2)}, {"a": torch.zeros(3)}, barrier)
-    import hpcrl.checkpoint_write as ck  # where the rank files are written
+    import hpcrl.run.checkpoint_write as ck  # where the rank files are written
 
     def crash(*a, **k):
         raise OSError("killed while writing (simulated)")
 
     monkeypatch.setattr(ck, "save_h5", crash)
-    from hpcrl.diskfault import DiskFault
+    from hpcrl.core.diskfault import DiskFault
 
     with pytest.raises(DiskFault, match="simulated"):  # a failed write stops the run naming the cause
         checkpoint.save(tmp_path, 20, 0, 1, {"x": torch.full((2,), 2.0)}, {"a": torch.ones(3)}, barrier)

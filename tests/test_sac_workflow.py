@@ -16,12 +16,12 @@ import pytest
 import torch
 
 import hpcrl.envs
-from hpcrl import checkpoint
+from hpcrl.run import checkpoint
 from hpcrl.envs import Pendulum
 from hpcrl.sac.__main__ import main, parse
 from hpcrl.sac.config import parse_seeds, preset, seed_runs
 from hpcrl.sac.policy import load_policy
-from hpcrl.conventions import EXIT_NONFINITE
+from hpcrl.core.conventions import EXIT_NONFINITE
 
 TINY = ["--preset", "pendulum", "--num-envs", "4", "--batch-size", "32", "--actor-hidden", "32",
         "--critic-hidden", "32", "--num-atoms", "21", "--learning-starts", "4", "--random-steps", "4",

@@ -1,5 +1,5 @@
 """Sizes checked before anything starts: a FastSAC config whose ranks cannot fit in this node's memory
-exits 2 with one line naming the flag and a value that fits (hpcrl.sizes), and an hf model directory
+exits 2 with one line naming the flag and a value that fits (hpcrl.sac.sizes), and an hf model directory
 without loadable weights exits 2 naming what is missing, both before any rank starts."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.config_check import ConfigError
+from hpcrl.core.config_check import ConfigError
 from hpcrl.replay import ReplayShard
 from hpcrl.sac.config import preset
-from hpcrl.sizes import (EnvDims, Memory, RankBytes, check_fits, check_sac, largest_fitting, local_ranks,
+from hpcrl.sac.sizes import (EnvDims, Memory, RankBytes, check_fits, check_sac, largest_fitting, local_ranks,
                          probe_dims, rank_bytes, replay_bytes, show_bytes)
 
 TESTS = Path(__file__).resolve().parent

@@ -2,7 +2,7 @@
 
 sbatch script (2 CPU ranks), preemption (USR2 -> checkpoint -> requeue -> exact resume) through both
 the sbatch script and the submitit launcher, a cancelled submitit job, submitit's local executor,
-golden batch scripts and bad input; without a cluster, the batch scripts' use of hpcrl.conventions (the
+golden batch scripts and bad input; without a cluster, the batch scripts' use of hpcrl.core.conventions (the
 stop exit code that triggers a requeue, the exported port). Slurm tests skip only when sbatch is absent
 outside CI; with CI set they run (and the session fixture installs and starts the cluster if needed).
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from submitit.core.utils import FailedJobError, UncompletedJobError
 
-from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_STOPPED, rendezvous_port
+from hpcrl.core.conventions import EXIT_BAD_CONFIG, EXIT_STOPPED, rendezvous_port
 from hpcrl.launch import JobRequest, LaunchError, TrainerTask, render, submit
 from hpcrl.launch.__main__ import main as launch_main
 from hpcrl.launch.cluster import Node, parse_sinfo
@@ -338,7 +338,7 @@ def test_scripts_requeue_on_the_stop_exit_code_from_conventions(tmp_path, script
 def test_scripts_exit_2_when_python_cannot_read_conventions(tmp_path, script):
     proc, tmp = run_script(tmp_path, script, PYTHON=str(tmp_path / "no-such-python"))
     assert proc.returncode == EXIT_BAD_CONFIG and not (tmp / "srun.env").exists()
-    assert f"{script}: cannot read EXIT_STOPPED from hpcrl.conventions with PYTHON={tmp_path}/no-such-python" \
+    assert f"{script}: cannot read EXIT_STOPPED from hpcrl.core.conventions with PYTHON={tmp_path}/no-such-python" \
         in proc.stderr, proc.stderr
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.conventions import DEFAULT_MAKERS, DEFAULT_TRAINERS
+from hpcrl.core.conventions import DEFAULT_MAKERS, DEFAULT_TRAINERS
 from hpcrl.launch import LaunchError, submit
 from hpcrl.launch.roles import ppo_groups
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.rundir_reuse import committed_steps
+from hpcrl.run.rundir_reuse import committed_steps
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))

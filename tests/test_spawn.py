@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hpcrl import checkpoint
+from hpcrl.run import checkpoint
 from hpcrl.comm import SpawnError, init_distributed, shutdown, spawn
 from hpcrl.comm import scratch
 from hpcrl.comm.local import SpawnConfigError
@@ -173,7 +173,7 @@ def _launch_view() -> dict:
     """What a rank has from its launcher."""
     import numpy as np
 
-    from hpcrl.rundir import LAUNCHED_PID_ENV
+    from hpcrl.run.rundir import LAUNCHED_PID_ENV
 
     print(f"rank {os.environ['RANK']} on stdout", flush=True)
     print(f"rank {os.environ['RANK']} on stderr", file=sys.stderr, flush=True)

@@ -28,7 +28,7 @@ CHILD = textwrap.dedent("""
 
     sys.addaudithook(hook)
     os.umask(0o022)  # the usual umask: a file created under it is 0644
-    from hpcrl.metrics import RunLogger
+    from hpcrl.run.metrics import RunLogger
 
     log = RunLogger(sys.argv[1], True, 10, tensorboard=True, stream=io.StringIO())
     log.log({"env_steps": 10, "updates": 1, "loss": 1.0})

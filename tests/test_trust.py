@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from hpcrl.checkpoint import store_agree
+from hpcrl.run.checkpoint import store_agree
 from hpcrl.comm import DistContext, DistSetupError, spawn
 from hpcrl.comm.bootstrap import _devices
 from hpcrl.comm.local import _loopback_store

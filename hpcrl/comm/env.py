@@ -11,7 +11,7 @@ import socket
 from dataclasses import dataclass
 from typing import Mapping
 
-from hpcrl.conventions import rendezvous_port
+from hpcrl.core.conventions import rendezvous_port
 
 from .context import DistSetupError, Source
 from .nodelist import first_host

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from hpcrl.conventions import EXIT_FAILED
+from hpcrl.core.conventions import EXIT_FAILED
 
 from .barrier import host_of, hosts
 from .context import DistContext

@@ -20,7 +20,7 @@ The parent supervises like an agent:
   that handler; one that arrives after the function returned is ignored, so a late signal never
   turns a finished rank into a failure.
 - **Ranks start in milliseconds.** They are forks of multiprocessing's forkserver, started once per
-  launching process with torch already imported (:mod:`hpcrl.forkserver_preload`), not fresh
+  launching process with torch already imported (:mod:`hpcrl.comm.forkserver_preload`), not fresh
   interpreters that import torch again (~1 s and ~200 MB each). Each rank still gets what a spawned
   process would: the launcher's environment, stdout/stderr and signal mask as they are at launch, its
   own numpy seed, its thread count. Where there is no forkserver, ranks are spawned.
@@ -69,7 +69,7 @@ from typing import Any, Callable, Collection, Sequence
 
 import torch.distributed as dist
 
-from hpcrl import rundir
+from hpcrl.run import rundir
 
 from .rank_start import current_mask, is_open, start_method
 from .scratch import make_scratch_dir

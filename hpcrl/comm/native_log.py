@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from hpcrl.rundir_files import file_mode, make_dir
+from hpcrl.core.rundir_files import file_mode, make_dir
 
 __all__ = ["divert_native_stderr", "restore_native_stderr", "terminal_fd"]
 

@@ -18,12 +18,12 @@ from .scratch import PREFIX, host_tag, make_scratch_dir, start_tag
 
 __all__ = ["current_mask", "is_open", "remove_socket_dir", "start_method"]
 
-_PRELOAD = ["hpcrl.forkserver_preload"]
+_PRELOAD = ["hpcrl.comm.forkserver_preload"]
 
 
 def start_method(preload: Sequence[str]) -> tuple[Any, int | None]:
     """How ranks start, and the pid that will be their parent: forks of multiprocessing's forkserver with
-    torch loaded (``hpcrl.forkserver_preload``; one server per launching process, started on first use),
+    torch loaded (``hpcrl.comm.forkserver_preload``; one server per launching process, started on first use),
     where the platform has one, else fresh interpreters ("spawn", parented by this process)."""
     if "forkserver" not in mp.get_all_start_methods() or not _socket_dir_fits():
         return mp.get_context("spawn"), None

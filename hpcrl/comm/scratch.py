@@ -11,7 +11,7 @@ import shutil
 import socket
 import tempfile
 
-from hpcrl import process_state
+from hpcrl.core import process_state
 
 __all__ = ["PREFIX", "host_tag", "make_scratch_dir", "start_tag", "sweep_scratch"]
 
@@ -23,7 +23,7 @@ def host_tag() -> str:
 
 
 def start_tag(pid: int) -> str:
-    """The process's start time (:func:`hpcrl.process_state.proc_start`), "0" where /proc is not available: a
+    """The process's start time (:func:`hpcrl.core.process_state.proc_start`), "0" where /proc is not available: a
     field of the scratch directory's name."""
     return process_state.proc_start(pid) or "0"
 

@@ -37,7 +37,7 @@ from datetime import timedelta
 
 import torch
 
-from hpcrl import process_state
+from hpcrl.core import process_state
 
 from .barrier import barrier, hosts
 from .context import DistContext

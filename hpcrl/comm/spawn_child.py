@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from hpcrl.process_state import pid_alive
+from hpcrl.core.process_state import pid_alive
 
 from .heartbeat import PeerLost
 from .spawn_errors import is_config_error, is_data_error

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from hpcrl.config_check import ConfigError, DataError
-from hpcrl.rundir import RunDirError
+from hpcrl.core.config_check import ConfigError, DataError
+from hpcrl.run.rundir import RunDirError
 
 from .context import DistSetupError
 

@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from hpcrl.conventions import EXIT_STOPPED
+from hpcrl.core.conventions import EXIT_STOPPED
 
 from .planes import Plane
 from .reduce import all_reduce_sum_

@@ -227,7 +227,7 @@ class GymVecEnv(VecEnv):
                 raise NotImplementedError(f"no known way to save the state of {u}")
             subs.append(item)
         obs = None if self._obs is None else self._obs.cpu().clone()
-        # a dict keyed by index, not a list: checkpoints store nested dicts (hpcrl.h5io)
+        # a dict keyed by index, not a list: checkpoints store nested dicts (hpcrl.core.h5io)
         return {"envs": {f"{i:05d}": item for i, item in enumerate(subs)}, "obs": obs, "seeded": self._seeded}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -243,7 +243,7 @@ class PlaygroundVecEnv(VecEnv):
             view = {np.dtype(np.uint32): np.int32, np.dtype(np.uint64): np.int64}.get(a.dtype)
             return {"dtype": str(a.dtype), "data": torch.from_numpy((a.view(view) if view else a).copy())}
 
-        # A dict, not a list: checkpoints are HDF5 trees (hpcrl.h5io) of dicts, tensors and scalars.
+        # A dict, not a list: checkpoints are HDF5 trees (hpcrl.core.h5io) of dicts, tensors and scalars.
         leaves = {} if self.state is None else {
             f"{i:05d}": save(x) for i, x in enumerate(self._jax.tree.leaves(self.state))}
         return {"leaves": leaves, "key": save(self._key),

@@ -15,9 +15,9 @@ from typing import Annotated
 
 import tyro
 
-from hpcrl.cli import cli
-from hpcrl.config_check import ConfigError
-from hpcrl.conventions import EXIT_BAD_CONFIG
+from hpcrl.run.cli import cli
+from hpcrl.core.config_check import ConfigError
+from hpcrl.core.conventions import EXIT_BAD_CONFIG
 
 from .errors import LaunchError
 from .request import JobRequest, trainer_algos

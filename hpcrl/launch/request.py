@@ -15,8 +15,8 @@ import tyro
 
 import hpcrl
 
-from hpcrl.rundir import RunDirError
-from hpcrl.rundir_reuse import check_fresh_start
+from hpcrl.run.rundir import RunDirError
+from hpcrl.run.rundir_reuse import check_fresh_start
 
 from .errors import LaunchError  # re-exported: hpcrl.launch.request.LaunchError keeps working
 from .roles import check_ppo_world

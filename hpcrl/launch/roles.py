@@ -1,9 +1,9 @@
 """Rank -> role map of a detached-PPO job, checked before submission.
 
 ``python -m hpcrl.ppo`` gives ranks ``[0, T)`` the trainer role and ``[T, T+M)`` the maker role
-(:func:`hpcrl.conventions.ppo_role`) and exits 2 when the launcher started a world of another size;
+(:func:`hpcrl.core.conventions.ppo_role`) and exits 2 when the launcher started a world of another size;
 a launcher job of ``nodes x tasks_per_node`` tasks has to match ``--trainers T --makers M`` (defaults
-:data:`hpcrl.conventions.DEFAULT_TRAINERS` / :data:`~hpcrl.conventions.DEFAULT_MAKERS`, the trainer's
+:data:`hpcrl.core.conventions.DEFAULT_TRAINERS` / :data:`~hpcrl.core.conventions.DEFAULT_MAKERS`, the trainer's
 own). Checking that here turns a job that would fail after queueing into an error at submission.
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from hpcrl.cli import flag_value
-from hpcrl.config_check import ConfigError
-from hpcrl.conventions import DEFAULT_MAKERS, DEFAULT_TRAINERS
+from hpcrl.run.cli import flag_value
+from hpcrl.core.config_check import ConfigError
+from hpcrl.core.conventions import DEFAULT_MAKERS, DEFAULT_TRAINERS
 
 from .errors import LaunchError
 

@@ -2,7 +2,7 @@
 
 Entry-point contract (hpcrl.sac today; any ``hpcrl.<algo>`` that keeps it can be launched):
 ``python -m hpcrl.<algo> ARGS --run-dir DIR [--resume | --overwrite]``, ranks from the launcher's variables,
-exit 0 when done, :data:`hpcrl.conventions.EXIT_STOPPED` (75) after a requested stop wrote a
+exit 0 when done, :data:`hpcrl.core.conventions.EXIT_STOPPED` (75) after a requested stop wrote a
 checkpoint (SIGUSR2/SIGTERM), anything else a failure (``EXIT_FAILED``, ``EXIT_BAD_CONFIG``, a
 signal); rank 0 appends rows to ``DIR/metrics.jsonl``.
 
@@ -31,7 +31,7 @@ from pathlib import Path
 import submitit
 from submitit.helpers import Checkpointable, DelayedSubmission
 
-from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_STOPPED, rendezvous_port
+from hpcrl.core.conventions import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_STOPPED, rendezvous_port
 
 from .request import JOB_ID
 
@@ -134,7 +134,7 @@ class TrainerTask(Checkpointable):
 
 
 def describe_exit(code: int) -> str:
-    """A trainer's exit status in words (the CLIs' codes from :mod:`hpcrl.conventions`)."""
+    """A trainer's exit status in words (the CLIs' codes from :mod:`hpcrl.core.conventions`)."""
     if code < 0:
         try:
             name = signal.Signals(-code).name

@@ -5,7 +5,7 @@ torch is imported (seconds, not the 20-30 s torch takes to import on a loaded no
 
 from __future__ import annotations
 
-from hpcrl.lazy_names import lazy_names
+from hpcrl.core.lazy_names import lazy_names
 
 __all__ = ["DetachedConfig", "PPOConfig", "Topology", "train"]
 __getattr__, __dir__ = lazy_names(__name__, {"DetachedConfig": "config", "train": "run", "Topology": "topology",

@@ -3,7 +3,7 @@
 Without a launcher it spawns ``makers + trainers`` local ranks (gloo). Under ``srun``/``torchrun``
 each task takes its role from its rank: trainers ``[0, T)``, makers after.
 A run dir that holds a previous run is refused (exit 2) unless ``--resume`` continues it or
-``--overwrite`` replaces it (:mod:`hpcrl.rundir_reuse`).
+``--overwrite`` replaces it (:mod:`hpcrl.run.rundir_reuse`).
 Exit codes: 0 done, 2 bad configuration (one line, whichever rank found it), 1 a rank failed (the
 message names the rank that failed first), 75 stopped by SIGUSR2/SIGTERM after the trainers wrote a
 checkpoint (resume with ``--resume``), 130 interrupted twice.
@@ -22,11 +22,11 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
-from hpcrl.cli import exit_code, flag_value, run_exit, switch_value
-from hpcrl.config_check import ConfigError
-from hpcrl.conventions import EXIT_BAD_CONFIG
-from hpcrl.rundir import RunDirError
-from hpcrl.rundir_reuse import check_start, overwrite
+from hpcrl.run.cli import exit_code, flag_value, run_exit, switch_value
+from hpcrl.core.config_check import ConfigError
+from hpcrl.core.conventions import EXIT_BAD_CONFIG
+from hpcrl.run.rundir import RunDirError
+from hpcrl.run.rundir_reuse import check_start, overwrite
 
 if TYPE_CHECKING:  # bound by _torch_side() once the refusals that need no torch have passed
     from hpcrl.comm import check_local_gpus, cuda_count, detect_launch, spawn

@@ -15,9 +15,9 @@ from typing import Annotated, Literal
 import torch
 import tyro
 
-from hpcrl.cli import flag_value, spell_bools, tyro_call
-from hpcrl.config_check import DEVICE, MAX_SEED, MAX_TIMEOUT_S, Check, ConfigError, show
-from hpcrl.conventions import DEFAULT_MAKERS, DEFAULT_TRAINERS
+from hpcrl.run.cli import flag_value, spell_bools, tyro_call
+from hpcrl.core.config_check import DEVICE, MAX_SEED, MAX_TIMEOUT_S, Check, ConfigError, show
+from hpcrl.core.conventions import DEFAULT_MAKERS, DEFAULT_TRAINERS
 
 from .plugins import plugin_class
 from .workloads.hf_options import HFGroupOptions

@@ -29,11 +29,11 @@ from typing import Any
 import torch
 import tyro
 
-from hpcrl import checkpoint
-from hpcrl.cli import spell_bools
-from hpcrl.config_check import ConfigError
-from hpcrl.rundir import RunDirError
-from hpcrl.rundir_reuse import previous_run
+from hpcrl.run import checkpoint
+from hpcrl.run.cli import spell_bools
+from hpcrl.core.config_check import ConfigError
+from hpcrl.run.rundir import RunDirError
+from hpcrl.run.rundir_reuse import previous_run
 
 from .trainer_checkpoint import DCP_DIR, read_full
 from .workload import Workload

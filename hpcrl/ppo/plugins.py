@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from hpcrl.config_check import ConfigError
+from hpcrl.core.config_check import ConfigError
 
 __all__ = ["plugin_class"]
 

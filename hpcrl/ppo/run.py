@@ -8,15 +8,15 @@ from pathlib import Path
 import torch
 import tyro
 
-from hpcrl import checkpoint, rundir
-from hpcrl.cli import spell_bools
+from hpcrl.run import checkpoint, rundir
+from hpcrl.run.cli import spell_bools
 from hpcrl.comm import StopRequest, detect_launch, init_distributed, shutdown
 from hpcrl.comm.bootstrap import explain_failure, unwatch_peers, watch_peers
 from hpcrl.comm.heartbeat import Heartbeat, liveness_store, remember_hosts
 from hpcrl.comm.local import record_dropped
 from hpcrl.comm.native_log import divert_native_stderr, restore_native_stderr
-from hpcrl.conventions import ppo_role
-from hpcrl.rundir_files import file_mode, narrowed_umask
+from hpcrl.core.conventions import ppo_role
+from hpcrl.core.rundir_files import file_mode, narrowed_umask
 
 from .config import HF_WORKLOADS, LM_WORKLOADS, ConfigError, DetachedConfig, is_plugin, tyro_call
 from .events import Events, ignore
@@ -73,7 +73,7 @@ def validate(cfg: DetachedConfig, world_size: int) -> Topology:
 
 def check_resumable(cfg: DetachedConfig, top: Topology) -> None:
     """``--resume`` checks every rank makes before any loads (manifests only, one verdict everywhere):
-    another run's checkpoint, or nothing to resume, is a :class:`hpcrl.rundir.RunDirError` on every
+    another run's checkpoint, or nothing to resume, is a :class:`hpcrl.run.rundir.RunDirError` on every
     rank (exit 2), not a trainer failure the makers learn about later."""
     if checkpoint.preflight(cfg.run_dir, top.trainers, identity=run_identity(cfg), reshard=True,
                            upgrade=upgrade_identity(cfg)) is None \
@@ -86,7 +86,7 @@ def check_resumable(cfg: DetachedConfig, top: Topology) -> None:
 def train(cfg: DetachedConfig, events: Events = ignore) -> dict[str, float]:
     """Run one rank (its role from its rank: trainers ``[0, T)``, makers after); ``events`` sees what
     happens (:mod:`hpcrl.ppo.events`). Returns the trainer's final row, or the maker's totals. Every file
-    the rank makes (DCP shards, exports too) is private from its creation (:func:`~hpcrl.rundir.file_mode`)."""
+    the rank makes (DCP shards, exports too) is private from its creation (:func:`~hpcrl.run.rundir.file_mode`)."""
     with narrowed_umask(file_mode()):
         return _train(cfg, events)
 

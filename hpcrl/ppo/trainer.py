@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from hpcrl import checkpoint, rundir
+from hpcrl.run import checkpoint, rundir
 from hpcrl.comm import DistContext, StopRequest, barrier, hosts, reduce_metrics
 from hpcrl.comm.heartbeat import PeerLost, Watcher, describe, liveness_store
-from hpcrl.metrics import RunLogger
+from hpcrl.run.metrics import RunLogger
 
 from .channels import CreditChannel, ExperienceChannel, SchemaChannel, StatusChannel, WeightChannel
 from .config import DetachedConfig

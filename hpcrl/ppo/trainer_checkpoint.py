@@ -1,7 +1,7 @@
 """Detached-PPO trainer checkpoints: ``torch.distributed.checkpoint`` (DCP) shards written by every
 trainer in parallel, off the training path, inside hpcrl's manifest / verification / fallback.
 
-Layout of ``checkpoints/step_<N>/`` (committed by :func:`hpcrl.checkpoint.save`):
+Layout of ``checkpoints/step_<N>/`` (committed by :func:`hpcrl.run.checkpoint.save`):
 
 * ``dcp/`` — the model and the optimizer as DCP shards (``__<rank>_<i>.distcp`` per trainer and
   ``.metadata``), from :func:`torch.distributed.checkpoint.state_dict.get_state_dict`: FSDP2
@@ -19,7 +19,7 @@ Writing (:meth:`TrainerCheckpoints.save`): the step stages a CPU copy of the tra
 training loop's collectives), the rank file, then the manifest and the rename. A kill at any moment
 leaves the previous committed checkpoint intact: nothing is pruned before a commit. One write is in
 flight at a time: the next checkpoint, and the end of the run, wait for it; a write failure (a
-:class:`~hpcrl.diskfault.DiskFault`, the same line on every trainer) is raised there.
+:class:`~hpcrl.core.diskfault.DiskFault`, the same line on every trainer) is raised there.
 
 Resuming (:meth:`TrainerCheckpoints.restore` / :meth:`load`) may use another trainer count and the
 other strategy: DCP reshards to the model as this job holds it (full tensors under ddp, this
@@ -51,12 +51,12 @@ from typing import Any, Callable
 
 import torch
 
-from hpcrl import checkpoint
-from hpcrl.checkpoint_manifest import LEARNER, CorruptCheckpoint, _check_file, rank_file
-from hpcrl.checkpoint_rows import METRICS, tail_rows
-from hpcrl.checkpoint_write import FORMAT_VERSION, _fsync_dir
-from hpcrl.diskfault import DiskFault
-from hpcrl.h5io import load_h5
+from hpcrl.run import checkpoint
+from hpcrl.run.checkpoint_manifest import LEARNER, CorruptCheckpoint, _check_file, rank_file
+from hpcrl.run.checkpoint_rows import METRICS, tail_rows
+from hpcrl.run.checkpoint_write import FORMAT_VERSION, _fsync_dir
+from hpcrl.core.diskfault import DiskFault
+from hpcrl.core.h5io import load_h5
 
 __all__ = ["DCP_DIR", "FORMAT", "TrainerCheckpoints", "deal_rank_state", "read_full", "run_identity",
            "upgrade_identity"]
@@ -113,7 +113,7 @@ def upgrade_identity(cfg: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
 
 
 def checkpoint_normal(values: dict[str, Any]) -> dict[str, Any]:
-    from hpcrl.rundir import normalize_identity
+    from hpcrl.run.rundir import normalize_identity
 
     return normalize_identity(values)
 

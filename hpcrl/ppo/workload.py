@@ -27,7 +27,7 @@ from typing import Any, get_args
 import torch
 from torch import nn
 
-from hpcrl.config_check import ConfigError
+from hpcrl.core.config_check import ConfigError
 
 from .losses import Advantage, LossNorm, LRSchedule, adaptive_kl_coef, lr_at
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from hpcrl.h5io import load_h5, save_h5
+from hpcrl.core.h5io import load_h5, save_h5
 
 from .shard import ReplayShard
 

@@ -6,7 +6,7 @@ takes to import on a loaded node)."""
 
 from __future__ import annotations
 
-from hpcrl.lazy_names import lazy_names
+from hpcrl.core.lazy_names import lazy_names
 
 __all__ = ["FastSAC", "UpdateNoise", "SACConfig", "PRESETS", "preset", "ConfigError", "plan", "train"]
 __getattr__, __dir__ = lazy_names(__name__, {"FastSAC": "agent", "UpdateNoise": "agent", "SACConfig": "config",

@@ -3,11 +3,11 @@
 Values: the preset (default holosoma) < ``--config FILE`` (YAML or JSON; a run's own config.json is
 accepted as written) < the other flags.
 
-A config whose ranks cannot fit in this node's memory (replay, envs, batch, model; :mod:`hpcrl.sizes`)
+A config whose ranks cannot fit in this node's memory (replay, envs, batch, model; :mod:`hpcrl.sac.sizes`)
 is refused (exit 2) naming the flag and a value that fits, before any rank starts.
 
 A run dir that holds a previous run (checkpoints, metrics rows, policies) is refused (exit 2) unless
-``--resume`` continues it or ``--overwrite`` replaces it (:mod:`hpcrl.rundir_reuse`).
+``--resume`` continues it or ``--overwrite`` replaces it (:mod:`hpcrl.run.rundir_reuse`).
 
 Without a launcher and with ``--nproc N`` it spawns N local ranks (gloo); under ``srun`` or
 ``torchrun`` every task runs one rank (the bootstrap reads the launcher's variables).
@@ -33,13 +33,13 @@ import dataclasses
 import signal
 import sys
 
-from hpcrl.cli import cli, exit_code, flag_value, run_exit
-from hpcrl.config_check import ConfigError
-from hpcrl.config_file import load_config_file
-from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_DISK, EXIT_NONFINITE
-from hpcrl.rundir import RunDirError
-from hpcrl.rundir_reuse import check_start, overwrite
-from hpcrl.sizes import check_sac, local_ranks
+from hpcrl.run.cli import cli, exit_code, flag_value, run_exit
+from hpcrl.core.config_check import ConfigError
+from hpcrl.run.config_file import load_config_file
+from hpcrl.core.conventions import EXIT_BAD_CONFIG, EXIT_DISK, EXIT_NONFINITE
+from hpcrl.run.rundir import RunDirError
+from hpcrl.run.rundir_reuse import check_start, overwrite
+from hpcrl.sac.sizes import check_sac, local_ranks
 
 from .config import PRESETS, RESOLVED_KEYS, SACConfig, preset, seed_runs
 

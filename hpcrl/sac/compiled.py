@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from hpcrl.config_check import ConfigError
+from hpcrl.core.config_check import ConfigError
 
 from .functional import Functional, adam_state
 from .graph_store import GraphStore, default_dir, graph_key

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
 
-from hpcrl.config_check import DEVICE, MAX_SEED, MAX_TIMEOUT_S, Check, ConfigError
+from hpcrl.core.config_check import DEVICE, MAX_SEED, MAX_TIMEOUT_S, Check, ConfigError
 
 from .presets import PRESETS
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from hpcrl import rundir
+from hpcrl.run import rundir
 from hpcrl.comm import DistContext, reduce_metrics
 from hpcrl.envs import first_episode_returns, make_env
 

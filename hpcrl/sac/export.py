@@ -32,10 +32,10 @@ from typing import Annotated, Literal
 import torch
 import tyro
 
-from hpcrl.cli import cli
-from hpcrl.config_check import Check, ConfigError
-from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_FAILED
-from hpcrl.h5io import atomic_path
+from hpcrl.run.cli import cli
+from hpcrl.core.config_check import Check, ConfigError
+from hpcrl.core.conventions import EXIT_BAD_CONFIG, EXIT_FAILED
+from hpcrl.core.h5io import atomic_path
 
 from .policy import Policy, load
 

@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 import hpcrl
-from hpcrl.rundir_files import atomic_path
+from hpcrl.core.rundir_files import atomic_path
 
 # SACConfig fields that never reach the update's graphs (the rest are part of the key).
 RUN_FIELDS = frozenset({

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from hpcrl import checkpoint
+from hpcrl.run import checkpoint
 from hpcrl.comm import check_replicas_equal, reduce_metrics, shutdown
 
 from . import nonfinite

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from hpcrl.comm import DistContext
-from hpcrl.config_check import DataError
+from hpcrl.core.config_check import DataError
 
 from .config import SACConfig
 

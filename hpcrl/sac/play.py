@@ -25,9 +25,9 @@ from typing import Annotated, Literal
 import torch
 import tyro
 
-from hpcrl.cli import cli
-from hpcrl.config_check import MAX_SEED, Check, ConfigError
-from hpcrl.conventions import EXIT_BAD_CONFIG
+from hpcrl.run.cli import cli
+from hpcrl.core.config_check import MAX_SEED, Check, ConfigError
+from hpcrl.core.conventions import EXIT_BAD_CONFIG
 from hpcrl.envs import GYM_PREFIX, first_episode_returns, make_env
 
 from .policy import Policy, load

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hpcrl import checkpoint
-from hpcrl.config_check import ConfigError
-from hpcrl.h5io import atomic_path
+from hpcrl.run import checkpoint
+from hpcrl.core.config_check import ConfigError
+from hpcrl.core.h5io import atomic_path
 
 from .networks import Actor
 
@@ -119,7 +119,7 @@ class Policy(nn.Module):
 # -- snapshots --------------------------------------------------------------------------------------
 def save_policy(path: str | os.PathLike, policy: Policy, meta: dict) -> None:
     """Write a self-contained snapshot atomically (temp file, fsync, rename; mode
-    :func:`hpcrl.rundir.file_mode`); the parent directory must exist."""
+    :func:`hpcrl.run.rundir.file_mode`); the parent directory must exist."""
     state = {k: v.detach().cpu().clone() for k, v in policy.state_dict().items()}
     blob = {"format": FORMAT, "init_args": dict(policy.init_args), "state_dict": state, "meta": dict(meta)}
     with atomic_path(path) as tmp:

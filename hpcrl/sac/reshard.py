@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from hpcrl.checkpoint import CheckpointError
+from hpcrl.run.checkpoint import CheckpointError
 
 __all__ = ["Piece", "ReshardError", "Target", "merge_env", "merge_replay", "pieces", "rank_state", "stream_seed",
            "valid_world_sizes"]
@@ -199,7 +199,7 @@ class Target:
 
 def rank_state(olds: dict[int, dict[str, Any]], to: Target) -> dict[str, Any]:
     """New rank ``to.rank``'s state (the layout :func:`hpcrl.sac.state.save` writes) from the old rank
-    states ``olds`` (at least those :func:`hpcrl.checkpoint.source_ranks` names, keyed by old rank)."""
+    states ``olds`` (at least those :func:`hpcrl.run.checkpoint.source_ranks` names, keyed by old rank)."""
     if to.num_envs % to.old_world or to.num_envs % to.new_world:
         raise ReshardError(f"num_envs={to.num_envs} must be divisible by both world sizes "
                            f"({to.old_world}, {to.new_world})")

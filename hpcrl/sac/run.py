@@ -16,12 +16,12 @@ from typing import Iterator
 
 import torch
 
-from hpcrl import checkpoint, rundir
+from hpcrl.run import checkpoint, rundir
 from hpcrl.comm import DistContext, StopRequest, broadcast_, hosts, init_distributed, shutdown
 from hpcrl.comm.bootstrap import explain_failure, unwatch_peers, watch_peers
 from hpcrl.comm.native_log import divert_native_stderr, restore_native_stderr
 from hpcrl.envs import EpisodeStats, make_env
-from hpcrl.metrics import RunLogger
+from hpcrl.run.metrics import RunLogger
 from hpcrl.replay import ReplayShard
 
 from .agent import FastSAC

@@ -12,10 +12,10 @@ from typing import Any, Callable
 
 import torch
 
-from hpcrl import checkpoint
+from hpcrl.run import checkpoint
 from hpcrl.comm import DistContext, StopRequest, all_reduce_sum_, barrier
 from hpcrl.envs import EpisodeStats
-from hpcrl.metrics import RunLogger
+from hpcrl.run.metrics import RunLogger
 from hpcrl.replay import ReplayShard, Sampler
 
 from . import reshard

@@ -55,7 +55,7 @@ def report_listeners() -> dict:
     """After the bootstrap and a barrier (every gloo pair connected): this rank's, the spawn parent's
     (the store host's) and the forkserver's (this rank's parent process) listening sockets."""
     from hpcrl.comm import barrier, init_distributed, shutdown
-    from hpcrl.rundir import LAUNCHED_PID_ENV
+    from hpcrl.run.rundir import LAUNCHED_PID_ENV
 
     ctx = init_distributed(timeout_s=30)
     barrier(ctx, "listeners")

@@ -86,7 +86,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from hpcrl.config_check import ConfigError
+from hpcrl.core.config_check import ConfigError
 
 from ..workload import Capabilities, PPOConfig, Workload
 from .hf_collector import HFCollector, left_pad

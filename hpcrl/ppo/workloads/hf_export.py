@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from hpcrl.config_check import ConfigError
+from hpcrl.core.config_check import ConfigError
 
 __all__ = ["CheckpointTensors", "DEFAULT_MAX_SHARD_SIZE", "StateTensors", "TensorSource", "generation_config",
            "lora_delta", "meta_causal_lm", "peft_scaling", "plan_export", "write_actor", "write_pretrained"]

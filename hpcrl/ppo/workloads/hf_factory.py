@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hpcrl.config_check import ConfigError
+from hpcrl.core.config_check import ConfigError
 
 from . import hf_models as M
 from .hf_generate import position_ids

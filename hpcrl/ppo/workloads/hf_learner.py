@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from hpcrl.config_check import ConfigError
+from hpcrl.core.config_check import ConfigError
 
 from ..losses import approx_kl, group_advantages, masked_mean, sequence_rewards_with_kl, token_gae
 from ..update import Coefs, GradStep, Outputs, Plan, Samples, ppo_update, read_stats

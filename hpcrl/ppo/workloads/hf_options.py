@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import ClassVar, Literal
 
-from hpcrl.config_check import ConfigError, show
+from hpcrl.core.config_check import ConfigError, show
 
 __all__ = ["HFGroupOptions", "HFOptions"]
 

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from hpcrl.config_check import ConfigError
+from hpcrl.core.config_check import ConfigError
 
 
 def load_records(path: str, key: str, flag: str = "--prompts") -> list[dict[str, Any]]:

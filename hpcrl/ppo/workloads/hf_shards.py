@@ -33,7 +33,7 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor, nn
 
-from hpcrl.config_check import ConfigError
+from hpcrl.core.config_check import ConfigError
 
 __all__ = ["WeightFiles", "fresh_value", "params_on_meta", "sources"]
 

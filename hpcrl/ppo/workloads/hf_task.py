@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hpcrl import rundir
+from hpcrl.run import rundir
 from hpcrl.comm import detect_launch
-from hpcrl.config_check import ConfigError
+from hpcrl.core.config_check import ConfigError
 
 from . import hf_models as M
 from .hf_generate import SamplingParams

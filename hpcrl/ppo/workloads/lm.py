@@ -55,7 +55,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hpcrl.config_check import ConfigError
+from hpcrl.core.config_check import ConfigError
 
 from ..losses import approx_kl, masked_mean, sequence_rewards_with_kl, token_gae
 from ..update import Coefs, GradStep, Outputs, Plan, Samples, ppo_update, read_stats

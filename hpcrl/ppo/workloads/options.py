@@ -1,7 +1,7 @@
 """Typed options of the built-in workloads and of the PPO update: nested groups of ``python -m hpcrl.ppo``
 (``--env.num-envs 16``, ``--lm.lora-rank 4``, ``--ppo.lr 1e-3``), each field with its valid range.
 
-Each group's :meth:`check` raises :class:`~hpcrl.config_check.ConfigError` with one line naming the
+Each group's :meth:`check` raises :class:`~hpcrl.core.config_check.ConfigError` with one line naming the
 flag (``--ppo.lr``), the bad value, the range and a value that works; :meth:`kwargs` is what the
 workload constructor (or :class:`~hpcrl.ppo.workload.PPOConfig`) receives. A field left at ``None``
 keeps the workload's own default (cartpole and swing-up differ in their sizes and their PPO settings).
@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from hpcrl.config_check import Check, ConfigError, show
+from hpcrl.core.config_check import Check, ConfigError, show
 
 __all__ = ["GroupCheck", "LMOptions", "PPOOptions", "VectorEnvOptions"]
 

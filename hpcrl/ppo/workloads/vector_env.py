@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hpcrl.config_check import ConfigError
+from hpcrl.core.config_check import ConfigError
 from hpcrl.envs import EpisodeStats, make_env
 
 from ..losses import gae, lr_at, whiten

@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 from typing import Any, Collection
 
-from hpcrl.cli import renamed, warn_renamed
-from hpcrl.config_check import ConfigError
+from hpcrl.run.cli import renamed, warn_renamed
+from hpcrl.core.config_check import ConfigError
 
 __all__ = ["load_config_file"]
 

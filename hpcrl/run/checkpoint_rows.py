@@ -4,7 +4,7 @@ A row is logged (``metrics.jsonl``, line-buffered, not fsynced) before the check
 written (fsynced); a torn or lost last line would otherwise be dropped on resume and never logged
 again, since the resumed run starts after that step. Rank 0 copies the rows of the latest logged
 step (the training row and an eval row of the same step) into the checkpoint as ``rows.jsonl``
-(in its manifest); :func:`hpcrl.metrics.truncate_rows` appends those the metrics file lacks.
+(in its manifest); :func:`hpcrl.run.metrics.truncate_rows` appends those the metrics file lacks.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hpcrl.checkpoint_manifest import _step_of, checkpoint_root
+from hpcrl.run.checkpoint_manifest import _step_of, checkpoint_root
 
 __all__ = ["METRICS", "ROWS", "saved_rows", "tail_rows"]
 

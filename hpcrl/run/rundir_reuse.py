@@ -25,7 +25,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from hpcrl.rundir import RunDirError, probe
+from hpcrl.run.rundir import RunDirError, probe
 
 __all__ = ["RUN_FILES", "check_fresh_fallback", "check_fresh_start", "check_resumable", "check_start", "committed_steps",
            "nothing_to_resume", "overwrite", "previous_run", "remove_run", "requeued"]
@@ -37,7 +37,7 @@ LOGS = "logs"
 """The ranks' native-stderr logs: written from the first moment of a rank, so only ``--overwrite`` before
 any rank starts removes them (a rank-0 clear at start-up would unlink the logs the ranks just opened)."""
 TRASH = ".overwritten-"  # prefix of the directory an --overwrite empties into
-_STEP_DIR = re.compile(r"^step_\d+$")  # a committed checkpoint (hpcrl.checkpoint.PREFIX)
+_STEP_DIR = re.compile(r"^step_\d+$")  # a committed checkpoint (hpcrl.run.checkpoint.PREFIX)
 
 
 def committed_steps(run_dir: str | os.PathLike) -> list[str]:
@@ -77,7 +77,7 @@ def previous_run(run_dir: str | os.PathLike) -> str | None:
 
 
 def check_fresh_start(run_dir: str | os.PathLike, resume: bool, overwrite: bool) -> None:
-    """:class:`~hpcrl.rundir.RunDirError` (one line, exit 2) when a live run on this host holds
+    """:class:`~hpcrl.run.rundir.RunDirError` (one line, exit 2) when a live run on this host holds
     ``run_dir``'s lock, or when a fresh start (no ``--resume``, no ``--overwrite``) would replace a
     previous run's files."""
     probe(run_dir)
@@ -135,7 +135,7 @@ def requeued() -> bool:
 
 def check_fresh_fallback(run_dir: str | os.PathLike, resume: bool, resume_missing: str, overwrite: bool) -> None:
     """``--resume --resume-missing fresh`` with no committed checkpoint starts fresh, which removes what is
-    in ``run_dir`` (:func:`hpcrl.checkpoint.clear`): :class:`~hpcrl.rundir.RunDirError` (one line, exit 2)
+    in ``run_dir`` (:func:`hpcrl.run.checkpoint.clear`): :class:`~hpcrl.run.rundir.RunDirError` (one line, exit 2)
     when that is a previous run (metrics rows, best/, ...), unless this is a requeued restart of the job
     that wrote it (:func:`requeued`: the batch scripts and the launcher pass these flags to every restart,
     and a job preempted before its first checkpoint restarts from scratch, replacing its own rows)."""
@@ -160,7 +160,7 @@ def check_start(run_dir: str | os.PathLike, resume: bool, resume_missing: str, o
 def overwrite(run_dir: str | os.PathLike) -> None:
     """``--overwrite`` in an entry point that launches the run's only process or spawns its ranks:
     remove the previous run's files (said on stderr) before any rank starts. Under a launcher that
-    starts several ranks, rank 0 does it instead, holding the run-dir lock (:func:`hpcrl.checkpoint.clear`),
+    starts several ranks, rank 0 does it instead, holding the run-dir lock (:func:`hpcrl.run.checkpoint.clear`),
     so that no two processes delete at once."""
     probe(run_dir)  # again, right before deleting: a run may have started there since the config check
     if removed := remove_run(run_dir, (*RUN_FILES, LOGS)):

@@ -1,5 +1,5 @@
 """The progress display's text, as pure functions (no I/O, no clock; the closing lines read the working
-directory unless given one): :class:`hpcrl.metrics.RunLogger` prints what these return.
+directory unless given one): :class:`hpcrl.run.metrics.RunLogger` prints what these return.
 
 A progress line is a list of ``name=value`` fields in priority order (progress, eval return, the last
 known episode return and its age, throughput, ETA, then the row's other values). On a terminal the

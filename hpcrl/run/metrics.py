@@ -3,8 +3,8 @@
 One schema for every algorithm: each row has ``time``, ``env_steps``, ``updates`` and the algorithm's
 fields; TensorBoard gets the same values under the same names. On a resume the rows after the
 checkpoint are dropped atomically (:func:`truncate_rows`; a torn last line is repaired, not fatal, and
-the rows of the checkpoint's step come back from the checkpoint: :mod:`hpcrl.checkpoint_rows`). A
-write that fails on the disk is a :class:`~hpcrl.diskfault.DiskFault` (path, free space), not a traceback.
+the rows of the checkpoint's step come back from the checkpoint: :mod:`hpcrl.run.checkpoint_rows`). A
+write that fails on the disk is a :class:`~hpcrl.core.diskfault.DiskFault` (path, free space), not a traceback.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
-from hpcrl.checkpoint_rows import saved_rows
-from hpcrl.config_check import ConfigError
-from hpcrl.diskfault import DiskFault, fault_line, is_disk_error, quiet_writer_threads
-from hpcrl.progress import LOG_WIDTH, early_stop_line, fit, progress_fields, recent_rate, summary_lines
-from hpcrl.rundir import file_mode, make_dir, write_text
-from hpcrl.rundir_files import narrowed_umask
+from hpcrl.run.checkpoint_rows import saved_rows
+from hpcrl.core.config_check import ConfigError
+from hpcrl.core.diskfault import DiskFault, fault_line, is_disk_error, quiet_writer_threads
+from hpcrl.run.progress import LOG_WIDTH, early_stop_line, fit, progress_fields, recent_rate, summary_lines
+from hpcrl.run.rundir import file_mode, make_dir, write_text
+from hpcrl.core.rundir_files import narrowed_umask
 
 
 RATE_ROWS = 8  # the ETA's rate is measured over this many latest rows
@@ -37,7 +37,7 @@ def truncate_rows(path: Path, resume_env_steps: int, key: str = "env_steps") -> 
     leaves the old one). A torn last line (the previous run was killed mid-write) or any other line
     that is not a JSON object is dropped with a note on stderr, never fatal; the rows of the checkpoint's
     step that the file lacks (torn, or lost with the page cache) come back from the checkpoint
-    (:func:`hpcrl.checkpoint_rows.saved_rows`). Returns the rows kept and restored."""
+    (:func:`hpcrl.run.checkpoint_rows.saved_rows`). Returns the rows kept and restored."""
     lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
     kept: list[str] = []
     bad: list[int] = []

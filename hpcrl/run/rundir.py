@@ -19,8 +19,8 @@ held (teardown of a SIGKILLed torch process takes seconds) is waited for, up to 
   win); if in doubt delete the ``.lock`` file named in the message.
 
 The run dir's other jobs live beside this module and are re-exported here: modes and atomic writes
-(:mod:`hpcrl.rundir_files`), the run's identity (:mod:`hpcrl.rundir_identity`), how the run ended
-(:mod:`hpcrl.rundir_outcome`).
+(:mod:`hpcrl.core.rundir_files`), the run's identity (:mod:`hpcrl.run.rundir_identity`), how the run ended
+(:mod:`hpcrl.run.rundir_outcome`).
 
 Errors are :class:`RunDirError` (a ``ValueError``): the entry points map them to exit 2 (bad
 configuration) with the one-line message.
@@ -39,10 +39,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpcrl.process_state import being_killed, pid_alive, proc_start
-from hpcrl.rundir_files import SHARED_ENV, atomic_path, dir_mode, file_mode, make_dir, shared, write_text
-from hpcrl.rundir_identity import identity_difference, identity_hash, normalize_identity
-from hpcrl.rundir_outcome import OUTCOME, _main, clear_outcome, finished_by_this_job, record_outcome
+from hpcrl.core.process_state import being_killed, pid_alive, proc_start
+from hpcrl.core.rundir_files import SHARED_ENV, atomic_path, dir_mode, file_mode, make_dir, shared, write_text
+from hpcrl.run.rundir_identity import identity_difference, identity_hash, normalize_identity
+from hpcrl.run.rundir_outcome import OUTCOME, _main, clear_outcome, finished_by_this_job, record_outcome
 
 __all__ = ["HEARTBEAT_S", "LOCK_NAME", "OUTCOME", "SHARED_ENV", "STALE_S", "RunDirError", "RunDirLock", "acquire",
            "atomic_path", "claim", "clear_outcome", "dir_mode", "file_mode", "finished_by_this_job",

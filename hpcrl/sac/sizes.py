@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from hpcrl.config_check import ConfigError, flag
+from hpcrl.core.config_check import ConfigError, flag
 
 F32, I64 = 4, 8
 REPLAY_SLOT_FIXED = F32 + 1 + I64  # reward f32, flags u8, final_ref i64 per (slot, env)

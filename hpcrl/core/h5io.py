@@ -1,5 +1,5 @@
 """Nested dicts of tensors and scalars <-> HDF5 groups (h5py), written atomically through a file this
-process owns (:func:`hpcrl.diskfault.owned_file`: a full disk is a :class:`~hpcrl.diskfault.DiskFault`)."""
+process owns (:func:`hpcrl.core.diskfault.owned_file`: a full disk is a :class:`~hpcrl.core.diskfault.DiskFault`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import h5py
 import numpy as np
 import torch
 
-from hpcrl.diskfault import owned_file
-from hpcrl.rundir import atomic_path  # re-exported: where checkpoint writers look for it
+from hpcrl.core.diskfault import owned_file
+from hpcrl.run.rundir import atomic_path  # re-exported: where checkpoint writers look for it
 
 _NONE = "__none__"
 

@@ -1,5 +1,5 @@
 """Is a process (by pid) still the one we knew, and is it on its way out: read from /proc, for the
-run-dir lock (:mod:`hpcrl.rundir`) and the scratch dirs (:mod:`hpcrl.comm.scratch`)."""
+run-dir lock (:mod:`hpcrl.run.rundir`) and the scratch dirs (:mod:`hpcrl.comm.scratch`)."""
 
 from __future__ import annotations
 

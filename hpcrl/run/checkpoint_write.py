@@ -1,4 +1,4 @@
-"""Writing a checkpoint (:func:`save`, re-exported by :mod:`hpcrl.checkpoint`): every rank its file,
+"""Writing a checkpoint (:func:`save`, re-exported by :mod:`hpcrl.run.checkpoint`): every rank its file,
 rank 0 the learner, the metrics rows of the step, the manifest and the commit by a rename; a disk
 fault on any rank stops every rank with one line, nothing half-written left."""
 
@@ -15,12 +15,12 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from hpcrl.checkpoint_manifest import (LEARNER, MANIFEST, MANIFEST_FORMAT, PREFIX, _file_entry, _step_of, checkpoint_root,
+from hpcrl.run.checkpoint_manifest import (LEARNER, MANIFEST, MANIFEST_FORMAT, PREFIX, _file_entry, _step_of, checkpoint_root,
                                        rank_file)
-from hpcrl.checkpoint_rows import METRICS, ROWS, tail_rows
-from hpcrl.diskfault import DiskFault, fault_line, owned_file, warn_low_space
-from hpcrl.h5io import atomic_path, save_h5
-from hpcrl.rundir import file_mode, identity_hash, make_dir, normalize_identity, write_text
+from hpcrl.run.checkpoint_rows import METRICS, ROWS, tail_rows
+from hpcrl.core.diskfault import DiskFault, fault_line, owned_file, warn_low_space
+from hpcrl.core.h5io import atomic_path, save_h5
+from hpcrl.run.rundir import file_mode, identity_hash, make_dir, normalize_identity, write_text
 
 __all__ = ["FORMAT_VERSION", "save"]
 

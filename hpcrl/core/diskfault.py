@@ -1,13 +1,13 @@
 """Disk faults while a run writes (a full disk, an I/O error): one line naming the path and the free space.
 
 Checkpoint and metrics writers go through :func:`owned_file`: a file this process opens itself,
-private (:func:`hpcrl.rundir_files.file_mode`) from its creation, handed to h5py or ``torch.save`` as
+private (:func:`hpcrl.core.rundir_files.file_mode`) from its creation, handed to h5py or ``torch.save`` as
 a Python file object. Every byte then passes through our ``write``, so a failed write is an
 ``OSError`` recorded here and reported as a :class:`DiskFault` whatever HDF5 or torch's zip writer
 make of it (HDF5 reports a failed write of its own file descriptor as a generic error and may fail
 again while closing; torch's writer reports a position mismatch). A fault removes the partial file.
 
-:class:`DiskFault` is a :class:`hpcrl.rundir.RunDirError`: one line, no traceback, at the entry points.
+:class:`DiskFault` is a :class:`hpcrl.run.rundir.RunDirError`: one line, no traceback, at the entry points.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
-from hpcrl.rundir import RunDirError
-from hpcrl.rundir_files import file_mode
+from hpcrl.run.rundir import RunDirError
+from hpcrl.core.rundir_files import file_mode
 
 __all__ = ["DISK_ERRNOS", "DiskFault", "fault_line", "free_space", "human_bytes", "is_disk_error", "owned_file",
            "quiet_writer_threads", "warn_low_space"]

@@ -4,7 +4,7 @@
 node, the batch script before the job's environment is active), so what they must agree on with
 the trainers lives here, once: exit codes, the detached-PPO rank layout and its default group
 sizes, and the rendezvous-port rule. The sbatch scripts read them with
-``python -m hpcrl.conventions NAME``.
+``python -m hpcrl.core.conventions NAME``.
 """
 
 from __future__ import annotations
@@ -54,20 +54,20 @@ def rendezvous_port(job_id: int, step_id: int = 0) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    """``python -m hpcrl.conventions EXIT_STOPPED`` prints 75; ``rendezvous_port JOB [STEP]`` a port."""
+    """``python -m hpcrl.core.conventions EXIT_STOPPED`` prints 75; ``rendezvous_port JOB [STEP]`` a port."""
     if not argv:
-        print(f"usage: python -m hpcrl.conventions NAME [ARGS]; names: {', '.join(__all__)}", file=sys.stderr)
+        print(f"usage: python -m hpcrl.core.conventions NAME [ARGS]; names: {', '.join(__all__)}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     name, args = argv[0], argv[1:]
     value = globals().get(name) if name in __all__ else None
     if value is None:
-        print(f"hpcrl.conventions: unknown name {name!r}; known: {', '.join(__all__)}", file=sys.stderr)
+        print(f"hpcrl.core.conventions: unknown name {name!r}; known: {', '.join(__all__)}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     if callable(value):
         try:
             value = value(*(int(a) for a in args))
         except (TypeError, ValueError) as err:
-            print(f"hpcrl.conventions: {name}{tuple(args)}: {err}", file=sys.stderr)
+            print(f"hpcrl.core.conventions: {name}{tuple(args)}: {err}", file=sys.stderr)
             return EXIT_BAD_CONFIG
     print(value)
     return 0

@@ -16,8 +16,8 @@ import sys
 import types
 from typing import Annotated, Any, Callable, Literal, Union, get_args, get_origin, get_type_hints
 
-from hpcrl.config_check import ConfigError, show
-from hpcrl.conventions import EXIT_BAD_CONFIG, EXIT_DISK, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_STOPPED
+from hpcrl.core.config_check import ConfigError, show
+from hpcrl.core.conventions import EXIT_BAD_CONFIG, EXIT_DISK, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_STOPPED
 
 __all__ = ["OLD_NAMES", "bool_flags", "cli", "exit_code", "flag_value", "renamed", "respell_bools", "spell_bools",
            "switch_value", "tyro_call", "warn_renamed"]
@@ -276,7 +276,7 @@ def exit_code(err: BaseException, prog: str, failures: tuple[type[BaseException]
     for an exception that is a bug (the caller re-raises it: a traceback). ``failures``: more types
     that mean "a rank failed" (exit 1; e.g. detached PPO's lost trainer)."""
     from hpcrl.comm.local import SpawnConfigError, SpawnDataError, SpawnError, is_config_error, is_data_error
-    from hpcrl.diskfault import DiskFault
+    from hpcrl.core.diskfault import DiskFault
 
     DISK_FAULT = f"{DiskFault.__module__}.{DiskFault.__qualname__}"  # how a rank's error record names it
 

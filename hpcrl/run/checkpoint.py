@@ -2,7 +2,7 @@
 
 Layout: ``run_dir/checkpoints/step_<N>/`` holds ``learner.pt`` (global rank 0: networks,
 optimisers, normaliser, counters, RNG), ``rank<r>.h5`` (every rank: replay shard, env state, RNG)
-and ``manifest.json``: step, world size, the run's identity (:mod:`hpcrl.rundir`) and every file's
+and ``manifest.json``: step, world size, the run's identity (:mod:`hpcrl.run.rundir`) and every file's
 size and CRC-32. Files are first written to ``.tmp-step_<N>/`` and fsynced; each rank checksums its
 own file; once every rank is done rank 0 writes the manifest last (fsynced), fsyncs the directory
 and renames it into place, so a job killed mid-write never shadows the last good checkpoint.
@@ -13,14 +13,14 @@ each unusable newer one (path and what is wrong) on stderr and falls back to the
 :func:`latest` returns the newest fully verified checkpoint directory. A ``step_*`` directory
 without a manifest (written before manifests existed, or damaged) is unusable. Errors that must stop
 a resume (no usable checkpoint, another run's checkpoint, another world size) are
-:class:`CheckpointError`, a :class:`hpcrl.rundir.RunDirError`: exit 2 at the entry points.
+:class:`CheckpointError`, a :class:`hpcrl.run.rundir.RunDirError`: exit 2 at the entry points.
 
-The manifest's names and checks live in :mod:`hpcrl.checkpoint_manifest`, the writing in
-:mod:`hpcrl.checkpoint_write` (both re-exported here). A write that fails on the disk (full, I/O
-error) on any rank stops every rank with the same :class:`~hpcrl.diskfault.DiskFault` line (each
+The manifest's names and checks live in :mod:`hpcrl.run.checkpoint_manifest`, the writing in
+:mod:`hpcrl.run.checkpoint_write` (both re-exported here). A write that fails on the disk (full, I/O
+error) on any rank stops every rank with the same :class:`~hpcrl.core.diskfault.DiskFault` line (each
 failed path and the free space), the partial checkpoint removed, the committed ones untouched.
 Rank 0 also stores the metrics rows of the step (``rows.jsonl``), which a resume restores when the
-metrics file lost them (:mod:`hpcrl.checkpoint_rows`).
+metrics file lost them (:mod:`hpcrl.run.checkpoint_rows`).
 
 CRC-32 (zlib) runs at about 3 GB/s on one core here, i.e. a few percent of the time the write itself
 takes; it detects damage (truncation, torn or foreign bytes), not tampering.
@@ -37,14 +37,14 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from hpcrl.checkpoint_manifest import (LEARNER, MANIFEST, MANIFEST_FORMAT, PREFIX, CheckpointError, CorruptCheckpoint,
+from hpcrl.run.checkpoint_manifest import (LEARNER, MANIFEST, MANIFEST_FORMAT, PREFIX, CheckpointError, CorruptCheckpoint,
                                        _check_file, _file_entry, _step_of, checkpoint_root, rank_file, read_manifest,
                                        verify)
-from hpcrl.checkpoint_write import FORMAT_VERSION, save
-from hpcrl.diskfault import DiskFault
-from hpcrl.h5io import load_h5, save_h5  # save_h5 re-exported: where tests and writers look for it
-from hpcrl.rundir import RunDirError, identity_difference
-from hpcrl.rundir_reuse import nothing_to_resume, remove_run
+from hpcrl.run.checkpoint_write import FORMAT_VERSION, save
+from hpcrl.core.diskfault import DiskFault
+from hpcrl.core.h5io import load_h5, save_h5  # save_h5 re-exported: where tests and writers look for it
+from hpcrl.run.rundir import RunDirError, identity_difference
+from hpcrl.run.rundir_reuse import nothing_to_resume, remove_run
 
 __all__ = ["CheckpointError", "CorruptCheckpoint", "DiskFault", "Restored", "checkpoint_root", "clear", "committed", "fresh_or_refuse",
            "latest", "load", "nothing_to_resume", "source_ranks", "preflight", "read_manifest", "restore", "save", "store_agree",
@@ -56,7 +56,7 @@ Agree = Callable[[str], dict[int, str]]
 
 def clear(run_dir: str | os.PathLike) -> list[Path]:
     """Remove the previous run's files from ``run_dir`` (every checkpoint, committed or not, and
-    everything else hpcrl wrote: :func:`hpcrl.rundir_reuse.remove_run`); returns the committed
+    everything else hpcrl wrote: :func:`hpcrl.run.rundir_reuse.remove_run`); returns the committed
     checkpoints removed. For a fresh start, on rank 0 holding the run-dir lock: the entry points
     refuse a run dir holding a previous run unless ``--overwrite`` (already done then) or
     ``--resume --resume-missing fresh`` found nothing to resume, so this is normally a no-op."""

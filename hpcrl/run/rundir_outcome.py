@@ -9,14 +9,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpcrl.rundir_files import write_text
+from hpcrl.core.rundir_files import write_text
 
 __all__ = ["OUTCOME", "clear_outcome", "finished_by_this_job", "record_outcome"]
 
 # What the run's own process says about how it ended, for the batch scripts: srun reports the worst
 # task's exit code, so a detached-PPO job whose expendable maker was SIGKILLed looks failed (137)
 # although the trainers finished. Trainer 0 records "finished" as its last act; the script asks
-# `python -m hpcrl.rundir finished RUN_DIR` before believing srun's code.
+# `python -m hpcrl.run.rundir finished RUN_DIR` before believing srun's code.
 OUTCOME = "outcome.json"
 
 
@@ -53,7 +53,7 @@ def finished_by_this_job(run_dir: str | os.PathLike) -> dict[str, Any] | None:
 
 def _main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] != "finished":
-        print("usage: python -m hpcrl.rundir finished RUN_DIR  (exit 0 iff this job's run finished)", file=sys.stderr)
+        print("usage: python -m hpcrl.run.rundir finished RUN_DIR  (exit 0 iff this job's run finished)", file=sys.stderr)
         return 2
     record = finished_by_this_job(argv[1])
     if record is None:

@@ -3,7 +3,7 @@
 ``manifest.json`` records step, world size, the run's identity and every file's size and CRC-32;
 :func:`read_manifest` checks its structure, :func:`verify` the files against it. Anything wrong is a
 :class:`CorruptCheckpoint` (one checkpoint unusable), a :class:`CheckpointError` (a
-:class:`hpcrl.rundir.RunDirError`: exit 2 at the entry points).
+:class:`hpcrl.run.rundir.RunDirError`: exit 2 at the entry points).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from hpcrl.rundir import RunDirError
+from hpcrl.run.rundir import RunDirError
 
 __all__ = ["LEARNER", "MANIFEST", "MANIFEST_FORMAT", "PREFIX", "CheckpointError", "CorruptCheckpoint", "checkpoint_root",
            "rank_file",
