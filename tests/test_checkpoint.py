@@ -222,7 +222,7 @@ def test_checksum_cost_is_small_next_to_the_write(tmp_path):
     checkpoint.save_h5(tmp_path / "x.h5", state)
     write_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    checkpoint._file_entry(tmp_path / "x.h5")
+    checkpoint.file_entry(tmp_path / "x.h5")
     crc_s = time.perf_counter() - t0
     print(f"16 MiB: write+fsync {write_s * 1e3:.1f} ms, crc32 {crc_s * 1e3:.1f} ms", file=sys.stderr)
     assert crc_s < max(write_s, 0.05)

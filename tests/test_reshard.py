@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hpcrl.run import checkpoint
-from hpcrl.run.checkpoint_manifest import MANIFEST, _file_entry, rank_file
+from hpcrl.run.checkpoint_manifest import MANIFEST, file_entry, rank_file
 from hpcrl.run.checkpoint_write import FORMAT_VERSION
 from hpcrl.core.h5io import load_h5, save_h5
 from hpcrl.replay import ReplayShard
@@ -271,7 +271,7 @@ def _strip(run: Path, key: str) -> None:
         state = load_h5(path / rank_file(r), FORMAT_VERSION)
         del state[key]
         save_h5(path / rank_file(r), state, FORMAT_VERSION)
-        manifest["files"][rank_file(r)] = _file_entry(path / rank_file(r))
+        manifest["files"][rank_file(r)] = file_entry(path / rank_file(r))
     (path / MANIFEST).write_text(json.dumps(manifest))
     checkpoint.verify(path)
 

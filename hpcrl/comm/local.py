@@ -69,7 +69,7 @@ from typing import Any, Callable, Collection, Sequence
 
 import torch.distributed as dist
 
-from hpcrl.run import rundir
+from hpcrl.core.conventions import LAUNCHED_PID_ENV
 
 from .rank_start import current_mask, is_open, start_method
 from .scratch import make_scratch_dir
@@ -204,7 +204,7 @@ def _child_env(rank: int, nproc: int, port: int, tmp: str, secret: str, env: dic
         "WORLD_SIZE": str(nproc),
         "LOCAL_WORLD_SIZE": str(nproc),
         "HPCRL_LAUNCHER": "local",  # torchrun-style variables, but the run reports "local"
-        rundir.LAUNCHED_PID_ENV: str(os.getpid()),  # the run-dir lock names the pid the user started
+        LAUNCHED_PID_ENV: str(os.getpid()),  # the run-dir lock names the pid the user started
         INTERRUPT_ENV: str(Path(tmp, _INTERRUPTED)),
         "GLOO_SOCKET_IFNAME": _loopback_interface(),  # gloo listens where the hostname resolves
         SECRET_ENV: secret,

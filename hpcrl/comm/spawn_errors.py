@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-from hpcrl.core.config_check import ConfigError, DataError
-from hpcrl.run.rundir import RunDirError
+from hpcrl.core.config_check import ConfigError, DataError, RunDirError
 
 from .context import DistSetupError
 

@@ -10,7 +10,7 @@ import shlex
 import unicodedata
 from typing import Any
 
-__all__ = ["Check", "ConfigError", "DEVICE", "MAX_SEED", "MAX_TIMEOUT_S", "flag", "show"]
+__all__ = ["Check", "ConfigError", "DEVICE", "MAX_SEED", "MAX_TIMEOUT_S", "RunDirError", "flag", "show"]
 
 MAX_SEED = 2**31 - 1
 """Seeds are offset per rank and env (``seed * 1_000_003 + rank``, ``seed + rank * envs``): kept in int32."""
@@ -27,6 +27,11 @@ class ConfigError(ValueError):
 class DataError(RuntimeError):
     """The run's data is unusable (e.g. the env returned NaN/inf); the message (one line) names what and
     where. Not a configuration error: the entry points exit 65 (sysexits EX_DATAERR) on it."""
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be used as asked (in use, another run's checkpoint, nothing to resume,
+    no usable checkpoint); the message says what to do. Entry points exit 2 on it."""
 
 
 def flag(name: str) -> str:

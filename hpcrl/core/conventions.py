@@ -20,6 +20,7 @@ __all__ = [
     "EXIT_INTERRUPTED",
     "EXIT_NONFINITE",
     "EXIT_STOPPED",
+    "LAUNCHED_PID_ENV",
     "ppo_role",
     "rendezvous_port",
 ]
@@ -34,6 +35,7 @@ EXIT_NONFINITE = 65  # sysexits EX_DATAERR: the env returned NaN/inf (FastSAC --
 # Detached PPO: ranks [0, trainers) train, [trainers, trainers + makers) make experience.
 DEFAULT_TRAINERS = 1
 DEFAULT_MAKERS = 1
+LAUNCHED_PID_ENV = "HPCRL_LAUNCHED_PID"  # set by the --nproc spawner: the pid of the command the user started
 
 
 def ppo_role(rank: int, trainers: int, makers: int) -> str:

@@ -7,7 +7,7 @@ a Python file object. Every byte then passes through our ``write``, so a failed 
 make of it (HDF5 reports a failed write of its own file descriptor as a generic error and may fail
 again while closing; torch's writer reports a position mismatch). A fault removes the partial file.
 
-:class:`DiskFault` is a :class:`hpcrl.run.rundir.RunDirError`: one line, no traceback, at the entry points.
+:class:`DiskFault` is a :class:`hpcrl.core.config_check.RunDirError`: one line, no traceback, at the entry points.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
-from hpcrl.run.rundir import RunDirError
+from hpcrl.core.config_check import RunDirError
 from hpcrl.core.rundir_files import file_mode
 
 __all__ = ["DISK_ERRNOS", "DiskFault", "fault_line", "free_space", "human_bytes", "is_disk_error", "owned_file",

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from hpcrl.core.diskfault import owned_file
-from hpcrl.run.rundir import atomic_path  # re-exported: where checkpoint writers look for it
+from hpcrl.core.rundir_files import atomic_path
 
 _NONE = "__none__"
 

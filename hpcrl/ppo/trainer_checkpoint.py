@@ -52,9 +52,9 @@ from typing import Any, Callable
 import torch
 
 from hpcrl.run import checkpoint
-from hpcrl.run.checkpoint_manifest import LEARNER, CorruptCheckpoint, _check_file, rank_file
+from hpcrl.run.checkpoint_manifest import LEARNER, CorruptCheckpoint, check_file, rank_file
 from hpcrl.run.checkpoint_rows import METRICS, tail_rows
-from hpcrl.run.checkpoint_write import FORMAT_VERSION, _fsync_dir
+from hpcrl.run.checkpoint_write import FORMAT_VERSION, fsync_dir
 from hpcrl.core.diskfault import DiskFault
 from hpcrl.core.h5io import load_h5
 
@@ -226,7 +226,7 @@ class TrainerCheckpoints:
             except Exception as err:  # noqa: BLE001  (DCP gathers every rank's failure into one exception)
                 raise DiskFault(f"checkpoint shards in {tmp / DCP_DIR} not written: {type(err).__name__}: "
                                 f"{str(err).splitlines()[0] if str(err) else ''}") from None
-            _fsync_dir(tmp / DCP_DIR)
+            fsync_dir(tmp / DCP_DIR)
             return _dcp_files(tmp, self.rank)
 
         def run() -> None:
@@ -260,7 +260,7 @@ class TrainerCheckpoints:
     def _loader(self, path: Path, manifest: dict[str, Any]) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
         old = int(manifest["world_size"])
         for name in (LEARNER, *(rank_file(r) for r in range(old))):
-            _check_file(path, name, manifest)
+            check_file(path, name, manifest)
         try:
             learner = torch.load(path / LEARNER, map_location="cpu", weights_only=True)
             states = {r: load_h5(path / rank_file(r), FORMAT_VERSION) for r in range(old)}
@@ -272,7 +272,7 @@ class TrainerCheckpoints:
                 raise CorruptCheckpoint(path, f"{DCP_DIR}/.metadata is not in the manifest")
             for i, name in enumerate(shards):  # each trainer checks a share; the agreement makes it everyone's
                 if i % self.trainers == self.rank:
-                    _check_file(path, name, manifest)
+                    check_file(path, name, manifest)
         return learner, states
 
     def preflight(self) -> Path | None:

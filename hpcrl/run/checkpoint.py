@@ -38,7 +38,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from hpcrl.run.checkpoint_manifest import (LEARNER, MANIFEST, MANIFEST_FORMAT, PREFIX, CheckpointError, CorruptCheckpoint,
-                                       _check_file, _file_entry, _step_of, checkpoint_root, rank_file, read_manifest,
+                                       check_file, file_entry, step_of, checkpoint_root, rank_file, read_manifest,
                                        verify)
 from hpcrl.run.checkpoint_write import FORMAT_VERSION, save
 from hpcrl.core.diskfault import DiskFault
@@ -71,7 +71,7 @@ def committed(run_dir: str | os.PathLike) -> list[Path]:
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return []
-    return sorted((p for p in root.iterdir() if _step_of(p) >= 0 and p.is_dir()), key=_step_of, reverse=True)
+    return sorted((p for p in root.iterdir() if step_of(p) >= 0 and p.is_dir()), key=step_of, reverse=True)
 
 
 def _report(message: str) -> None:
@@ -137,7 +137,7 @@ def _load_files(path: Path, manifest: dict[str, Any], rank: int, device: torch.d
 def _load_ranks(path: Path, manifest: dict[str, Any], ranks: list[int], device: torch.device
                 ) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
     for name in (LEARNER, *map(rank_file, ranks)):
-        _check_file(path, name, manifest)
+        check_file(path, name, manifest)
     try:
         learner = torch.load(path / LEARNER, map_location=device, weights_only=True)
     except Exception as err:  # noqa: BLE001  (any unpickling failure means the same: unusable)
@@ -250,22 +250,14 @@ def restore(run_dir: str | os.PathLike, rank: int, world_size: int, device: torc
         _check_world(path, manifest, world_size, reshard)
         if identity is not None:
             _check_identity(path, manifest, identity, reshard, upgrade)
-        old = int(manifest["world_size"])
-        ranks = [rank] if old == world_size else source_ranks(old, world_size, rank)
-        try:
-            learner, states = (_load_ranks(path, manifest, ranks, device) if loader is None
-                               else loader(path, manifest))
-            reason = ""
-        except Exception as err:  # noqa: BLE001  (one rank must not leave the others waiting in agree)
-            reason = err.reason if isinstance(err, CorruptCheckpoint) else f"{type(err).__name__}: {err}"
-            learner, states = {}, {}
-        failed = agree(reason) if agree is not None else ({rank: reason} if reason else {})
+        learner, states, failed = _load_agreed(path, manifest, rank, world_size, device, agree, loader)
         if not failed:
+            old, step = int(manifest["world_size"]), int(manifest["step"])
             if loader is not None:
-                return Restored(path, int(manifest["step"]), learner, states.get(rank, {}), skipped, old, states)
+                return Restored(path, step, learner, states.get(rank, {}), skipped, old, states)
             if old == world_size:
-                return Restored(path, int(manifest["step"]), learner, states[rank], skipped, old)
-            return Restored(path, int(manifest["step"]), learner, {}, skipped, old, states)
+                return Restored(path, step, learner, states[rank], skipped, old)
+            return Restored(path, step, learner, {}, skipped, old, states)
         what = "; ".join(f"rank {r}: {why}" if world_size > 1 else why for r, why in sorted(failed.items()))
         skipped.append(f"{path}: {what}")
         if speak:
@@ -274,6 +266,21 @@ def restore(run_dir: str | os.PathLike, rank: int, world_size: int, device: torc
     raise CheckpointError(f"--resume: no usable checkpoint in {root}: " + " | ".join(skipped)
                           + "; pass --overwrite instead of --resume to start over there (this deletes them), or use another "
                           "--run-dir")
+
+
+def _load_agreed(path: Path, manifest: dict[str, Any], rank: int, world_size: int, device: torch.device,
+                 agree: Agree | None, loader: Callable | None) -> tuple[dict, dict, dict[int, str]]:
+    """Load what this rank needs of one checkpoint; ``(learner, {old rank: state}, {rank: why it failed})``,
+    the failures agreed across ranks when ``agree`` is given (every rank then falls back together)."""
+    old = int(manifest["world_size"])
+    ranks = [rank] if old == world_size else source_ranks(old, world_size, rank)
+    try:
+        learner, states = _load_ranks(path, manifest, ranks, device) if loader is None else loader(path, manifest)
+        reason = ""
+    except Exception as err:  # noqa: BLE001  (one rank must not leave the others waiting in agree)
+        reason = err.reason if isinstance(err, CorruptCheckpoint) else f"{type(err).__name__}: {err}"
+        learner, states = {}, {}
+    return learner, states, (agree(reason) if agree is not None else ({rank: reason} if reason else {}))
 
 
 _MAX_REASON_CHARS = 4096  # a reason is one error line; longer store values are cut before use

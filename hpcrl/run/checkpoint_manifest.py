@@ -17,9 +17,8 @@ from typing import Any
 
 from hpcrl.run.rundir import RunDirError
 
-__all__ = ["LEARNER", "MANIFEST", "MANIFEST_FORMAT", "PREFIX", "CheckpointError", "CorruptCheckpoint", "checkpoint_root",
-           "rank_file",
-           "read_manifest", "verify"]
+__all__ = ["LEARNER", "MANIFEST", "MANIFEST_FORMAT", "PREFIX", "CheckpointError", "CorruptCheckpoint", "check_file",
+           "checkpoint_root", "file_entry", "rank_file", "read_manifest", "step_of", "verify"]
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"
@@ -49,7 +48,7 @@ def rank_file(rank: int) -> str:
     return f"rank{rank}.h5"
 
 
-def _file_entry(path: Path) -> dict[str, Any]:
+def file_entry(path: Path) -> dict[str, Any]:
     """Size and CRC-32 of a file (read back in chunks: just written, it is in the page cache)."""
     crc, size = 0, 0
     buf = bytearray(_CHUNK)
@@ -61,7 +60,7 @@ def _file_entry(path: Path) -> dict[str, Any]:
     return {"size": size, "crc32": f"{crc:08x}"}
 
 
-def _step_of(path: Path) -> int:
+def step_of(path: Path) -> int:
     m = _STEP_DIR.match(path.name)
     return int(m.group(1)) if m else -1
 
@@ -96,12 +95,12 @@ def read_manifest(path: Path) -> dict[str, Any]:
               or not isinstance(files[n].get("size"), int) or not isinstance(files[n].get("crc32"), str)]
     if absent:
         raise CorruptCheckpoint(path, f"{MANIFEST} is incomplete: no valid entry for {', '.join(absent)}")
-    if manifest["step"] != _step_of(path):
+    if manifest["step"] != step_of(path):
         raise CorruptCheckpoint(path, f"{MANIFEST} says step {manifest['step']!r}, the directory name another")
     return manifest
 
 
-def _check_file(path: Path, name: str, manifest: dict[str, Any], checksum: bool = True) -> None:
+def check_file(path: Path, name: str, manifest: dict[str, Any], checksum: bool = True) -> None:
     want = manifest["files"][name]
     try:
         size = (path / name).stat().st_size
@@ -110,7 +109,7 @@ def _check_file(path: Path, name: str, manifest: dict[str, Any], checksum: bool 
     if size != want["size"]:
         raise CorruptCheckpoint(path, f"{name} has {size} bytes, the manifest says {want['size']} (truncated?)")
     if checksum:
-        got = _file_entry(path / name)
+        got = file_entry(path / name)
         if got["crc32"] != want["crc32"] or got["size"] != want["size"]:
             raise CorruptCheckpoint(path, f"{name}: checksum mismatch (crc32 {got['crc32']}, the manifest says "
                                           f"{want['crc32']}): damaged after it was written")
@@ -120,5 +119,5 @@ def verify(path: Path, names: list[str] | None = None, checksum: bool = True) ->
     """Check ``names`` (default: every file of the manifest) of checkpoint ``path``; returns the manifest."""
     manifest = read_manifest(path)
     for name in names if names is not None else list(manifest["files"]):
-        _check_file(path, name, manifest, checksum)
+        check_file(path, name, manifest, checksum)
     return manifest

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hpcrl.run.checkpoint_manifest import _step_of, checkpoint_root
+from hpcrl.run.checkpoint_manifest import step_of, checkpoint_root
 
 __all__ = ["METRICS", "ROWS", "saved_rows", "tail_rows"]
 
@@ -56,7 +56,7 @@ def saved_rows(run_dir: Path, upto: float, key: str = "env_steps") -> list[str]:
     """The rows (raw lines) carried by the newest checkpoint of ``run_dir`` whose rows are at ``key`` <= ``upto``."""
     root = checkpoint_root(run_dir)
     try:
-        dirs = sorted((p for p in root.iterdir() if _step_of(p) >= 0), key=_step_of, reverse=True)
+        dirs = sorted((p for p in root.iterdir() if step_of(p) >= 0), key=step_of, reverse=True)
     except FileNotFoundError:
         return []
     for path in dirs:

@@ -15,20 +15,21 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from hpcrl.run.checkpoint_manifest import (LEARNER, MANIFEST, MANIFEST_FORMAT, PREFIX, _file_entry, _step_of, checkpoint_root,
+from hpcrl.run.checkpoint_manifest import (LEARNER, MANIFEST, MANIFEST_FORMAT, PREFIX, file_entry, step_of, checkpoint_root,
                                        rank_file)
 from hpcrl.run.checkpoint_rows import METRICS, ROWS, tail_rows
 from hpcrl.core.diskfault import DiskFault, fault_line, owned_file, warn_low_space
-from hpcrl.core.h5io import atomic_path, save_h5
+from hpcrl.core.h5io import save_h5
+from hpcrl.core.rundir_files import atomic_path
 from hpcrl.run.rundir import file_mode, identity_hash, make_dir, normalize_identity, write_text
 
-__all__ = ["FORMAT_VERSION", "save"]
+__all__ = ["FORMAT_VERSION", "fsync_dir", "save"]
 
 FORMAT_VERSION = 1  # of the HDF5 rank files
 TRASH = ".trash-"  # prefix of a checkpoint directory being deleted (never counts, swept by the next save)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -160,7 +161,7 @@ def _write_mine(run_dir: str | os.PathLike, tmp: Path, rank: int, learner: dict[
     names = extra(tmp) if extra is not None else []  # first: a collective every rank must reach
     mine = rank_file(rank)
     save_h5(tmp / mine, rank_state, FORMAT_VERSION)
-    sums = {mine: _file_entry(tmp / mine), **{name: _file_entry(tmp / name) for name in names}}
+    sums = {mine: file_entry(tmp / mine), **{name: file_entry(tmp / name) for name in names}}
     _write_private(tmp / f".{mine}.sum", json.dumps(sums))
     if rank == 0:
         assert learner is not None
@@ -174,9 +175,9 @@ def _write_mine(run_dir: str | os.PathLike, tmp: Path, rank: int, learner: dict[
 def _commit(root: Path, tmp: Path, final: Path, step: int, world_size: int, identity: Mapping[str, Any] | None,
             sums: dict[str, Any]) -> None:
     """Rank 0: the manifest (last: its presence means every file above is complete), then the rename."""
-    files = {LEARNER: _file_entry(tmp / LEARNER), **sums}
+    files = {LEARNER: file_entry(tmp / LEARNER), **sums}
     if (tmp / ROWS).exists():
-        files[ROWS] = _file_entry(tmp / ROWS)
+        files[ROWS] = file_entry(tmp / ROWS)
     for r in range(world_size):
         (tmp / f".{rank_file(r)}.sum").unlink()
     manifest = {"format": MANIFEST_FORMAT, "step": step, "world_size": world_size,
@@ -185,11 +186,11 @@ def _commit(root: Path, tmp: Path, final: Path, step: int, world_size: int, iden
                 "created": time.time(), "host": socket.gethostname(), "checksum": "crc32", "files": files}
     with atomic_path(tmp / MANIFEST) as path:
         path.write_text(json.dumps(manifest, indent=1))
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
 def _discard(path: Path) -> None:
@@ -208,10 +209,10 @@ def _prune(root: Path, step: int, keep: int) -> None:
     for p in root.iterdir():  # left by a run killed while discarding
         if p.name.startswith(TRASH):
             shutil.rmtree(p, ignore_errors=True)
-    dirs = sorted((p for p in root.iterdir() if _step_of(p) >= 0), key=_step_of)
+    dirs = sorted((p for p in root.iterdir() if step_of(p) >= 0), key=step_of)
     for p in dirs:
-        if _step_of(p) > step:
+        if step_of(p) > step:
             _discard(p)
-    older = [p for p in dirs if _step_of(p) <= step]
+    older = [p for p in dirs if step_of(p) <= step]
     for p in older[:-keep] if keep > 0 else []:
         _discard(p)

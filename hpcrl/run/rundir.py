@@ -39,10 +39,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpcrl.core.config_check import RunDirError
+from hpcrl.core.conventions import LAUNCHED_PID_ENV
 from hpcrl.core.process_state import being_killed, pid_alive, proc_start
 from hpcrl.core.rundir_files import SHARED_ENV, atomic_path, dir_mode, file_mode, make_dir, shared, write_text
 from hpcrl.run.rundir_identity import identity_difference, identity_hash, normalize_identity
-from hpcrl.run.rundir_outcome import OUTCOME, _main, clear_outcome, finished_by_this_job, record_outcome
+from hpcrl.run import rundir_outcome
+from hpcrl.run.rundir_outcome import OUTCOME, clear_outcome, finished_by_this_job, record_outcome
 
 __all__ = ["HEARTBEAT_S", "LOCK_NAME", "OUTCOME", "SHARED_ENV", "STALE_S", "RunDirError", "RunDirLock", "acquire",
            "atomic_path", "claim", "clear_outcome", "dir_mode", "file_mode", "finished_by_this_job",
@@ -50,18 +53,12 @@ __all__ = ["HEARTBEAT_S", "LOCK_NAME", "OUTCOME", "SHARED_ENV", "STALE_S", "RunD
            "shared", "write_text"]
 
 LOCK_NAME = ".lock"
-LAUNCHED_PID_ENV = "HPCRL_LAUNCHED_PID"  # set by hpcrl.comm.spawn: the pid of the command that spawned the ranks
 HEARTBEAT_S = 5.0  # the holder rewrites its record this often
 STALE_S = 30.0  # a record from another host whose heartbeat did not move for this long is stale (generous:
 # a holder busy in a long C call that keeps the GIL, e.g. writing a big HDF5 shard, beats late)
 DYING_WAIT_S = 20.0  # how long a start waits for the flock of a killed holder that is still tearing down
 _STORE_KEY = "rundir/claim"
 _RECORD_BYTES = 4096  # the record is rewritten in place at this fixed size: one page, no torn reads locally
-
-
-class RunDirError(ValueError):
-    """The run directory cannot be used as asked (in use, another run's checkpoint, nothing to resume,
-    no usable checkpoint); the message says what to do. Entry points exit 2 on it."""
 
 
 def _holder_dying(record: dict[str, Any] | None) -> bool:
@@ -395,4 +392,4 @@ def claim(run_dir: str | os.PathLike, ctx: Any = None) -> RunDirLock:
 
 
 if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
+    sys.exit(rundir_outcome.main(sys.argv[1:]))

@@ -11,7 +11,7 @@ from typing import Any
 
 from hpcrl.core.rundir_files import write_text
 
-__all__ = ["OUTCOME", "clear_outcome", "finished_by_this_job", "record_outcome"]
+__all__ = ["OUTCOME", "clear_outcome", "finished_by_this_job", "main", "record_outcome"]
 
 # What the run's own process says about how it ended, for the batch scripts: srun reports the worst
 # task's exit code, so a detached-PPO job whose expendable maker was SIGKILLed looks failed (137)
@@ -51,7 +51,7 @@ def finished_by_this_job(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     return record
 
 
-def _main(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] != "finished":
         print("usage: python -m hpcrl.run.rundir finished RUN_DIR  (exit 0 iff this job's run finished)", file=sys.stderr)
         return 2

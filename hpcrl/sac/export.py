@@ -35,7 +35,7 @@ import tyro
 from hpcrl.run.cli import cli
 from hpcrl.core.config_check import Check, ConfigError
 from hpcrl.core.conventions import EXIT_BAD_CONFIG, EXIT_FAILED
-from hpcrl.core.h5io import atomic_path
+from hpcrl.core.rundir_files import atomic_path
 
 from .policy import Policy, load
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from hpcrl.run import checkpoint
 from hpcrl.core.config_check import ConfigError
-from hpcrl.core.h5io import atomic_path
+from hpcrl.core.rundir_files import atomic_path
 
 from .networks import Actor
 
