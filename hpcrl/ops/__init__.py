@@ -26,10 +26,9 @@ else:
 __all__ = ["backend", "with_cuda", "flatten", "unflatten_", "replay_gather", "replay_sample", "ReplayGather",
            "reference", "PREFETCH_ROWS"]
 
-# Rows ahead whose cache lines the CPU gather requests early (0: none). The A/B of
-# benchmarks/replay_sampler.py (same storage, the same fresh random rows every call, interleaved) put 16
-# rows at 0.88-1.00x the time of none in all 12 cases of three runs on this project's 2-vCPU EPYC VM; on a fixed, cached
-# index set (what an earlier A/B timed) the hints are pure overhead.
+# Rows ahead whose cache lines the CPU gather requests early (0: none). benchmarks/ops/replay_sampler.py
+# times 16 against 0 on cold rows, fresh every call (its JSON: prefetch16_vs_0); on a cached index set the
+# hints are pure overhead.
 PREFETCH_ROWS = 16
 
 _warned = False

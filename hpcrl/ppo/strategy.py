@@ -137,7 +137,7 @@ def fixed_mmap_threshold(nbytes: int = 64 << 10) -> bool:
     glibc. Why: glibc raises its threshold to the size of each freed mmapped chunk (up to 32 MiB), so
     after the first step FSDP's per-unit gathered parameters and unsharded gradients come from the heap
     and stay resident once freed: a trainer's peak became the sum over the units (measured: no fall with
-    N at all, benchmarks/hf_memory.py) instead of its shards plus one unit. With a fixed threshold they
+    N at all, benchmarks/hf/hf_memory.py) instead of its shards plus one unit. With a fixed threshold they
     stay mmapped and go back to the system when FSDP frees them. 64 KiB rather than 1 MiB: the smaller
     pieces of a unit (k / v projections, norms, activations) fragmented the heap too (24-layer
     hidden-512 Llama + LoRA, 4 trainers, gradient checkpointing: update peak +231 -> +190 MiB over the

@@ -197,7 +197,7 @@ class RunLogger:
 
     def finish(self, results: dict[str, Any] | None = None, paths: dict[str, Any] | None = None, *,
                stopped: str | None = None) -> None:
-        """Print the summary (``done in 1m02s: eval_return=...`` then ``checkpoint DIR, metrics FILE``; with
+        """Print the summary (``done in 1m02s: eval_return=...`` then one line per place, ``checkpoint DIR``, ``metrics FILE``; with
         ``stopped="SIGTERM"``: ``stopped (SIGTERM) after ...; resume with --resume``); rank 0 only (a no-op
         elsewhere). W&B is closed first, so its own summary block comes before these lines, not after."""
         if not self.enabled:

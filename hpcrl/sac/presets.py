@@ -51,7 +51,7 @@ PRESETS: dict[str, dict] = {
         v_min=-250.0, v_max=250.0, critic_hidden=512, actor_hidden=256, alpha_init=0.001, target_entropy_ratio=0.0,
         weight_decay=0.001, log_every=100, checkpoint_every=5000, eval_episodes=4, eval_every=2000,
     ),
-    # gymnasium MuJoCo on ONE CPU thread (benchmarks/vs_cleanrl.py, docs/mujoco_cpu.md): sample-efficient
+    # gymnasium MuJoCo on ONE CPU thread (benchmarks/sac/vs_cleanrl.py, docs/mujoco_cpu.md): sample-efficient
     # standard SAC rather than FastTD3's GPU sizes, on hpcrl's learner (C51 critic with LayerNorm, 2 Q heads,
     # obs normalisation). See MUJOCO_CPU below for where each value comes from.
     # HalfCheetah never terminates and learns fast per sample here: 2 updates per vector step of 4 envs
