@@ -99,6 +99,8 @@ class Maker:
             except Exception:  # the trainers are gone already
                 pass
             return {"produced": float(self._produced), "dropped": 1.0}
+        finally:
+            self.collector.close()
 
     def _loop(self) -> dict[str, float]:
         schema: Schema | None = None
@@ -213,6 +215,7 @@ class Maker:
         if flat is not None and version > self.version:
             ops.unflatten_(flat, self.tensors)
             self.workload.after_publish(self.model)
+            self.collector.load_weights(self.model, version)  # into the collector's engine, where it has one
             self.version = version
 
     def _wait_for_version(self, min_version: int) -> None:

@@ -234,6 +234,14 @@ class Collector(ABC):
         and the run's seed; a collector over a dataset (prompts) serves a fixed slice for each batch,
         so makers split the data and a resumed run continues with the next item. Default: ignore it."""
 
+    def load_weights(self, model: nn.Module, version: int) -> None:
+        """Called by a maker at each swap, after the published tensors of ``version`` were written into
+        ``model`` and the workload's ``after_publish`` ran: a collector that generates through an engine
+        of its own hands it the tensors here. Default: nothing (it generates with ``model`` itself)."""
+
+    def close(self) -> None:
+        """Called once when the maker ends: free what the collector holds (an engine). Default: nothing."""
+
 
 class Learner(ABC):
     """Trainer-side optimiser state of one trainer."""

@@ -18,7 +18,8 @@ Roles (the same split as :mod:`hpcrl.ppo.workloads.lm`):
 * **makers** hold the actor (receiving its weights), a frozen reference copy loaded from ``--model``
   (not with ``--ref-on trainers``) and the reward model / function. Per experience batch:
   ``batch_size`` prompts from the dataset (:mod:`.hf_prompts`; ``group_size`` samples each with
-  GRPO), left-padded; ``generate`` with the KV cache (:mod:`.hf_generate`); one full forward of actor
+  GRPO), left-padded; ``generate`` with the KV cache through the engine (``--engine``, :mod:`.hf_engine`:
+  ragged responses with their behaviour log-probs, padded again for the wire); one full forward of actor
   and reference over prompt + response for ``behaviour_logp`` / ``ref_logp`` of the sampled tokens
   (tempered by ``--temperature``); the score
   (one number per sequence). Everything has fixed shapes: prompts padded to ``max_prompt_tokens``,

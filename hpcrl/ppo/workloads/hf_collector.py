@@ -1,5 +1,5 @@
-"""The ``hf`` workload's maker side: prompts -> generate (KV cache) -> behaviour / reference
-log-probs (the reference's only with ``--ref-on makers``) -> scores, in fixed-shape batches
+"""The ``hf`` workload's maker side: prompts -> the engine (:mod:`.engine`: responses with their behaviour
+log-probs) -> reference log-probs (only with ``--ref-on makers``) -> scores, in fixed-shape batches
 (:mod:`hpcrl.ppo.workloads.hf`)."""
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import torch
 from torch import Tensor
 
 from ..workload import Collector
-from .hf_generate import generate_by_length, left_pad, token_logp
+from .engine import Engine
+from .hf_engine import make_engine
+from .hf_generate import left_pad, token_logp
 from .hf_prompts import PromptStream
 
 if TYPE_CHECKING:
@@ -24,8 +26,9 @@ __all__ = ["HFCollector", "left_pad"]
 
 
 class HFCollector(Collector):
-    """Maker side: prompts -> generate (KV cache) -> behaviour / reference log-probs -> scores. The task
-    gives the prompts and the reward, the factory the network a maker generates with and its reference."""
+    """Maker side: prompts -> the engine (responses, behaviour log-probs) -> reference log-probs -> scores.
+    The task gives the prompts and the reward, the factory the network a maker generates with and its
+    reference; the engine (``--engine``) is made over the maker's model at its first use."""
 
     def __init__(self, options: HFOptions, task: HFTask, models: HFModelFactory, rank_seed: int,
                  device: torch.device) -> None:
@@ -34,6 +37,8 @@ class HFCollector(Collector):
         self.batches = 0
         self._sample_seed: int | None = None  # set by assign() for the next collect
         self._logged = False  # held_line once, after the first batch
+        self.engine: Engine | None = None
+        self._engine_model: HFActorCritic | None = None  # the model the engine was made over
 
     def assign(self, batch: int, seed: int) -> None:
         """The next collect serves the run's batch ``batch``: prompts ``[batch * B, (batch + 1) * B)`` of
@@ -44,32 +49,45 @@ class HFCollector(Collector):
         self.stream.seek(batch * self.options.batch_size, seed)
         self._sample_seed = (seed * 2**32 + batch) % 2**62  # its sampling too: a resumed run is the same run
 
-    def prompt_batch(self) -> tuple[list[int], Tensor, Tensor]:
+    def prompt_batch(self) -> tuple[list[int], list[list[int]]]:
+        """The next batch's prompt indices and token ids (each prompt ``group_size`` times with GRPO)."""
         o, task = self.options, self.task
         idx = self.stream.take(o.batch_size)
         if o.algo == "grpo":
             idx = [i for i in idx for _ in range(o.group_size)]
-        ids, mask = left_pad([task.prompt_ids[i] for i in idx], o.max_prompt_tokens, task.pad_id)
-        return idx, ids, mask
+        return idx, [task.prompt_ids[i] for i in idx]
+
+    def engine_for(self, model: HFActorCritic) -> Engine:
+        """The engine over ``model`` (made at its first use; re-made when handed another model)."""
+        if self.engine is None or self._engine_model is not model:
+            self.close()
+            self.engine = make_engine(self.options, model, self.models, self.task.eos_id, self.task.pad_id)
+            self._engine_model = model
+        return self.engine
+
+    def load_weights(self, model: HFActorCritic, version: int) -> None:
+        """The published tensors, by name, into the engine (the maker wrote them into ``model``)."""
+        self.engine_for(model).load_weights(self.models.publish_named(model), version)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        self.engine = self._engine_model = None
 
     @torch.no_grad()
     def collect(self, model: HFActorCritic, generator: torch.Generator) -> tuple[dict[str, Tensor], dict[str, float]]:
         o, task = self.options, self.task
         device = next(model.actor.parameters()).device
-        idx, prompt, pmask = self.prompt_batch()
-        prompt, pmask = prompt.to(device), pmask.to(device)
+        idx, prompts = self.prompt_batch()
         seed = int(torch.randint(2**62, (1,), generator=generator)) if self._sample_seed is None else self._sample_seed
         self._sample_seed = None
-        model.actor.eval()
-        net = self.models.maker_actor(model)
+        engine = self.engine_for(model)
         t0 = time.perf_counter()
-        response, amask = generate_by_length(net, prompt, pmask.long(), task.sampling, task.eos_id, task.pad_id,
-                                             seed, o.generate_buckets)
+        generation = engine.generate(prompts, task.sampling, seed)
         gen_s = max(time.perf_counter() - t0, 1e-9)
-        tokens = torch.cat([prompt, response.to(device)], 1)
-        attn = torch.cat([pmask, amask.to(device)], 1)
-        amask = amask.to(device)
-        logp = token_logp(model.action_logits(tokens, attn, net), response, o.temperature) * amask
+        prompt, pmask = (t.to(device) for t in left_pad(prompts, o.max_prompt_tokens, task.pad_id))
+        response, amask, logp = (t.to(device) for t in generation.padded(o.max_new_tokens, task.pad_id))
+        tokens, attn = torch.cat([prompt, response], 1), torch.cat([pmask, amask], 1)
         inputs = task.reward_inputs(idx, task.records, task.prompt_texts)  # records stay maker-side: never sent
         score = task.score(inputs, tokens, attn, response, amask, self.batches)
         self.batches += 1
@@ -87,7 +105,7 @@ class HFCollector(Collector):
             stats["kl_to_ref_sum"] = float((logp - ref_logp).sum())
         if not self._logged:
             self._logged = True
-            print(self.held_line(model, net), file=sys.stderr, flush=True)
+            print(self.held_line(model, engine), file=sys.stderr, flush=True)
         return batch, stats
 
     def state_dict(self) -> dict[str, Any]:
@@ -97,17 +115,16 @@ class HFCollector(Collector):
         self.stream.load_state_dict(state["stream"])
         self.batches = int(state["batches"])
 
-
-    def held_line(self, model: HFActorCritic, net: torch.nn.Module) -> str:
-        """The line a maker logs after its first batch: the models it holds (parameters of each) and the
-        process's peak RSS so far (the reference, when held, was loaded by then)."""
+    def held_line(self, model: HFActorCritic, engine: Engine) -> str:
+        """The line a maker logs after its first batch: the engine, the models it holds (parameters of
+        each) and the process's peak RSS so far (the reference, when held, was loaded by then)."""
         from ..replica import peak_rss_mib
 
         count = lambda m: f"{sum(p.numel() for p in m.parameters()) / 1e6:.2f}M parameters"  # noqa: E731
         held = [f"actor ({count(model.actor)})"]
-        if net is not model.actor:
+        if self.options.maker_dtype != "fp32":  # the engine's reduced-precision copy
             held.append(f"its {self.options.maker_dtype} copy")
         held += [f"reference ({count(r)})" for r in self.models.references.values()]
         held += [f"reward model ({count(r)})" for r in self.task.reward_models.values()]
-        return (f"hpcrl.ppo hf maker: holds {', '.join(held)}; ref_logp on the {self.options.ref_on}; "
-                f"peak RSS {peak_rss_mib():.0f} MiB")
+        return (f"hpcrl.ppo hf maker: engine {engine.capabilities().name}; holds {', '.join(held)}; ref_logp on "
+                f"the {self.options.ref_on}; peak RSS {peak_rss_mib():.0f} MiB")

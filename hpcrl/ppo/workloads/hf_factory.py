@@ -239,13 +239,17 @@ class HFModelFactory:
     # -- the maker side of a publish -----------------------------------------------------------------
     def publish_tensors(self, model: HFActorCritic) -> list[Tensor]:
         """The actor's parameters (all, or only the LoRA adapters) in named_parameters order."""
+        return [t for _, t in self.publish_named(model)]
+
+    def publish_named(self, model: HFActorCritic) -> list[tuple[str, Tensor]]:
+        """:meth:`publish_tensors` with the actor's parameter names (what an engine loads by)."""
         items = list(model.actor.named_parameters())
         if self.options.lora_rank:
             items = [(n, p) for n, p in items if "lora_" in n]
             trainable = [n for n, p in model.actor.named_parameters() if p.requires_grad]
             if trainable != [n for n, _ in items] or not items:
                 raise ValueError(f"LoRA mode: trainable actor parameters {trainable[:4]} are not exactly the adapters")
-        return [p.data for _, p in items]
+        return [(n, p.data) for n, p in items]
 
     @torch.no_grad()
     def after_publish(self, model: HFActorCritic) -> None:

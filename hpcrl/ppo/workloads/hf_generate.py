@@ -15,22 +15,13 @@ benchmark's baseline (``benchmarks/hf_generate.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor, nn
 
+from .engine import SamplingParams
 
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    """1 = off."""
-    top_k: int = 0
-    """0 = off."""
-    sample: bool = True
-    """False: greedy (the argmax token; temperature / top-p / top-k unused)."""
+__all__ = ["SamplingParams", "filter_logits", "generate", "generate_by_length", "generate_recompute", "left_pad",
+           "position_ids", "response_mask", "token_logp"]
 
 
 def left_pad(rows: list[list[int]], length: int, pad_id: int) -> tuple[Tensor, Tensor]:

