@@ -61,7 +61,8 @@ class HFCollector(Collector):
         """The engine over ``model`` (made at its first use; re-made when handed another model)."""
         if self.engine is None or self._engine_model is not model:
             self.close()
-            self.engine = make_engine(self.options, model, self.models, self.task.eos_id, self.task.pad_id)
+            self.engine = make_engine(self.options, model, self.models, self.task.eos_id, self.task.pad_id,
+                                      self.device)
             self._engine_model = model
         return self.engine
 

@@ -78,9 +78,10 @@ class HFEngine(Engine):
         return EngineCapabilities("hf", dtypes=("fp32", "bf16", "int8"), head_sizes=None, lora="merged")
 
 
-def make_engine(options: HFOptions, model: HFActorCritic, models: HFModelFactory, eos_id: int,
-                pad_id: int) -> Engine:
-    """The engine ``--engine`` names, over the maker's ``model``."""
+def make_engine(options: HFOptions, model: HFActorCritic, models: HFModelFactory, eos_id: int, pad_id: int,
+                device: torch.device) -> Engine:
+    """The engine ``--engine`` names, for the maker on ``device``, over its ``model`` (``hf`` generates with
+    the model itself, on the model's device)."""
     if options.engine == "hf":
         return HFEngine(model, models, eos_id, pad_id, options.generate_buckets)
     raise ConfigError(f"{options.flag('engine')} {options.engine}: not available; use {options.flag('engine')} hf")
