@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("transformers")
 
 import hf_fixtures as F  # noqa: E402
-from hpcrl.config_check import ConfigError  # noqa: E402
+from hpcrl.core.config_check import ConfigError  # noqa: E402
 from hpcrl.ppo.workloads.engine import Generation, SamplingParams  # noqa: E402
 from hpcrl.ppo.workloads.hf import HFWorkload  # noqa: E402
 from hpcrl.ppo.workloads.hf_engine import HFEngine  # noqa: E402

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from hpcrl.config_check import ConfigError
+from hpcrl.core.config_check import ConfigError
 
 from .engine import Engine, EngineCapabilities, Generation, SamplingParams
 from .hf_generate import generate_by_length, left_pad, token_logp
