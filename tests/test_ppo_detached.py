@@ -139,6 +139,21 @@ def test_trainable_only_publish_keeps_the_frozen_base(tmp_path):
     assert rows[0]["checksum_mismatches"] == 0  # full-model checksums equal: base untouched, head published
 
 
+def test_accounts_carry_over_a_stopped_job_and_say_where_they_start_after_a_killed_one(tmp_path):
+    from hpcrl.ppo import accounts
+
+    job = {"samples_produced": 40.0, "samples_consumed": 32.0, "dropped_shutdown": 8.0, "dropped_stale": 0.0,
+           "lost_in_flight": 0.0, "makers_lost": 1.0}
+    fresh = accounts.carried(None, 0)
+    assert fresh["accounts_since_update"] == 0 and fresh["samples_produced"] == 0
+    accounts.store(tmp_path, accounts.combine(fresh, job))
+    assert (tmp_path / accounts.ACCOUNTS).stat().st_mode & 0o077 == 0
+    total = accounts.combine(accounts.carried(tmp_path, 4), job)
+    assert total == {**{k: 2 * v for k, v in job.items()}, "accounts_since_update": 0}
+    # a checkpoint without them (its job was killed): this job's accounts only, and from which update
+    assert accounts.carried(tmp_path / "none", 7) == {**dict.fromkeys(accounts.KEYS, 0.0), "accounts_since_update": 7}
+
+
 def test_trainer_checkpoint_and_resume_continue_the_version_count(tmp_path):
     spawn(train, 2, args=(toy_config(tmp_path, 1, 1, total_steps=5),), timeout_s=100)
     rows = spawn(train, 2, args=(toy_config(tmp_path, 1, 1, total_steps=9, resume=True),), timeout_s=100)

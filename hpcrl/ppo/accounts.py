@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hpcrl.core.diskfault import DiskFault, fault_line, is_disk_error
 from hpcrl.core.rundir_files import write_text
 
 __all__ = ["ACCOUNTS", "KEYS", "carried", "combine", "store"]
@@ -43,4 +44,9 @@ def combine(before: dict[str, float], job: dict[str, float]) -> dict[str, float]
 
 def store(checkpoint: Path, accounts: dict[str, float]) -> None:
     """Keep the run's accounts with its last checkpoint (atomically; the run dir's file mode)."""
-    write_text(checkpoint / ACCOUNTS, json.dumps(accounts))
+    try:
+        write_text(checkpoint / ACCOUNTS, json.dumps(accounts))
+    except OSError as err:
+        if not is_disk_error(err):
+            raise
+        raise DiskFault(fault_line(checkpoint / ACCOUNTS, err)) from None
