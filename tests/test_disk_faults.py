@@ -227,3 +227,37 @@ def test_one_rank_failing_stops_both_with_the_same_line(tmp_path, monkeypatch):
     root = checkpoint.checkpoint_root(tmp_path)
     assert sorted(p.name for p in root.iterdir()) == ["step_000000000001"]
     checkpoint.verify(root / "step_000000000001")
+
+
+def test_wandb_offline_files_on_a_full_disk_exit_74_with_one_line(tmp_path):
+    """W&B writes its offline files from its own process and only logs its write errors there: a FastSAC
+    run whose W&B dir fills up stops at its next row with exit 74 and one line naming that dir (no traceback,
+    no W&B logging errors), every row up to it in metrics.jsonl."""
+    pytest.importorskip("wandb")
+    import time
+
+    from test_spawn import TINY
+
+    wdir = tmp_path / "wandb"
+    _mount_tmpfs(wdir, "4m")
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hpcrl.sac", *TINY, "--total-env-steps", "400000", "--run-dir", str(run),
+           "--wandb-project", "p", "--wandb-mode", "offline"]
+    env = {**{k: v for k, v in _env().items() if not k.startswith("WANDB_")}, "WANDB_DIR": str(wdir),
+           "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.1)
+        _fill(wdir, 0)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        subprocess.run(["umount", "-l", str(wdir)], check=False)
+    assert proc.returncode == EXIT_DISK, err[-3000:]
+    faults = [line for line in err.splitlines() if f"{wdir}:" in line and "No space left on device" in line]
+    assert len(faults) == 1 and "W&B" in faults[0], err[-3000:]
+    assert "Traceback" not in err and "Logging error" not in err, err[-3000:]
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["env_steps"] < 400000

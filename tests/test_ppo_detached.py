@@ -139,6 +139,21 @@ def test_trainable_only_publish_keeps_the_frozen_base(tmp_path):
     assert rows[0]["checksum_mismatches"] == 0  # full-model checksums equal: base untouched, head published
 
 
+def test_accounts_carry_over_a_stopped_job_and_say_where_they_start_after_a_killed_one(tmp_path):
+    from hpcrl.ppo import accounts
+
+    job = {"samples_produced": 40.0, "samples_consumed": 32.0, "dropped_shutdown": 8.0, "dropped_stale": 0.0,
+           "lost_in_flight": 0.0, "makers_lost": 1.0}
+    fresh = accounts.carried(None, 0)
+    assert fresh["accounts_since_update"] == 0 and fresh["samples_produced"] == 0
+    accounts.store(tmp_path, accounts.combine(fresh, job))
+    assert (tmp_path / accounts.ACCOUNTS).stat().st_mode & 0o077 == 0
+    total = accounts.combine(accounts.carried(tmp_path, 4), job)
+    assert total == {**{k: 2 * v for k, v in job.items()}, "accounts_since_update": 0}
+    # a checkpoint without them (its job was killed): this job's accounts only, and from which update
+    assert accounts.carried(tmp_path / "none", 7) == {**dict.fromkeys(accounts.KEYS, 0.0), "accounts_since_update": 7}
+
+
 def test_trainer_checkpoint_and_resume_continue_the_version_count(tmp_path):
     spawn(train, 2, args=(toy_config(tmp_path, 1, 1, total_steps=5),), timeout_s=100)
     rows = spawn(train, 2, args=(toy_config(tmp_path, 1, 1, total_steps=9, resume=True),), timeout_s=100)
@@ -148,6 +163,11 @@ def test_trainer_checkpoint_and_resume_continue_the_version_count(tmp_path):
     assert versions == list(range(1, 10))  # no step lost or repeated across the restart
     assert rows[0]["checksum_mismatches"] == 0  # makers were brought to the resumed weights
     assert rows[0]["samples_produced"] == rows[0]["samples_consumed"] + rows[0]["dropped_shutdown"] + rows[0]["dropped_stale"]
+    # a closing row per finished job; the resumed one's accounts cover the whole run
+    closing = [r for r in metrics if "samples_produced" in r]
+    assert [r["policy_version"] for r in closing] == [5, 9] and metrics[-1] is closing[-1]
+    assert closing[-1]["samples_consumed"] == closing[-1]["env_steps"] and closing[-1]["accounts_since_update"] == 0
+    assert closing[-1]["samples_produced"] > closing[0]["samples_produced"]
 
 
 def _free_port() -> int:
@@ -301,12 +321,26 @@ def test_sigusr2_stops_with_a_checkpoint_and_resume_finishes(tmp_path):
     assert "stop requested" in out
     # the closing line of an interrupted run says so, never "done"
     assert "hpcrl: stopped (SIGUSR2) after" in err and "resume with --resume" in err and "hpcrl: done" not in err
-    stopped = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]
+    stopped_rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    stopped = stopped_rows[-1]
     assert stopped["policy_version"] < 60
+    # a stopped job writes no closing row: its accounts wait with its last checkpoint
+    assert not [r for r in stopped_rows if "samples_produced" in r]
+    (kept,) = (tmp_path / "checkpoints").glob("step_*/accounts.json")
+    first = json.loads(kept.read_text())
+    assert first["samples_consumed"] == stopped["env_steps"] and first["accounts_since_update"] == 0
     resumed = subprocess.run(args + ["--resume"], env=env, capture_output=True, text=True, timeout=90)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     versions = [r["policy_version"] for r in rows if "samples_produced" not in r]
     assert versions == list(range(1, 61))
+    # one closing row, the last, accounting for both jobs
+    closing = [i for i, r in enumerate(rows) if "samples_produced" in r]
+    assert closing == [len(rows) - 1]
+    final = rows[-1]
+    assert final["accounts_since_update"] == 0 and final["samples_consumed"] == final["env_steps"] == 60 * 8
+    assert final["samples_produced"] == (final["samples_consumed"] + final["dropped_stale"] + final["dropped_shutdown"]
+                                         + final["lost_in_flight"])
+    assert final["samples_produced"] > first["samples_produced"] and final["dropped_shutdown"] >= first["dropped_shutdown"]
     config = json.loads((tmp_path / "config.json").read_text())
     assert len(config["hosts"]["trainers"]) == 1 and len(config["hosts"]["makers"]) == 2

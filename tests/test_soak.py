@@ -6,9 +6,10 @@ across a 2-rank FastSAC run, each continued with ``--resume`` after every event 
   dropped and counted, the run goes on; the frozen one is SIGKILLed by the parent once dropped, or
   leaves on its own if woken first), SIGTERM to the parent
   (checkpoint, exit 75). Every job ends 0 or 75 (within 120 s of its event: a maker lost in the end
-  phase once held trainer 0 for --timeout-s, seed 597737) and its closing row accounts for every
-  sample; a maker fault sent after the last update's row may land after that maker finished, and then
-  need not count as lost.
+  phase once held trainer 0 for --timeout-s, seed 597737) and the run's accounts (a finished job's
+  closing row, a stopped job's ``accounts.json`` by its last checkpoint: over every job so far) account
+  for every sample; a maker fault sent after the last update's row may land after that maker finished,
+  and then need not count as lost.
 * FastSAC events: a rank frozen (every other rank exits 1 naming it within the heartbeat timeout), a
   rank SIGKILLed (exit 1), SIGTERM to the parent (exit 75). After each, ``--resume`` continues; the
   final run finishes and its rows are consistent (env steps strictly increasing, ending at the total).
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl.run.checkpoint import committed
 from hpcrl.run.rundir_reuse import committed_steps
 
 TESTS = Path(__file__).resolve().parent
@@ -77,8 +79,17 @@ def _wait_rows(run: Path, n: int, proc: subprocess.Popen, timeout: float = 180) 
     raise AssertionError(f"no {n} rows within {timeout} s")
 
 
+def _accounts(run: Path, rc: int) -> dict:
+    """The run's sample accounts after a job: its closing row (finished), or those kept by the last
+    checkpoint of a stopped job (no closing row then)."""
+    if rc == 0:
+        return _rows(run)[-1]
+    return json.loads((committed(run)[0] / "accounts.json").read_text())
+
+
 def _ppo_job(rng: random.Random, run: Path, tmp: Path, resume: bool, budget: int) -> tuple[int, list[str]]:
     """One PPO job with up to ``budget`` (<= 2) events: a maker fault, then maybe SIGTERM; (rc, events)."""
+    lost_before = _accounts(run, 75)["makers_lost"] if resume else 0.0  # the jobs before this one's
     args = ["--workload", "cartpole", "--makers", "2", "--trainers", "2", "--total-steps", "100",
             "--heartbeat-timeout-s", str(HEARTBEAT_S), "--checkpoint-every", "10", "--run-dir", str(run)]
     proc = _start("hpcrl.ppo", args + (["--resume"] if resume else []), tmp)
@@ -110,11 +121,12 @@ def _ppo_job(rng: random.Random, run: Path, tmp: Path, resume: bool, budget: int
     finally:
         _end(proc, 1)
     assert proc.returncode in (0, 75), f"{done}: rc {proc.returncode}\n{err[-3000:]}"
-    final = _rows(run)[-1]
+    final = _accounts(run, proc.returncode)
     assert final["samples_produced"] == (final["samples_consumed"] + final["dropped_stale"]
                                          + final["dropped_shutdown"] + final["lost_in_flight"]), (done, final)
+    assert final["accounts_since_update"] == 0  # every job before ended 0 or 75: the accounts cover them all
     faults = sum(k in ("freeze", "kill") for k in done)
-    assert faults - late <= final["makers_lost"] <= faults, (done, late, final, out[-2000:])
+    assert faults - late <= final["makers_lost"] - lost_before <= faults, (done, late, final, out[-2000:])
     return proc.returncode, done
 
 

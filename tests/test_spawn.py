@@ -344,6 +344,41 @@ def test_the_rank_that_failed_first_is_named(tmp_path):
     assert not isinstance(err.value, SpawnConfigError)
 
 
+def _dies_natively(log_dir: str, how: str) -> None:
+    """Rank 1 diverts its native stderr to its log, then dies without a Python error: a C++-style abort
+    after its message, or silently by SIGKILL; the others wait to be stopped."""
+    from hpcrl.comm.native_log import divert_native_stderr
+
+    if os.environ["RANK"] != "1":
+        time.sleep(60)
+        return
+    divert_native_stderr(log_dir, 1)
+    if how == "abort":
+        os.write(2, b"terminate called after throwing an instance of 'gloo::IoException'\n"
+                    b"  what():  [gloo/transport/tcp/pair.cc:598] Connection closed by peer\n"
+                    b"frame #0: c10::Error::Error + 0x42\n")
+        os.abort()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("how", ["abort", "sigkill"])
+def test_a_rank_dying_without_a_python_error_is_named_with_its_native_last_line(tmp_path, how):
+    """Its failure line quotes the last line its native side wrote to its log in this run (C++ frames
+    skipped), or ends with its exit when it wrote none (an earlier job's lines in the log are not quoted)."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "rank1.log").write_text("an earlier job's last line\n")
+    with pytest.raises(SpawnError) as err:
+        spawn(_dies_natively, 2, args=(str(logs), how), timeout_s=60)
+    message = str(err.value)
+    assert err.value.rank == 1 and "earlier job" not in message, message
+    if how == "abort":
+        assert message.startswith(f"rank 1 failed first (killed by SIGABRT; its log {logs / 'rank1.log'} ends: "
+                                  "what():  [gloo/transport/tcp/pair.cc:598] Connection closed by peer)"), message
+    else:
+        assert message.startswith("rank 1 failed first (killed by SIGKILL)") and "its log" not in message, message
+
+
 @pytest.mark.parametrize("case", ["unknown gym id", "run dir is a file"])
 def test_config_errors_in_the_ranks_exit_2_with_one_line(tmp_path, case):
     (tmp_path / "file").write_text("not a directory")

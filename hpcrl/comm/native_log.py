@@ -3,7 +3,9 @@
 torch's C++ side writes straight to file descriptor 2: c10d warnings with twenty C++ frames each when
 a store connection breaks, gloo and NCCL logs. Pointed at ``RUN_DIR/logs/rank<N>.log``, they are kept
 for a bug report while the terminal shows the one-line reason a distributed failure ends with; Python's
-``sys.stderr`` (errors, warnings, progress) moves to a copy of the original descriptor.
+``sys.stderr`` (errors, warnings, progress) moves to a copy of the original descriptor. A rank of
+:func:`hpcrl.comm.spawn` that dies without a Python error (a C++ abort, a signal) has the last line its
+native side wrote there quoted in the parent's failure line.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from pathlib import Path
 from typing import TextIO
 
 from hpcrl.core.rundir_files import file_mode, make_dir
+
+from .spawn_child import record_log
 
 __all__ = ["divert_native_stderr", "restore_native_stderr", "terminal_fd"]
 
@@ -29,6 +33,7 @@ def divert_native_stderr(log_dir: str | os.PathLike, rank: int) -> Path:
         return path
     sys.stderr.flush()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, file_mode())
+    record_log(path, os.fstat(fd).st_size)  # under hpcrl.comm.spawn: a death without a record quotes it
     terminal = os.dup(2)
     os.dup2(fd, 2)
     os.close(fd)

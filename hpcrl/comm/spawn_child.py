@@ -166,6 +166,18 @@ def scratch_dir() -> str | None:
     return _SCRATCH[0] if _SCRATCH else None
 
 
+def record_log(path: Path, offset: int) -> None:
+    """This rank's native stderr now goes to ``path`` from byte ``offset`` on (what an earlier job appended
+    stays before it): the parent quotes its last line when this rank dies without a record."""
+    if not _SCRATCH:
+        return
+    tmp, rank = _SCRATCH
+    try:
+        write_atomic(Path(tmp, f"log-{rank}"), json.dumps({"path": str(path), "offset": offset}).encode())
+    except OSError:  # the parent then reports this rank's exit alone
+        pass
+
+
 def record_peer_lost(message: str, peer: int | None) -> None:
     """This rank's heartbeat watch is about to end it (``os._exit``, past any ``except``): leave the
     parent the record run_child would have, naming ``peer`` (None: the store) as the one to blame."""

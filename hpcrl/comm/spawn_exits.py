@@ -30,6 +30,26 @@ def read_error(tmp: str, rank: int) -> dict | None:
         return None
 
 
+_LOG_TAIL = 1 << 14  # bytes of a rank's native log read for its last line
+_NOISE = ("frame #", "Exception raised from")  # the C++ stack frames c10d prints after its message
+
+
+def log_line(tmp: str, rank: int) -> str:
+    """``; its log PATH ends: LINE``: the last line the rank's native side wrote to its log in this job
+    (:func:`hpcrl.comm.spawn_child.record_log`), C++ frames skipped; "" when it wrote none."""
+    try:
+        where = json.loads(Path(tmp, f"log-{rank}").read_text())
+        path, offset = Path(where["path"]), int(where["offset"])
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            f.seek(max(offset, size - _LOG_TAIL))
+            text = f.read().decode("utf-8", errors="replace")
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith(_NOISE)]
+    return f"; its log {path} ends: {lines[-1][:500]}" if lines else ""
+
+
 PEER_LOST = f"{PeerLost.__module__}.{PeerLost.__qualname__}"  # how a rank's error record names it
 
 
@@ -110,7 +130,8 @@ class Exits:
             if earlier:
                 text += "; earlier, expendable " + ", ".join(f"rank {r} ({self.describe(r)})" for r in earlier)
             return SpawnError(text, rank, code)
-        text = f"rank {rank} failed first ({self.describe(rank)})"
+        own = log_line(self.tmp, rank) if rec is None else ""  # no Python error: what its native side last wrote
+        text = f"rank {rank} failed first ({self.describe(rank)}{own})"
         if earlier:
             text += "; earlier, expendable " + ", ".join(f"rank {r} ({self.describe(r)})" for r in earlier)
         later = [r for r in self.order if r != rank and r not in earlier and not self.succeeded(r)]

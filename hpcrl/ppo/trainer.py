@@ -31,7 +31,7 @@ from .publisher import Publisher
 from .role_planes import RolePlanes, staging_note
 from .rows import MAKER_TIME, STEP_SUMS, Tally, add_stats, closing_row, step_metrics
 from .replica import Replica
-from . import trainer_checkpoint
+from . import accounts, trainer_checkpoint
 from .trainer_checkpoint import TrainerCheckpoints
 from .topology import Topology
 from .wire import RESTORE_AGREE, barrier_name
@@ -53,6 +53,7 @@ class Trainer:
         self.stop, self.events = stop, events
         self.replica = Replica.build(cfg, workload, ppo, planes.trainer_device, ctx.device, ctx.rank)
         self.version = 0
+        self.carried = accounts.carried(None, 0)  # the accounts of the jobs before this one (_start)
         self.schemas = SchemaChannel(ctx.store, name=lambda rank: describe(ctx, rank, "maker"))
         self.makers = MakerLedger(ctx.rank, top, self._wires(), cfg.timeout_s, cfg.heartbeat_timeout_s,
                                   name=lambda rank, role: describe(ctx, rank, role))
@@ -251,6 +252,7 @@ class Trainer:
         cfg, run_dir = self.cfg, Path(self.cfg.run_dir)
         found = self._restore() if cfg.resume else None
         env_steps = self._load(found) if found is not None else 0.0
+        self.carried = accounts.carried(found.path if found is not None else None, self.version)
         if self.index == 0:
             if found is None:  # a fresh start (the entry point refused a run dir holding another run)
                 checkpoint.clear(run_dir)
@@ -317,9 +319,13 @@ class Trainer:
             self.publisher.end()  # after the last version
             self.makers.stop_all()
             produced = self.makers.produced(self.cfg.timeout_s)
-            row.update(closing_row(produced, [totals[k] for k in used], self.makers.dead, consumed,
-                                   totals["dropped_shutdown"], totals["dropped_stale"]))
-            logger.log(row)
+            job = closing_row(produced, [totals[k] for k in used], self.makers.dead, consumed,
+                              totals["dropped_shutdown"], totals["dropped_stale"])
+            row.update(accounts.combine(self.carried, job))  # the whole run's, over every job so far
+            if saved is not None:
+                accounts.store(saved, {k: row[k] for k in (*accounts.KEYS, "accounts_since_update")})
+            if not row.get("preempted"):  # one closing row, when the run finishes; a stopped job's wait in saved
+                logger.log(row)
             self._report(logger, row, reached, tally.best, saved)
             if not row.get("preempted"):  # last: every sample is accounted for and the checkpoint written
                 rundir.record_outcome(Path(self.cfg.run_dir), "finished", policy_version=self.version,

@@ -9,6 +9,9 @@ write that fails on the disk is a :class:`~hpcrl.core.diskfault.DiskFault` (path
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import io
 import json
 import math
 import os
@@ -22,13 +25,17 @@ from typing import Any, Callable, TextIO
 
 from hpcrl.run.checkpoint_rows import saved_rows
 from hpcrl.core.config_check import ConfigError
-from hpcrl.core.diskfault import DiskFault, fault_line, is_disk_error, quiet_writer_threads
+from hpcrl.core.conventions import EXIT_DISK
+from hpcrl.core.diskfault import DiskFault, fault_line, free_space, human_bytes, is_disk_error, quiet_writer_threads
 from hpcrl.run.progress import LOG_WIDTH, early_stop_line, fit, progress_fields, recent_rate, summary_lines
 from hpcrl.run.rundir import file_mode, make_dir, write_text
 from hpcrl.core.rundir_files import narrowed_umask
 
 
 RATE_ROWS = 8  # the ETA's rate is measured over this many latest rows
+# W&B writes its offline files from its own process and reports a failed write only in its own log (the
+# rows are dropped unseen): below this much free space on their disk, the run stops with a DiskFault instead
+WANDB_MIN_FREE = 1 << 20
 
 
 def truncate_rows(path: Path, resume_env_steps: int, key: str = "env_steps") -> int:
@@ -117,6 +124,7 @@ class RunLogger:
             self._recent.append((self.start, 0.0))
         self._writer = None
         self._wandb = None
+        self._wandb_files = False
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         if not enabled:
@@ -139,6 +147,9 @@ class RunLogger:
                 quiet_writer_threads("tensorboard")  # its writer thread's disk error comes back in _events
                 with narrowed_umask(file_mode()):  # the writer creates its event file here, by path
                     self._writer = self._events(lambda: SummaryWriter(str(tb), purge_step=resume_env_steps))
+        self._wandb_files = bool(wandb_project) and wandb_mode != "disabled"  # W&B writes files: watch their disk
+        if self._wandb_files:
+            check_wandb_room(wandb_dir(self.run_dir))
         if wandb_project:
             self._wandb = open_wandb(self.run_dir, wandb_project, wandb_mode, wandb_config or {},
                                      resume=bool(resume_env_steps))
@@ -158,6 +169,12 @@ class RunLogger:
             self._events(lambda: [writer.add_scalar(key, value, row["env_steps"]) for key, value in numbers.items()])
         if self._wandb is not None:
             self._wandb.log({**numbers, "env_steps": row["env_steps"]}, step=int(row["env_steps"]))
+            try:
+                if self._wandb_files:
+                    check_wandb_room(wandb_dir(self.run_dir))
+            except DiskFault:
+                self._close_wandb(EXIT_DISK)
+                raise
         self._progress(row)
 
     def _progress(self, row: dict[str, Any]) -> None:
@@ -240,13 +257,39 @@ class RunLogger:
             self._writer = None
             raise DiskFault(fault_line(self.run_dir / "tb", err)) from None
 
-    def _close_wandb(self) -> None:
-        if self._wandb is not None:
-            self._wandb.finish()
-            self._wandb = None
+    def _close_wandb(self, exit_code: int | None = None) -> None:
+        """Finish the W&B run; after a fault (``exit_code``) without its summary block or its own logging
+        errors on the terminal: the fault's one line says what happened."""
+        if self._wandb is None:
+            return
+        run, self._wandb = self._wandb, None
+        if exit_code is None:
+            run.finish()
+            return
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            run.finish(exit_code=exit_code)
 
 
 WANDB_MODES = ("online", "offline", "disabled")
+
+
+def wandb_dir(run_dir: Path) -> Path:
+    """Where W&B writes its files (``WANDB_DIR``, else the run dir)."""
+    return Path(os.environ.get("WANDB_DIR") or str(run_dir))
+
+
+def check_wandb_room(where: Path) -> None:
+    """A :class:`DiskFault` when ``where``'s filesystem has under :data:`WANDB_MIN_FREE` free."""
+    try:
+        free, total = free_space(where)
+    except OSError as err:
+        if is_disk_error(err):
+            raise DiskFault(fault_line(where, err)) from None
+        return
+    if free < WANDB_MIN_FREE:
+        raise DiskFault(f"{where}: {os.strerror(errno.ENOSPC)} for W&B's files ({human_bytes(free)} free of "
+                        f"{human_bytes(total)} on its filesystem; W&B needs {human_bytes(WANDB_MIN_FREE)} to "
+                        "write without losing rows)")
 
 
 def open_wandb(run_dir: Path, project: str, mode: str, config: dict[str, Any], resume: bool) -> Any:
@@ -261,4 +304,4 @@ def open_wandb(run_dir: Path, project: str, mode: str, config: dict[str, Any], r
     run_id = id_file.read_text().strip() if resume and id_file.exists() else secrets.token_hex(4)
     write_text(id_file, run_id)
     return wandb.init(project=project, mode=mode, id=run_id, resume="allow", config=config,
-                      dir=os.environ.get("WANDB_DIR") or str(run_dir), name=run_dir.name)
+                      dir=str(wandb_dir(run_dir)), name=run_dir.name)
