@@ -22,7 +22,7 @@ from typing import Any, Callable
 from hpcrl.core.config_check import ConfigError, flag
 
 F32, I64 = 4, 8
-REPLAY_SLOT_FIXED = F32 + 1 + I64  # reward f32, flags u8, final_ref i64 per (slot, env)
+REPLAY_SLOT_FIXED = 2 * F32 + I64  # one 8-byte step (reward f32, flags in its second word), final_ref i64 per (slot, env)
 SIZE_FLAGS = ("buffer_size", "num_envs", "batch_size")
 RUNTIME_BYTES = 400 * 10**6
 """A rank's footprint before it allocates anything of its own (355 MB resident measured on CPU)."""
