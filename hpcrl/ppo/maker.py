@@ -129,9 +129,11 @@ class Maker:
             samples = int(stats.get("env_steps", 1))
             payload = schema.pack(batch, stats)
             header = Header(self.index, credit.credit_id, seq, self.version, samples, payload.numel())
-            self._hand_over((credit.trainer, header, payload))  # trainer index == its rank
+            # Counted before it leaves: a maker killed right after a send must not have had a batch used
+            # that its published count does not hold yet (lost in flight would go negative).
             self._produced += samples
             self._count(samples)
+            self._hand_over((credit.trainer, header, payload))  # trainer index == its rank
             seq += 1
             wall = time.time() - prev_end  # monotonic instants as wall-clock times, for the event
             self.events(RolloutDone(wall + prev_end, self.index, self.version, wall + wait_start, wall + t_collect,
