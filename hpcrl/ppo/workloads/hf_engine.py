@@ -84,4 +84,8 @@ def make_engine(options: HFOptions, model: HFActorCritic, models: HFModelFactory
     the model itself, on the model's device)."""
     if options.engine == "hf":
         return HFEngine(model, models, eos_id, pad_id, options.generate_buckets)
+    if options.engine == "vllm":
+        from .vllm_engine import VLLMEngine  # imports vLLM: only where it is used
+
+        return VLLMEngine(options, model, models, eos_id, device)
     raise ConfigError(f"{options.flag('engine')} {options.engine}: not available; use {options.flag('engine')} hf")

@@ -79,6 +79,10 @@ class HFModelFactory:
             except ImportError:
                 raise ConfigError(f"--lora-rank {o.lora_rank} needs the peft package: pip install peft, or "
                                   "--lora-rank 0") from None
+        if o.engine == "vllm":  # its head size and precision, before any rank starts
+            from .vllm_engine import check_vllm
+
+            check_vllm(o, config, cuda=torch.cuda.is_available())
         limit = M.context_length(config)
         total = o.max_prompt_tokens + o.max_new_tokens
         if limit is not None and total > limit:

