@@ -192,3 +192,54 @@ def test_detached_grpo_loads_every_version_into_the_engine(llama, tmp_path):
     # lag 0: every batch sampled by the engine at the trainers' version, so the engine's behaviour log-probs
     # are the trainers' (measured: 0.0 at all 4 updates; staleness alone makes it ~0.5 with --lag 1)
     assert max(r["maker_logp_gap"] for r in rows) < 1e-4, [r["maker_logp_gap"] for r in rows]
+
+
+@needs_vllm
+@torch.no_grad()
+def test_lora_versions_are_pushed_merged(llama, setup):
+    """With --lora-rank the maker merges each version's adapters into its base weights and the engine gets
+    the merged weights by the base model's names: its greedy tokens are the peft model's."""
+    from hpcrl.ppo.workloads.hf_factory import HFModelFactory
+    from hpcrl.ppo.workloads.vllm_engine import VLLMEngine
+
+    _, _, eos, prompts = setup
+    o = options(llama, lora_rank=4)
+    models = HFModelFactory(o)
+    model = models.build(0, "cpu", critic=False)
+    engine = VLLMEngine(o, model, models, eos, torch.device("cpu"))
+    try:
+        g = torch.Generator().manual_seed(1)
+        greedy = SamplingParams(max_new_tokens=12, sample=False)
+        base = None
+        for version in (1, 2):
+            for name, p in model.actor.named_parameters():  # what a publish writes: the adapters
+                if "lora_" in name:
+                    p.add_(torch.randn(p.shape, generator=g) * 0.5)
+            models.after_publish(model)  # the maker's merge (as after every publish)
+            engine.load_weights(models.publish_named(model), version)
+            expected = [hf_greedy(model.actor.eval(), p, 12, eos) for p in prompts]
+            gen = engine.generate(prompts, greedy, seed=0)
+            assert [gen.response(i) for i in range(len(prompts))] == expected, version
+            base = base or expected
+        assert expected != base
+    finally:
+        engine.close()
+
+
+@needs_vllm
+def test_bf16_engine_generates_close_to_fp32(setup):
+    """--maker-dtype bf16 is the engine's dtype (fp32 tensors cast on load): greedy tokens mostly agree with
+    fp32 transformers (not exactly: bf16 rounding), log-probs are finite."""
+    from hpcrl.ppo.workloads.vllm_engine import VLLMEngine
+
+    engine32, model, eos, prompts = setup
+    o = options(Path(engine32.options.model), maker_dtype="bf16")
+    engine = VLLMEngine(o, model, engine32.models, eos, torch.device("cpu"))
+    try:
+        greedy = SamplingParams(max_new_tokens=12, sample=False)
+        gen, ref = engine.generate(prompts, greedy, seed=0), engine32.generate(prompts, greedy, seed=0)
+        same = sum(a == b for i in range(len(prompts)) for a, b in zip(gen.response(i), ref.response(i)))
+        assert same >= 0.5 * ref.tokens.numel() and bool(torch.isfinite(gen.logp).all())
+        assert engine.capabilities().dtypes == ("fp32", "bf16")
+    finally:
+        engine.close()
