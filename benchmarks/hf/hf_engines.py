@@ -110,14 +110,14 @@ def run_size(name: str, args, limit: int, new: int, reps: int) -> dict:
                 tokens[k].append(int(gen.tokens.numel()))
         swaps = {k: [swap_ms_per_mib(e, model, v) for v in (1, 2, 3)] for k, e in both.items()}
         vllm.close()
-    row = {"model": name, "hidden": hidden, "layers": layers, "batch": args.batch, "prompt_tokens": limit,
-           "new_tokens": new, "vllm_start_s": start_s}
-    for k in both:
-        n = statistics.mean(tokens[k])
-        row |= {f"{k}_tok_s": n / statistics.median(wall[k]), f"{k}_tok_per_cpu_s": n / statistics.median(cpu[k]),
-                f"{k}_mean_response": n / args.batch, f"{k}_swap_ms_per_mib": statistics.median(swaps[k]),
-                f"{k}_wall": wall[k], f"{k}_cpu": cpu[k]}
-    return row
+    n = {k: statistics.mean(v) for k, v in tokens.items()}
+    row = {"model": name, "hidden": hidden, "layers": layers, "vllm_start_s": start_s}  # the headline first
+    row |= {f"{k}_tok_per_cpu_s": n[k] / statistics.median(cpu[k]) for k in both}
+    row |= {f"{k}_tok_s": n[k] / statistics.median(wall[k]) for k in both}
+    row |= {f"{k}_swap_ms_per_mib": statistics.median(swaps[k]) for k in both}
+    row |= {"batch": args.batch, "prompt_tokens": limit, "new_tokens": new}
+    row |= {f"{k}_mean_response": n[k] / args.batch for k in both}
+    return row | {f"{k}_{what}": times[k] for k in both for what, times in (("wall", wall), ("cpu", cpu))}
 
 
 def main(argv: list[str] | None = None) -> int:
