@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("transformers")
 
 import hf_fixtures as F  # noqa: E402
-from hpcrl.config_check import ConfigError  # noqa: E402
+from hpcrl.core.config_check import ConfigError  # noqa: E402
 from hpcrl.ppo.workloads.engine import SamplingParams  # noqa: E402
 from hpcrl.ppo.workloads.hf_generate import token_logp  # noqa: E402
 from hpcrl.ppo.workloads.hf_options import HFOptions  # noqa: E402

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from hpcrl.config_check import ConfigError
+from hpcrl.core.config_check import ConfigError
 
 from .engine import Engine, EngineCapabilities, Generation, SamplingParams
 
