@@ -9,7 +9,8 @@ checkpoint (``learner.pt`` with the full model) works too, from its tensors in m
 per-checkpoint ``hf/actor`` export goes through :func:`save_artifacts` the same way, after the commit,
 on the checkpoint writer thread.
 
-Bad input (no run dir, no checkpoint, not an hf run, a step that does not exist) exits 2 with one line.
+Bad input (no run dir, no checkpoint, not an hf run, a step that does not exist) exits 2 with one line; a
+full disk while writing the export exits 74 with one line (the file, the free space).
 
 ``--out`` is replaced only when it is absent, empty, or an earlier export of this tool (its
 :data:`MARKER` lists the files it wrote, and nothing else is there); any other non-empty directory
@@ -32,6 +33,8 @@ import tyro
 from hpcrl.run import checkpoint
 from hpcrl.run.cli import spell_bools
 from hpcrl.core.config_check import ConfigError
+from hpcrl.core.conventions import EXIT_DISK
+from hpcrl.core.diskfault import DiskFault, fault_line, is_disk_error
 from hpcrl.run.rundir import RunDirError
 from hpcrl.run.rundir_reuse import previous_run
 
@@ -57,13 +60,18 @@ def save_artifacts(workload: Workload, path: Path, out_dir: Path | None = None) 
     the actor's tensors read in full (an older gathered ``learner.pt``: already one file in memory), then
     released."""
     dcp_dir = Path(path) / DCP_DIR
-    if workload.capabilities().exports_from_shards and (dcp_dir / ".metadata").is_file():  # not a learner.pt
-        return workload.export_checkpoint(dcp_dir, out_dir)
-    state = actor_state(path)
     try:
-        return workload.save_artifacts(state, out_dir)
-    finally:
-        del state
+        if workload.capabilities().exports_from_shards and (dcp_dir / ".metadata").is_file():  # not a learner.pt
+            return workload.export_checkpoint(dcp_dir, out_dir)
+        state = actor_state(path)
+        try:
+            return workload.save_artifacts(state, out_dir)
+        finally:
+            del state
+    except OSError as err:  # a full disk while writing the export: one line, not a traceback
+        if not is_disk_error(err):
+            raise
+        raise DiskFault(fault_line(err.filename or out_dir or path, err)) from None
 
 
 @dataclass
@@ -215,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     args = tyro.cli(ExportArgs, args=argv, prog="python -m hpcrl.ppo.export")
     try:
         out = export(args.run_dir, args.out, args.step, args.overwrite, args.max_shard_size)
+    except DiskFault as err:  # a RunDirError too, with its own exit code
+        print(f"hpcrl.ppo.export: error: {err}", file=sys.stderr, flush=True)
+        return EXIT_DISK
     except (RunDirError, ConfigError) as err:
         print(f"hpcrl.ppo.export: {err}", file=sys.stderr, flush=True)
         return 2

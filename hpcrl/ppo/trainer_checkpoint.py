@@ -55,10 +55,10 @@ from hpcrl.run import checkpoint
 from hpcrl.run.checkpoint_manifest import LEARNER, CorruptCheckpoint, check_file, rank_file
 from hpcrl.run.checkpoint_rows import METRICS, tail_rows
 from hpcrl.run.checkpoint_write import FORMAT_VERSION, fsync_dir
-from hpcrl.core.diskfault import DiskFault
+from hpcrl.core.diskfault import DiskFault, fault_line, is_disk_error
 from hpcrl.core.h5io import load_h5
 
-__all__ = ["DCP_DIR", "FORMAT", "TrainerCheckpoints", "deal_rank_state", "read_full", "run_identity",
+__all__ = ["DCP_DIR", "FORMAT", "TrainerCheckpoints", "dcp_fault_line", "deal_rank_state", "read_full", "run_identity",
            "upgrade_identity"]
 
 DCP_DIR = "dcp"
@@ -137,6 +137,22 @@ def deal_rank_state(states: dict[int, dict[str, Any]], old: int, new: int, rank:
 
 def _ints(value: Any) -> list[int]:
     return [] if value is None else [int(v) for v in torch.as_tensor(value).reshape(-1).tolist()]
+
+
+def dcp_fault_line(where: Path, err: BaseException) -> str:
+    """The line of a failed DCP save: the first disk error among the ranks' failures (DCP wraps them in one
+    ``CheckpointException``) as :func:`~hpcrl.core.diskfault.fault_line` (its file, the free space), else
+    what DCP said with the free space of ``where`` (torch's zip writer reports a failed write as a position
+    mismatch, the disk error lost)."""
+    failures = getattr(err, "failures", None)
+    causes = [e[0] if isinstance(e, tuple) else e for e in (failures or {}).values()] + [err]
+    for cause in causes:
+        while cause is not None and not is_disk_error(cause):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:
+            return fault_line(cause.filename or where, cause)
+    first = next((f"{type(c).__name__}: {str(c).splitlines()[0]}" for c in causes if str(c)), type(err).__name__)
+    return fault_line(where, OSError(f"checkpoint shards not written: {first}"))
 
 
 def _dcp_files(tmp: Path, rank: int) -> list[str]:
@@ -220,12 +236,14 @@ class TrainerCheckpoints:
         def write_dcp(tmp: Path) -> list[str]:
             import torch.distributed.checkpoint as dcp
 
+            from torch.distributed.checkpoint.api import CheckpointException
+
             try:
                 dcp.save(staged, storage_writer=dcp.FileSystemWriter(str(tmp / DCP_DIR), sync_files=True),
                          process_group=group)
-            except Exception as err:  # noqa: BLE001  (DCP gathers every rank's failure into one exception)
-                raise DiskFault(f"checkpoint shards in {tmp / DCP_DIR} not written: {type(err).__name__}: "
-                                f"{str(err).splitlines()[0] if str(err) else ''}") from None
+            # DCP gathers every rank's failure into one CheckpointException, a BaseException
+            except (Exception, CheckpointException) as err:  # noqa: BLE001
+                raise DiskFault(dcp_fault_line(tmp / DCP_DIR, err)) from None
             fsync_dir(tmp / DCP_DIR)
             return _dcp_files(tmp, self.rank)
 

@@ -31,9 +31,11 @@ import torch
 from torch import Tensor, nn
 
 from hpcrl.core.config_check import ConfigError
+from hpcrl.core.diskfault import DISK_ERRNOS, DiskFault, fault_line
 
 __all__ = ["CheckpointTensors", "DEFAULT_MAX_SHARD_SIZE", "StateTensors", "TensorSource", "generation_config",
-           "lora_delta", "meta_causal_lm", "peft_scaling", "plan_export", "write_actor", "write_pretrained"]
+           "lora_delta", "meta_causal_lm", "peft_scaling", "plan_export", "save_shard", "write_actor",
+           "write_pretrained"]
 
 DEFAULT_MAX_SHARD_SIZE = "2GB"
 """Per safetensors file (save_pretrained's default is 50GB): the bound on what an export holds at once."""
@@ -187,7 +189,6 @@ def write_pretrained(source: TensorSource, out: Path, skeleton: nn.Module, dtype
     """Write the actor held by ``source`` (names under ``prefix``) into directory ``out`` as
     ``skeleton.save_pretrained`` of the merged model in ``dtype`` would, shard by shard (module docstring)."""
     from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
 
     entries = plan_export(source.specs, skeleton, prefix, lora_scaling, lora_rank)
     by_out = {e.out: e for e in entries}
@@ -216,7 +217,7 @@ def write_pretrained(source: TensorSource, out: Path, skeleton: nn.Module, dtype
                 del a, b, delta
             shard[e.out] = w.to(dtype).contiguous()
             del w
-        save_file(shard, str(out / filename), metadata={"format": "pt"})
+        save_shard(shard, out / filename)
         del shard, tensors
     if split.is_sharded:
         index = {"metadata": {"total_parameters": skeleton.num_parameters(), **split.metadata},
@@ -225,6 +226,23 @@ def write_pretrained(source: TensorSource, out: Path, skeleton: nn.Module, dtype
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     return out
+
+
+def save_shard(shard: dict[str, Tensor], path: Path) -> None:
+    """``safetensors`` ``save_file``; a disk error (which safetensors raises as its own error, with the OS
+    error's number in the message) as a :class:`~hpcrl.core.diskfault.DiskFault` naming ``path``."""
+    from safetensors.torch import save_file
+
+    try:
+        save_file(shard, str(path), metadata={"format": "pt"})
+    except Exception as err:  # noqa: BLE001  (SafetensorError: "... No space left on device (os error 28)")
+        code = re.search(r"\(os error (\d+)\)", str(err))
+        if code is None or int(code.group(1)) not in DISK_ERRNOS:
+            raise
+        number = int(code.group(1))
+        line = fault_line(path, OSError(number, os.strerror(number), str(path)))  # the space the write met
+        path.unlink(missing_ok=True)
+        raise DiskFault(line) from None
 
 
 def meta_causal_lm(path: str, dtype: torch.dtype) -> nn.Module:
