@@ -124,3 +124,50 @@ def test_an_hf_export_shard_on_a_full_disk_is_a_disk_fault(small_disk):
         save_shard({"w": torch.ones(1 << 19)}, path)
     assert str(err.value).startswith(f"{path}: No space left on device (") and "free of 1.0 MiB" in str(err.value)
     assert not path.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_hf_export_tool_on_a_full_disk_exits_74_with_one_line(small_disk, tmp_path):
+    import hf_fixtures as F
+
+    model, prompts, run = F.build_causal_lm(tmp_path / "llama"), F.write_prompts(tmp_path / "p.jsonl"), tmp_path / "run"
+    done = F.run_ppo(["--workload", "hf", "--hf.model", str(model), "--hf.reward-fn", "hf_fixtures:target_fraction",
+                      "--hf.prompts", str(prompts), "--hf.max-prompt-tokens", "8", "--hf.max-new-tokens", "4",
+                      "--hf.batch-size", "8", "--makers", "1", "--trainers", "1", "--total-steps", "2",
+                      "--timeout-s", "60", "--run-dir", str(run)], tmp_path, 300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    fill(small_disk, 32 << 10)  # the config files fit, the weights do not
+    out = small_disk / "actor"
+    export = subprocess.run([sys.executable, "-m", "hpcrl.ppo.export", str(run), "--out", str(out)], env=_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert export.returncode == EXIT_DISK, export.stderr[-3000:]
+    lines = [line for line in export.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and "Traceback" not in export.stderr, export.stderr[-3000:]
+    line = lines[0]
+    assert line.startswith("hpcrl.ppo.export: error: ") and "model.safetensors: No space left on device (" in line
+    assert "free of 1.0 MiB" in line, line
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]  # nothing half-written left
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_full_disk_under_the_per_checkpoint_hf_export_exits_74_with_one_line(small_disk, tmp_path):
+    """Trainer 0 exports the actor to --hf.save-dir after each checkpoint's commit: a full disk there stops
+    the run with one line; the checkpoint it exported is committed and verifies."""
+    import hf_fixtures as F
+
+    model, prompts, run = F.build_causal_lm(tmp_path / "llama"), F.write_prompts(tmp_path / "p.jsonl"), tmp_path / "run"
+    fill(small_disk, 32 << 10)
+    done = F.run_ppo(["--workload", "hf", "--hf.model", str(model), "--hf.reward-fn", "hf_fixtures:target_fraction",
+                      "--hf.prompts", str(prompts), "--hf.max-prompt-tokens", "8", "--hf.max-new-tokens", "4",
+                      "--hf.batch-size", "8", "--hf.save-dir", str(small_disk), "--makers", "1", "--trainers", "1",
+                      "--total-steps", "4", "--checkpoint-every", "1", "--timeout-s", "60", "--run-dir", str(run)],
+                     tmp_path, 300)
+    assert done.returncode == EXIT_DISK, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "model.safetensors: No space left on device (" in lines[0] and "free of 1.0 MiB" in lines[0], lines[0]
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]  # no half-written actor
+    root = checkpoint.checkpoint_root(run)
+    checkpoint.verify(max(root.glob("step_*")))
