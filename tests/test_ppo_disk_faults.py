@@ -171,3 +171,41 @@ def test_a_full_disk_under_the_per_checkpoint_hf_export_exits_74_with_one_line(s
     assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]  # no half-written actor
     root = checkpoint.checkpoint_root(run)
     checkpoint.verify(max(root.glob("step_*")))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_full_disk_under_fsdp_dcp_shards_exits_74_and_resumes(tmp_path):
+    """--strategy fsdp on a 4 MiB tmpfs: the first checkpoint (~2.1 MiB) fits, the second's DCP shards do
+    not (nothing is pruned before a commit). DCP loses the disk error on its way over the ranks: the line
+    names the shards' dir and the free space."""
+    import hf_fixtures as F
+
+    disk = tmp_path / "small"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        model, prompts = F.build_causal_lm(tmp_path / "llama"), F.write_prompts(tmp_path / "p.jsonl")
+        args = ["--workload", "hf", "--hf.model", str(model), "--hf.reward-fn", "hf_fixtures:target_fraction",
+                "--hf.prompts", str(prompts), "--hf.max-prompt-tokens", "8", "--hf.max-new-tokens", "4",
+                "--hf.batch-size", "8", "--strategy", "fsdp", "--makers", "1", "--trainers", "1", "--total-steps",
+                "4", "--checkpoint-every", "1", "--timeout-s", "60"]
+        done = F.run_ppo([*args, "--run-dir", str(disk / "run")], tmp_path, 300)
+        assert done.returncode == EXIT_DISK, done.stderr[-3000:]
+        lines = [line for line in done.stderr.splitlines() if "error" in line]
+        assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+        assert "checkpoint of step 2 not written" in lines[0], lines[0]
+        assert ".tmp-step_000000000002/dcp: No space left on device (0 B free of 4.0 MiB" in lines[0], lines[0]
+        root = checkpoint.checkpoint_root(disk / "run")
+        assert sorted(p.name for p in root.iterdir()) == ["step_000000000001"]
+        checkpoint.verify(root / "step_000000000001")
+        moved = tmp_path / "moved"  # space freed
+        shutil.copytree(disk / "run", moved, symlinks=True)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+    resumed = F.run_ppo([*args, "--run-dir", str(moved), "--resume"], tmp_path, 300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = [json.loads(line) for line in (moved / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in rows if "samples_produced" not in r] == [1, 2, 3, 4]

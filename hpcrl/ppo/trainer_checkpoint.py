@@ -43,7 +43,9 @@ optimizer and update counter are the run's, exactly):
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
+import os
 import threading
 import time
 from pathlib import Path
@@ -55,7 +57,7 @@ from hpcrl.run import checkpoint
 from hpcrl.run.checkpoint_manifest import LEARNER, CorruptCheckpoint, check_file, rank_file
 from hpcrl.run.checkpoint_rows import METRICS, tail_rows
 from hpcrl.run.checkpoint_write import FORMAT_VERSION, fsync_dir
-from hpcrl.core.diskfault import DiskFault, fault_line, is_disk_error
+from hpcrl.core.diskfault import DiskFault, fault_line, free_space, is_disk_error
 from hpcrl.core.h5io import load_h5
 
 __all__ = ["DCP_DIR", "FORMAT", "TrainerCheckpoints", "dcp_fault_line", "deal_rank_state", "read_full", "run_identity",
@@ -141,9 +143,9 @@ def _ints(value: Any) -> list[int]:
 
 def dcp_fault_line(where: Path, err: BaseException) -> str:
     """The line of a failed DCP save: the first disk error among the ranks' failures (DCP wraps them in one
-    ``CheckpointException``) as :func:`~hpcrl.core.diskfault.fault_line` (its file, the free space), else
-    what DCP said with the free space of ``where`` (torch's zip writer reports a failed write as a position
-    mismatch, the disk error lost)."""
+    ``CheckpointException``) as :func:`~hpcrl.core.diskfault.fault_line`; torch's zip writer reports a failed
+    write as a position mismatch, the disk error lost: then ENOSPC where ``where``'s disk is full, else what
+    DCP said, with the free space."""
     failures = getattr(err, "failures", None)
     causes = [e[0] if isinstance(e, tuple) else e for e in (failures or {}).values()] + [err]
     for cause in causes:
@@ -151,6 +153,12 @@ def dcp_fault_line(where: Path, err: BaseException) -> str:
             cause = cause.__cause__ or cause.__context__
         if cause is not None:
             return fault_line(cause.filename or where, cause)
+    try:
+        full = free_space(where)[0] == 0  # the disk error lost on its way (gathered over the ranks)
+    except OSError:
+        full = False
+    if full:
+        return fault_line(where, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
     first = next((f"{type(c).__name__}: {str(c).splitlines()[0]}" for c in causes if str(c)), type(err).__name__)
     return fault_line(where, OSError(f"checkpoint shards not written: {first}"))
 
