@@ -243,7 +243,6 @@ class TrainerCheckpoints:
 
         def write_dcp(tmp: Path) -> list[str]:
             import torch.distributed.checkpoint as dcp
-
             from torch.distributed.checkpoint.api import CheckpointException
 
             try:
