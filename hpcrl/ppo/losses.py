@@ -214,6 +214,8 @@ def token_gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: 
     """GAE over ``[B, G]`` response tokens (right-padded ``mask``): the sequence terminates at its last
     action token, so nothing bootstraps past it; advantages are 0 outside ``mask`` and whitened over
     it with ``normalize``. Returns ``(advantages, returns)``, ``[B, G]``."""
+    if mask.shape[1] > 1 and bool((mask[:, 1:] > mask[:, :-1]).any()):  # one host read
+        return _gae_over_policy_tokens(rewards, values, mask, gamma, lam, normalize)
     # where each row ends, by scatter: one_hot would read the indices' range on the host
     end = torch.clamp(mask.sum(-1).long() - 1, min=0)
     last = torch.zeros(mask.shape, dtype=rewards.dtype, device=mask.device).scatter_(-1, end.unsqueeze(-1), 1.0)
@@ -221,6 +223,21 @@ def token_gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: 
     adv, returns = gae(rewards.T, values.T, next_values.T, last.T, last.T, gamma, lam)  # time-major
     adv, returns = adv.T * mask, returns.T
     return (whiten(adv, mask=mask) if normalize else adv), returns
+
+
+def _gae_over_policy_tokens(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float,
+                            normalize: bool) -> tuple[Tensor, Tensor]:
+    """:func:`token_gae` where ``mask`` has gaps (multi-turn episodes: observation tokens between the
+    policy's turns): the policy tokens of each row are gathered to its front, in order, so that each one's
+    next step is the next *policy* token (an observation is part of the transition, not a step of its own),
+    GAE runs there, and the results go back to their columns (0 elsewhere). Rewards outside ``mask`` are
+    dropped: a turn's reward sits on its last policy token."""
+    order = torch.argsort((mask <= 0).to(torch.int8), dim=1, stable=True)  # policy columns first, in order
+    packed = torch.gather(mask, 1, order)
+    adv, returns = token_gae(torch.gather(rewards, 1, order), torch.gather(values, 1, order), packed, gamma, lam,
+                             normalize)
+    back = torch.empty_like(order).scatter_(1, order, torch.arange(mask.shape[1], device=mask.device).expand_as(order))
+    return torch.gather(adv, 1, back) * mask, torch.gather(returns, 1, back) * mask
 
 
 # -- loss variants: group baselines, loss normalisation, adaptive KL, learning-rate schedule ---------

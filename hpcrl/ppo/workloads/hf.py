@@ -93,6 +93,7 @@ from ..workload import Capabilities, PPOConfig, Workload
 from .hf_collector import HFCollector, left_pad
 from .hf_export import DEFAULT_MAX_SHARD_SIZE
 from .hf_factory import HFActorCritic, HFModelFactory
+from .hf_env import check_env
 from .hf_learner import HFLearner, group_advantages
 from .hf_options import HFGroupOptions, HFOptions
 from .hf_task import HFTask
@@ -121,6 +122,8 @@ class HFWorkload(HFOptions, Workload):
             options.check()
             self.models = HFModelFactory(options)
             self.task = HFTask(options)
+            if options.multi_turn:
+                check_env(options, self.task)
         except ConfigError as err:
             raise options.renamed(err) from None
         self.options = options

@@ -14,7 +14,10 @@ from torch import Tensor
 from ..workload import Collector
 from .engine import Engine
 from .hf_engine import make_engine
+from .episodes import Outcome
+from .hf_env import EnvEpisodes
 from .hf_generate import left_pad, token_logp
+from .rollout import Trace, layout, run_turns
 from .hf_prompts import PromptStream
 
 if TYPE_CHECKING:
@@ -39,6 +42,8 @@ class HFCollector(Collector):
         self._logged = False  # held_line once, after the first batch
         self.engine: Engine | None = None
         self._engine_model: HFActorCritic | None = None  # the model the engine was made over
+        self.env = EnvEpisodes(options, task) if options.multi_turn else None
+        self._reasons: set[str] = set()
 
     def assign(self, batch: int, seed: int) -> None:
         """The next collect serves the run's batch ``batch``: prompts ``[batch * B, (batch + 1) * B)`` of
@@ -60,7 +65,7 @@ class HFCollector(Collector):
     def engine_for(self, model: HFActorCritic) -> Engine:
         """The engine over ``model`` (made at its first use; re-made when handed another model)."""
         if self.engine is None or self._engine_model is not model:
-            self.close()
+            self.close_engine()
             self.engine = make_engine(self.options, model, self.models, self.task.eos_id, self.task.pad_id,
                                       self.device)
             self._engine_model = model
@@ -71,6 +76,11 @@ class HFCollector(Collector):
         self.engine_for(model).load_weights(self.models.publish_named(model), version)
 
     def close(self) -> None:
+        if self.env is not None:
+            self.env.close()
+        self.close_engine()
+
+    def close_engine(self) -> None:
         if self.engine is not None:
             self.engine.close()
         self.engine = self._engine_model = None
@@ -84,30 +94,49 @@ class HFCollector(Collector):
         self._sample_seed = None
         engine = self.engine_for(model)
         t0 = time.perf_counter()
-        generation = engine.generate(prompts, task.sampling, seed)
+        if self.env is None:  # one turn; the reward scores the completions afterwards
+            traces = [Trace(p) for p in prompts]
+            run_turns(traces, engine.generate, _finished, _no_observation, task.sampling, seed, 1, o.max_new_tokens)
+        else:
+            traces = self.env.start([task.records[i] for i in idx])
+            run_turns(traces, engine.generate, self.env.step, self.env.observation_ids, task.sampling, seed,
+                      o.max_turns, o.episode_tokens)
+            self._report(traces)
         gen_s = max(time.perf_counter() - t0, 1e-9)
-        prompt, pmask = (t.to(device) for t in left_pad(prompts, o.max_prompt_tokens, task.pad_id))
-        response, amask, logp = (t.to(device) for t in generation.padded(o.max_new_tokens, task.pad_id))
-        tokens, attn = torch.cat([prompt, response], 1), torch.cat([pmask, amask], 1)
-        inputs = task.reward_inputs(idx, task.records, task.prompt_texts)  # records stay maker-side: never sent
-        score = task.score(inputs, tokens, attn, response, amask, self.batches)
+        batch = {k: v.to(device) for k, v in layout(traces, o.max_prompt_tokens, o.episode_tokens, task.pad_id).items()}
+        tokens, attn, amask = batch["tokens"], batch["attention_mask"], batch["action_mask"]
+        turn_reward = batch.pop("turn_reward")
+        if self.env is None:
+            inputs = task.reward_inputs(idx, task.records, task.prompt_texts)  # records stay maker-side: never sent
+            score = task.score(inputs, tokens, attn, tokens[:, o.max_prompt_tokens:], amask, self.batches)
+        else:  # the episode's return; each turn's reward where the turn ended
+            score = turn_reward.sum(1)
+            batch["turn_reward"] = turn_reward
+            batch["episode_info"] = torch.tensor([t.info() for t in traces], dtype=torch.float32, device=device)
         self.batches += 1
         n_tok = float(amask.sum())
-        batch = {"tokens": tokens, "attention_mask": attn, "action_mask": amask, "behaviour_logp": logp,
-                 "score": score,
-                 "maker_tokens_per_s": torch.tensor([n_tok / gen_s], dtype=torch.float32, device=device)}
+        batch.update(score=score, maker_tokens_per_s=torch.tensor([n_tok / gen_s], dtype=torch.float32, device=device))
         n = float(tokens.shape[0])
         stats = {"reward_sum": float(score.sum()), "sequences": n, "episode_return_sum": float(score.sum()),
                  "episodes": n, "env_steps": n_tok, "generate_s": gen_s}
         if o.ref_on == "makers":  # else the trainers compute it (HFLearner.reference_logp): not sent
-            ref_logp = token_logp(model.action_logits(tokens, attn, self.models.reference_model(device)), response,
-                                  o.temperature) * amask
+            ref_logp = token_logp(model.action_logits(tokens, attn, self.models.reference_model(device)),
+                                  tokens[:, o.max_prompt_tokens:], o.temperature) * amask
             batch["ref_logp"] = ref_logp
-            stats["kl_to_ref_sum"] = float((logp - ref_logp).sum())
+            stats["kl_to_ref_sum"] = float((batch["behaviour_logp"] - ref_logp).sum())
         if not self._logged:
             self._logged = True
             print(self.held_line(model, engine), file=sys.stderr, flush=True)
         return batch, stats
+
+    def _report(self, traces: list[Trace]) -> None:
+        """Each kind of reason an episode was ended for, once per maker on stderr (the rows count them)."""
+        for t in traces:
+            kind = (t.error or "").split(":")[0]
+            if t.error and kind not in self._reasons:
+                self._reasons.add(kind)
+                print(f"hpcrl.ppo hf maker: an episode ended early: {t.error} (counted in the rows as "
+                      "episode_error_frac; further ones of this kind are not printed)", file=sys.stderr, flush=True)
 
     def state_dict(self) -> dict[str, Any]:
         return {"stream": self.stream.state_dict(), "batches": self.batches}
@@ -129,3 +158,12 @@ class HFCollector(Collector):
         held += [f"reward model ({count(r)})" for r in self.task.reward_models.values()]
         return (f"hpcrl.ppo hf maker: engine {engine.capabilities().name}; holds {', '.join(held)}; ref_logp on "
                 f"the {self.options.ref_on}; peak RSS {peak_rss_mib():.0f} MiB")
+
+
+def _finished(live: list[int], responses: list[list[int]]) -> list[Outcome]:
+    """The single-completion step: every episode ends after its one response (scored afterwards)."""
+    return [Outcome(None, 0.0, True)] * len(live)
+
+
+def _no_observation(i: int, obs: object) -> list[int]:
+    raise AssertionError("single completions have no observations")

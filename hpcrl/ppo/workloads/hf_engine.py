@@ -45,14 +45,15 @@ class HFEngine(Engine):
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> Generation:
         device = next(self.model.actor.parameters()).device
-        ids, mask = left_pad(prompts, self.model.prompt_len, self.pad_id)
+        width = max(self.model.prompt_len, max(map(len, prompts)))  # a later turn's context is longer
+        ids, mask = left_pad(prompts, width, self.pad_id)
         ids, mask = ids.to(device), mask.to(device)
         net = self.net()
         response, amask = generate_by_length(net, ids, mask.long(), params, self.eos_id, self.pad_id, seed,
                                              self.buckets)
         response, amask = response.to(device), amask.to(device)
         tokens, attn = torch.cat([ids, response], 1), torch.cat([mask, amask], 1)
-        logp = token_logp(self.model.action_logits(tokens, attn, net), response, params.temperature)
+        logp = token_logp(self.model.action_logits(tokens, attn, net, width), response, params.temperature)
         return Generation.from_padded(response, amask, logp, self.eos_id)
 
     @torch.no_grad()

@@ -14,9 +14,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .engine import Generation, SamplingParams
 from .hf_generate import generate_by_length, left_pad
+from .rollout import run_turns
 
 if TYPE_CHECKING:
+    from torch import nn
+
+    from .hf_env import EnvEpisodes
     from .hf_factory import HFActorCritic
     from .hf_options import HFOptions
     from .hf_task import HFTask
@@ -30,10 +35,12 @@ def pass_rate(scores: list[list[float]], threshold: float) -> float:
 
 
 @torch.no_grad()
-def evaluate(options: HFOptions, task: HFTask, model: HFActorCritic, updates: int) -> dict[str, float]:
+def evaluate(options: HFOptions, task: HFTask, model: HFActorCritic, updates: int,
+             env: EnvEpisodes | None = None) -> dict[str, float]:
     """The eval stats of the actor after ``updates`` updates: ``eval_reward`` (mean greedy score),
     ``eval_pass_rate`` (:func:`pass_rate` over the greedy + ``--eval-samples`` sampled answers),
-    ``eval_records``, and with samples ``eval_sample_reward`` (their mean score)."""
+    ``eval_records``, and with samples ``eval_sample_reward`` (their mean score). With ``env`` (multi-turn),
+    each answer is a whole episode played from the record, scored by its return."""
     o = options
     device, actor = model.compute_device, model.actor
     training = actor.training
@@ -42,6 +49,9 @@ def evaluate(options: HFOptions, task: HFTask, model: HFActorCritic, updates: in
     greedy = dataclasses.replace(task.sampling, sample=False)
     for start in range(0, len(task.eval_ids), o.batch_size):
         idx = list(range(start, min(start + o.batch_size, len(task.eval_ids))))
+        if env is not None:  # full episodes: each scored by its return
+            per_record += _episode_answers(o, task, actor, env, idx, updates, start)
+            continue
         prompt, pmask = (t.to(device) for t in left_pad([task.eval_ids[i] for i in idx], o.max_prompt_tokens,
                                                         task.pad_id))
         inputs = task.reward_inputs(idx, task.eval_records, task.eval_texts)
@@ -60,3 +70,26 @@ def evaluate(options: HFOptions, task: HFTask, model: HFActorCritic, updates: in
     if o.eval_samples:
         out["eval_sample_reward"] = sum(sum(s[1:]) for s in per_record) / (len(per_record) * o.eval_samples)
     return out
+
+
+def _episode_answers(o: HFOptions, task: HFTask, actor: nn.Module, env: EnvEpisodes, idx: list[int], updates: int,
+                     start: int) -> list[list[float]]:
+    """Records ``idx`` of the eval set played as episodes, greedily then ``--eval-samples`` times sampled:
+    each episode's return, per record."""
+    greedy = dataclasses.replace(task.sampling, sample=False)
+    answers = []
+    for k in range(1 + o.eval_samples):
+        seed = (updates * 1_000_003 + start * 1024 + k) % 2**62
+        traces = env.start([task.eval_records[i] for i in idx])
+
+        def generate(prompts: list[list[int]], params: SamplingParams, s: int) -> Generation:
+            ids, mask = left_pad(prompts, max(o.max_prompt_tokens, max(map(len, prompts))), task.pad_id)
+            device = next(actor.parameters()).device
+            response, amask = generate_by_length(actor, ids.to(device), mask.long().to(device), params, task.eos_id,
+                                                 task.pad_id, s, o.generate_buckets)
+            return Generation.from_padded(response.cpu(), amask.cpu(), torch.zeros(amask.shape), task.eos_id)
+
+        run_turns(traces, generate, env.step, env.observation_ids, task.sampling if k else greedy, seed, o.max_turns,
+                  o.episode_tokens)
+        answers.append([sum(r for _, r in t.rewards) for t in traces])
+    return [list(s) for s in zip(*answers)]

@@ -47,9 +47,11 @@ class HFActorCritic(nn.Module):
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device(mesh.device_type)
 
-    def action_logits(self, tokens: Tensor, attn: Tensor, net: nn.Module | None = None) -> Tensor:
-        """``[B, G, V]`` logits scoring the ``G`` response tokens (positions ``P - 1 .. P + G - 2``)."""
-        g = tokens.shape[1] - self.prompt_len
+    def action_logits(self, tokens: Tensor, attn: Tensor, net: nn.Module | None = None,
+                      prompt_len: int | None = None) -> Tensor:
+        """``[B, G, V]`` logits scoring the ``G`` response tokens (positions ``P - 1 .. P + G - 2``; ``P`` the
+        layout's prompt width, or ``prompt_len``: a later turn's context is wider)."""
+        g = tokens.shape[1] - (prompt_len or self.prompt_len)
         out = (net or self.actor)(input_ids=tokens, attention_mask=attn.long(), position_ids=position_ids(attn),
                                   use_cache=False, logits_to_keep=g + 1)
         return out.logits[:, :-1]
@@ -84,9 +86,10 @@ class HFModelFactory:
 
             check_vllm(o, config, cuda=torch.cuda.is_available())
         limit = M.context_length(config)
-        total = o.max_prompt_tokens + o.max_new_tokens
+        total = o.max_prompt_tokens + o.episode_tokens
         if limit is not None and total > limit:
-            raise ConfigError(f"--max-prompt-tokens {o.max_prompt_tokens} + --max-new-tokens {o.max_new_tokens} "
+            what = "--max-new-tokens" if not o.multi_turn else "the episode's tokens (--max-episode-tokens)"
+            raise ConfigError(f"--max-prompt-tokens {o.max_prompt_tokens} + {what} {o.episode_tokens} "
                               f"= {total} tokens: more than the model's context of {limit}; lower them to a sum "
                               f"<= {limit}")
         self.references: dict[str, nn.Module] = {}

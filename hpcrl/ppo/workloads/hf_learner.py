@@ -16,9 +16,11 @@ from torch import Tensor
 
 from hpcrl.core.config_check import ConfigError
 
-from ..losses import approx_kl, group_advantages, masked_mean, sequence_rewards_with_kl, token_gae
+from ..losses import (approx_kl, group_advantages, masked_mean, per_token_kl_penalty, sequence_rewards_with_kl,
+                      token_gae)
 from ..update import Coefs, GradStep, Outputs, Plan, Samples, ppo_update, read_stats
 from ..workload import AdamLearner, PPOConfig
+from .hf_env import EnvEpisodes
 from .hf_eval import evaluate
 from .hf_generate import position_ids, token_logp
 
@@ -52,6 +54,7 @@ class HFLearner(AdamLearner):
         super().__init__(model, cfg, grad_average)
         self.options, self.task = options, task
         self.packing_checked = False
+        self.eval_env: EnvEpisodes | None = None
         if options.ref_on == "trainers":
             print(f"hpcrl.ppo hf trainer: ref_logp on the trainers, reference: {_reference_held(model)}",
                   file=sys.stderr, flush=True)
@@ -98,7 +101,10 @@ class HFLearner(AdamLearner):
             rewards = sequence_rewards_with_kl(score, blogp, ref_logp, mask, 0.0, o.kl_estimator)
             return Samples(blogp, adv, proximal_logp=prox, ref_logp=ref_logp, mask=mask), rewards
         old_values = model.values(tokens, attn).float()
-        rewards = sequence_rewards_with_kl(score, blogp, ref_logp, mask, self.kl_coef, o.kl_estimator)
+        if "turn_reward" in b:  # episodes: each turn's reward where the turn ended, the KL penalty on every token
+            rewards = per_token_kl_penalty(blogp, ref_logp, mask, self.kl_coef, o.kl_estimator) + b["turn_reward"]
+        else:
+            rewards = sequence_rewards_with_kl(score, blogp, ref_logp, mask, self.kl_coef, o.kl_estimator)
         adv, returns = token_gae(rewards, old_values, mask, cfg.gamma, cfg.gae_lambda, cfg.normalize_advantages)
         return Samples(blogp, adv, old_values, returns, prox, mask=mask), rewards
 
@@ -106,6 +112,7 @@ class HFLearner(AdamLearner):
         cfg, model, o = self.cfg, self.model, self.options
         b = {k: torch.cat([x[k] for x in batches]).to(model.compute_device) for k in batches[0]}
         tps = b.pop("maker_tokens_per_s")
+        info = b.pop("episode_info", None)
         tokens, attn = b["tokens"], b["attention_mask"]
         response = tokens[:, o.max_prompt_tokens:]
         t_start = time.perf_counter()
@@ -117,14 +124,7 @@ class HFLearner(AdamLearner):
         samples, rewards = self._samples(b)
         critic = samples.old_values is not None
 
-        trim = None
-        if cfg.pack_sequences:
-            if not self.packing_checked:
-                check_packing(model)
-                self.packing_checked = True
-            trim = _Pack(attn, b["action_mask"], o.max_prompt_tokens)
-        elif cfg.trim_padding:
-            trim = _Trim(attn, b["action_mask"], o.max_prompt_tokens)
+        trim = self._trim(attn, b["action_mask"])
 
         def forward(idx: Tensor) -> Outputs:
             if trim is not None:
@@ -147,6 +147,8 @@ class HFLearner(AdamLearner):
                            micro_batch_tokens=o.micro_batch_tokens, piece_cost=cost)
         stats.update(_sequence_stats(samples, b["ref_logp"].float(), b["score"].float(), rewards),
                      maker_tokens_per_s=tps.mean(), tokens=attn.sum())
+        if info is not None:
+            stats.update(episode_stats(info, b["action_mask"]))
         if cfg.kl_target is not None:
             stats["kl_measure"] = self.kl_measure(stats["kl_to_ref"])
         out = read_stats(stats)  # the one host read: also waits for the update's device work
@@ -158,8 +160,23 @@ class HFLearner(AdamLearner):
         out.update(sequences=float(n),
                    trainer_tokens_per_s=tokens_done * cfg.epochs / max(time.perf_counter() - t_start, 1e-9))
         if o.eval_every and self.updates % o.eval_every == 0:  # every trainer: the same numbers
-            out.update(evaluate(o, self.task, model, self.updates))
+            out.update(self._evaluate())
         return out
+
+    def _trim(self, attn: Tensor, action_mask: Tensor) -> _Trim | None:
+        """The padding-free forward ``--ppo.pack-sequences`` / ``--ppo.trim-padding`` ask for, or None."""
+        cfg, p = self.cfg, self.options.max_prompt_tokens
+        if cfg.pack_sequences:
+            if not self.packing_checked:
+                check_packing(self.model)
+                self.packing_checked = True
+            return _Pack(attn, action_mask, p)
+        return _Trim(attn, action_mask, p) if cfg.trim_padding else None
+
+    def _evaluate(self) -> dict[str, float]:
+        if self.options.multi_turn and self.eval_env is None:  # its own tool workers, on this trainer
+            self.eval_env = EnvEpisodes(self.options, self.task)
+        return evaluate(self.options, self.task, self.model, self.updates, self.eval_env)
 
 
 class _Trim:
@@ -173,12 +190,14 @@ class _Trim:
 
     def __init__(self, attn: Tensor, action_mask: Tensor, prompt_len: int) -> None:
         self.P, self.G = prompt_len, action_mask.shape[1]
-        lengths = torch.stack([attn[:, :prompt_len].sum(-1), action_mask.sum(-1)]).long().cpu()  # one host read
+        # the tokens after the prompt are a prefix of the response columns (the action mask has gaps in episodes)
+        after = attn[:, prompt_len:]
+        lengths = torch.stack([attn[:, :prompt_len].sum(-1), after.sum(-1)]).long().cpu()  # one host read
         self.lead = (prompt_len - lengths[0]).tolist()
         self.resp = lengths[1].tolist()
         self.real = float(lengths.sum())
         # micro-batches of like lengths (response first, then prompt): their forwards trim the most
-        self.key = (action_mask.sum(-1).long() * (prompt_len + 1) + attn[:, :prompt_len].sum(-1).long())
+        self.key = (after.sum(-1).long() * (prompt_len + 1) + attn[:, :prompt_len].sum(-1).long())
         self.full = 0
         self.kept = 0
 
@@ -336,6 +355,19 @@ def _sequence_stats(s: Samples, ref_logp: Tensor, score: Tensor, rewards: Tensor
         out.update(value_mean=masked_mean(s.old_values, mask),
                    explained_variance=torch.where(var_ret > 0, explained, torch.zeros_like(explained)))
     return out
+
+
+@torch.no_grad()
+def episode_stats(info: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """Per-update stats of multi-turn episodes (``info``: ``episode_info`` rows, :data:`~.rollout.EPISODE_INFO`):
+    turns and tool calls per episode, the share of episodes that called a tool, of calls that failed (an
+    error or a timeout), of episodes truncated and of episodes the maker ended (their step failed), and the share of the tokens after the prompts that are observations."""
+    turns, calls, tool_errors, truncated, errors, obs = info.float().unbind(-1)
+    policy = mask.sum()
+    return {"turns": turns.mean(), "tool_calls": calls.mean(), "tool_call_rate": (calls > 0).float().mean(),
+            "tool_error_frac": tool_errors.sum() / torch.clamp(calls.sum(), min=1.0), "truncated_frac": truncated.mean(),
+            "episode_error_frac": errors.mean(),
+            "observation_token_frac": obs.sum() / torch.clamp(obs.sum() + policy, min=1.0)}
 
 
 def _reference_held(model: HFActorCritic) -> str:

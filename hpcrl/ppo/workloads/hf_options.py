@@ -56,6 +56,25 @@ class HFOptions:
     """Keep the last --max-prompt-tokens tokens of a longer prompt (with a warning) instead of refusing it."""
     max_new_tokens: int = 16
     """Response tokens per sample (generation stops earlier at EOS); in [1, 1048576]."""
+    env: str | None = None
+    """Multi-turn episodes: package.module:Factory, called with a dataset record (a dict), returning an episode
+    with reset() -> observation and step(response) -> (observation | None, reward, done) (docs/multi_turn.md);
+    the episode's rewards replace --reward-fn / --reward-model. Unset with --tools: the built-in tool episodes."""
+    tools: str | None = None
+    """Tools the policy may call, name=package.module:function[,...] (the name defaults to the function's): a
+    response holding <tool>NAME ARGUMENT</tool> calls NAME(ARGUMENT: str) -> str and sees <result> TEXT
+    </result>; a response without a call is the answer, scored by --reward-fn (docs/multi_turn.md)."""
+    tool_timeout_s: float = 10.0
+    """A tool call running longer is stopped (its worker process killed); the episode sees an error instead."""
+    tool_workers: int = 4
+    """Worker processes a maker runs tool calls in, at once (each call in one; the maker's threads wait)."""
+    max_turns: int = 1
+    """Policy turns per episode at most (a response, then the environment's answer to it); 1 = one completion."""
+    max_episode_tokens: int | None = None
+    """Tokens after the prompt per episode (every turn's response and observation); an episode reaching it
+    ends, flagged truncated. Default: --max-new-tokens with one turn, else 2 x --max-turns x --max-new-tokens."""
+    step_timeout_s: float = 60.0
+    """An episode's step() running longer ends that episode (counted in the rows as an error)."""
     temperature: float = 1.0
     """Sampling temperature, > 0; the optimised policy is the tempered one (maker and trainer alike)."""
     top_p: float = 1.0
@@ -156,6 +175,18 @@ class HFOptions:
         if not self.prompts:
             raise ConfigError(f"{self.flag('prompts')} is required: a .jsonl file with a {self.prompt_key!r} field")
         self.check_ranges()
+        if self.env is not None and self.tools is not None:
+            raise ConfigError(f"{self.flag('env')} / {self.flag('tools')}: both given; pass one (--tools runs the "
+                              "built-in tool episodes; an --env factory calls its own tools)")
+        if self.env is not None:
+            given = [f for f in ("reward_model", "reward_fn") if getattr(self, f) is not None]
+            if given:
+                raise ConfigError(f"{self.flag(given[0])}: {self.flag('env')} episodes give their own rewards; "
+                                  f"drop {self.flag(given[0])}")
+            return
+        if self.tools is not None and self.reward_fn is None:
+            raise ConfigError(f"{self.flag('tools')}: the tool episodes' answers are scored by {self.flag('reward_fn')}; "
+                              "pass --reward-fn package.module:function")
         if (self.reward_model is None) == (self.reward_fn is None):
             both = "both" if self.reward_model is not None else "neither"
             raise ConfigError(f"{self.flag('reward_model')} / {self.flag('reward_fn')}: {both} given; pass exactly "
@@ -196,6 +227,7 @@ class HFOptions:
                       f"e.g. {self.flag('micro_batch_tokens')} 4096, or leave it unset (the micro-batch size alone "
                       "decides)")
         self.check_engine()
+        self.check_episodes()
         if self.dtype not in ("auto", "fp32", "bf16"):
             self.fail("dtype", "one of auto, fp32, bf16", "e.g. --dtype auto (the stored dtype) or --dtype fp32")
         if self.ref_on not in ("makers", "trainers"):
@@ -209,6 +241,36 @@ class HFOptions:
                                   "group-normalised scores); drop --critic, or use --algo ppo")
             if not isinstance(self.group_size, int) or not 2 <= self.group_size <= 1024:
                 self.fail("group_size", "an integer in [2, 1024] with --algo grpo", "e.g. --group-size 4")
+
+    @property
+    def episode_tokens(self) -> int:
+        """Tokens after the prompt of one episode: ``--max-episode-tokens``, or its default."""
+        if self.max_episode_tokens is not None:
+            return self.max_episode_tokens
+        return self.max_new_tokens if self.max_turns == 1 else 2 * self.max_turns * self.max_new_tokens
+
+    @property
+    def multi_turn(self) -> bool:
+        """Episodes come from an environment (``--env`` / ``--tools``), not a single scored completion."""
+        return self.env is not None or self.tools is not None
+
+    def check_episodes(self) -> None:
+        """Turns, budgets and timeouts in range; an environment's episodes bring their own reward."""
+        for name, lo, hi in (("max_turns", 1, 1 << 16), ("tool_workers", 1, 1024)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                self.fail(name, f"an integer in [{lo}, {hi}]", f"e.g. {self.flag(name)} {getattr(HFOptions, name)}")
+        e = self.max_episode_tokens
+        if e is not None and (not isinstance(e, int) or isinstance(e, bool) or not self.max_new_tokens <= e <= MAX_TOKENS):
+            self.fail("max_episode_tokens", f"an integer in [--max-new-tokens, {MAX_TOKENS}]",
+                      f"e.g. {self.flag('max_episode_tokens')} {2 * self.max_turns * self.max_new_tokens}, or leave it unset")
+        for name in ("tool_timeout_s", "step_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 86400:
+                self.fail(name, "a number of seconds in (0, 86400]", f"e.g. {self.flag(name)} {getattr(HFOptions, name)}")
+        if self.max_turns > 1 and not self.multi_turn:
+            self.fail("max_turns", f"1 without {self.flag('env')} or {self.flag('tools')} (a reward function scores "
+                      "one completion)", f"pass {self.flag('tools')} or {self.flag('env')} pkg.mod:Factory, or drop it")
 
     def check_engine(self) -> None:
         """``--engine`` is one of :data:`ENGINES`; an engine whose package is not installed is named with the

@@ -56,7 +56,7 @@ class HFTask:
         self.eos_id, self.pad_id = int(self.tokenizer.eos_token_id), int(self.tokenizer.pad_token_id)
         self.context = M.context_length(M.load_config(o.flag("model"), o.model))
         """The model's context in tokens (None if its config does not say)."""
-        self.longest_allowed = (self.context - o.max_new_tokens if self.context is not None
+        self.longest_allowed = (self.context - o.episode_tokens if self.context is not None
                                 else UNKNOWN_CONTEXT_FACTOR * o.max_prompt_tokens)
         """The highest ``--max-prompt-tokens`` that can work with this model (``--max-new-tokens`` included)."""
         self.records = load_records(o.prompts, o.prompt_key)
@@ -151,3 +151,11 @@ class HFTask:
         except ConfigError as err:
             raise self.options.renamed(err) from None
         return torch.tensor(scores, dtype=torch.float32, device=tokens.device)
+
+    def score_answer(self, record: dict[str, Any], prompt: str, response: str) -> float:
+        """``--reward-fn`` of one episode's answer (given the record, or the prompt text)."""
+        inputs = [dict(record)] if self.reward_takes == "records" else [prompt]
+        try:
+            return M.call_reward_fn(self.reward_callable, self.options.reward_fn, inputs, [response], batch="answer")[0]
+        except ConfigError as err:
+            raise self.options.renamed(err) from None

@@ -154,7 +154,7 @@ class VLLMEngine(Engine):
         enforce_eager = (not self.cuda) if o.vllm_enforce_eager is None else o.vllm_enforce_eager
         kwargs: dict[str, Any] = dict(
             model=o.model, load_format="dummy", dtype=DTYPES[o.maker_dtype], enforce_eager=enforce_eager,
-            max_model_len=o.max_prompt_tokens + o.max_new_tokens, enable_prefix_caching=o.vllm_prefix_caching,
+            max_model_len=o.max_prompt_tokens + o.episode_tokens, enable_prefix_caching=o.vllm_prefix_caching,
             logprobs_mode="processed_logprobs", generation_config="vllm", seed=0)
         if self.cuda:
             kwargs["gpu_memory_utilization"] = o.vllm_gpu_memory_utilization

@@ -1,0 +1,147 @@
+"""A maker's episodes, turn by turn, and the experience layout they are sent in.
+
+:func:`run_turns` drives a batch of episodes: each turn generates for the live episodes only (their whole
+context so far as the prompt; one engine call per turn, seeded per turn), hands each response to its
+episode's ``step`` and appends the observation it returns; an episode stops at ``done``, at ``max_turns``
+or when its tokens reach the episode budget (``truncated``). One turn with a step that ends every episode
+is the single-completion case (``--hf.reward-fn`` / ``--hf.reward-model``, scored afterwards).
+
+:func:`layout` lays the episodes out as the trainers read them (:mod:`.hf_generate`): the prompt left-padded
+to ``P`` then everything after it right-padded to ``E`` (the episode budget). ``action_mask`` is 1 on the
+policy's tokens only, 0 on observation tokens and padding, so log-probs, KL, entropy, values, GAE and
+advantages count policy tokens alone; ``turn_reward`` holds each turn's reward on that turn's last policy
+token. With one turn it is exactly the single-completion layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .engine import Generation, SamplingParams
+from .episodes import Outcome
+
+__all__ = ["EPISODE_INFO", "Trace", "layout", "run_turns", "turn_seed"]
+
+EPISODE_INFO = ("turns", "tool_calls", "tool_errors", "truncated", "errors", "observation_tokens")
+"""The columns of a multi-turn batch's ``episode_info [B, 6]``, per episode."""
+
+Generate = Callable[[list[list[int]], SamplingParams, int], Generation]
+Step = Callable[[list[int], list[list[int]]], list[Outcome]]
+"""``step(live, responses)``: the outcomes of the episodes ``live`` (indices) given their responses' tokens."""
+Tokens = Callable[[int, object], list[int]]
+"""``observation_ids(i, observation)``: the tokens episode ``i`` appends for an observation."""
+
+
+@dataclass
+class Trace:
+    """One episode as it was played: its prompt, then its tokens (policy and observation), with the
+    behaviour log-probs of the policy's, each turn's reward and where it ended."""
+
+    prompt: list[int]
+    tokens: list[Tensor] = field(default_factory=list)
+    policy: list[bool] = field(default_factory=list)
+    """Per segment of ``tokens``: the policy's (True) or an observation's."""
+    logp: list[Tensor] = field(default_factory=list)
+    rewards: list[tuple[int, float]] = field(default_factory=list)
+    """``(position after the prompt of the turn's last policy token, reward)``."""
+    length: int = 0
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    done: bool = False
+    truncated: bool = False
+    error: str | None = None
+
+    def context(self) -> list[int]:
+        return self.prompt + (torch.cat(self.tokens).tolist() if self.tokens else [])
+
+    def add(self, tokens: Tensor, logp: Tensor | None) -> None:
+        self.tokens.append(tokens)
+        self.policy.append(logp is not None)
+        self.logp.append(logp if logp is not None else torch.zeros(len(tokens), dtype=torch.float32))
+        self.length += len(tokens)
+
+    def info(self) -> list[float]:
+        """Its row of ``episode_info`` (:data:`EPISODE_INFO`)."""
+        obs = sum(len(t) for t, p in zip(self.tokens, self.policy) if not p)
+        return [float(self.turns), float(self.tool_calls), float(self.tool_errors), float(self.truncated),
+                float(self.error is not None), float(obs)]
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """The sampling seed of turn ``turn`` of a batch sampled from ``seed`` (turn 0: ``seed`` itself)."""
+    return (seed + turn * 0x9E3779B97F4A7C15) % 2**62
+
+
+def run_turns(traces: list[Trace], generate: Generate, step: Step, observation_ids: Tokens, params: SamplingParams,
+              seed: int, max_turns: int, budget: int) -> None:
+    """Play the episodes of ``traces`` (their prompts set) to their ends (see the module's docstring)."""
+    for turn in range(max_turns):
+        live = [i for i, t in enumerate(traces) if not t.done]
+        if not live:
+            return
+        room = max(budget - traces[i].length for i in live)
+        generation = generate([traces[i].context() for i in live],
+                              dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room)),
+                              turn_seed(seed, turn))
+        responses = []
+        for k, i in enumerate(live):
+            t, lo, hi = traces[i], int(generation.offsets[k]), int(generation.offsets[k + 1])
+            keep = min(hi - lo, budget - t.length)
+            t.add(generation.tokens[lo:lo + keep].cpu(), generation.logp[lo:lo + keep].float().cpu())
+            t.turns += 1
+            t.truncated = keep < hi - lo
+            responses.append(generation.tokens[lo:lo + keep].tolist())
+        outcomes = step(live, responses)
+        for i, outcome in zip(live, outcomes):
+            _follow(traces[i], outcome, observation_ids, i, budget, last_turn=turn + 1 == max_turns)
+
+
+def _follow(t: Trace, outcome: Outcome, observation_ids: Tokens, i: int, budget: int, last_turn: bool) -> None:
+    """One episode after its step: the reward on its last policy token, then its end or its observation."""
+    t.rewards.append((t.length - 1, outcome.reward))
+    t.tool_calls += outcome.tool_calls
+    t.tool_errors += outcome.tool_errors
+    t.error = outcome.error
+    if outcome.done or t.truncated or last_turn or outcome.observation is None:
+        t.done = True
+        t.truncated = t.truncated or (last_turn and not outcome.done and outcome.error is None)
+        return
+    try:
+        ids = observation_ids(i, outcome.observation)
+    except ValueError as err:  # an observation the tokenizer cannot lay out: the episode ends
+        t.done, t.error = True, str(err)
+        return
+    if t.length + len(ids) >= budget:  # no room for the observation and a response to it
+        t.done = t.truncated = True
+        return
+    t.add(torch.tensor(ids, dtype=torch.int64), None)
+
+
+def layout(traces: list[Trace], prompt_len: int, width: int, pad_id: int) -> dict[str, Tensor]:
+    """The batch tensors of ``traces`` (see the module's docstring): ``tokens [B, P + E]``,
+    ``attention_mask``, ``action_mask [B, E]``, ``behaviour_logp [B, E]``, ``turn_reward [B, E]``."""
+    n = len(traces)
+    tokens = torch.full((n, prompt_len + width), pad_id, dtype=torch.int64)
+    attn = torch.zeros(n, prompt_len + width)
+    amask, logp, reward = (torch.zeros(n, width) for _ in range(3))
+    for r, t in enumerate(traces):
+        p = len(t.prompt)
+        tokens[r, prompt_len - p:prompt_len] = torch.tensor(t.prompt, dtype=torch.int64)
+        attn[r, prompt_len - p:prompt_len + t.length] = 1.0
+        at = 0
+        for seg, pol, lp in zip(t.tokens, t.policy, t.logp):
+            tokens[r, prompt_len + at:prompt_len + at + len(seg)] = seg
+            logp[r, at:at + len(seg)] = lp
+            amask[r, at:at + len(seg)] = float(pol)
+            at += len(seg)
+        for pos, value in t.rewards:
+            if pos >= 0:
+                reward[r, pos] += value
+    return {"tokens": tokens, "attention_mask": attn, "action_mask": amask, "behaviour_logp": logp,
+            "turn_reward": reward}
