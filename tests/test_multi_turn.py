@@ -112,7 +112,7 @@ def test_observation_tokens_carry_no_loss_kl_or_entropy(art):
     obs = (batch["action_mask"] == 0) & (batch["attention_mask"][:, 8:] == 1)
     assert bool(obs.any())
 
-    def train(garbage: bool):
+    def train(garbage: bool, **ppo):
         b = {k: v.clone() for k, v in batch.items()}
         b["ref_logp"] = b["behaviour_logp"] - 0.05 * b["action_mask"]
         if garbage:  # numbers on observation columns must not matter
@@ -120,7 +120,7 @@ def test_observation_tokens_carry_no_loss_kl_or_entropy(art):
             b["ref_logp"][obs] = -3.0
             b["turn_reward"][obs] = 5.0
         model = wl.build_model(0)
-        cfg = dataclasses.replace(wl.default_config(), lr=1e-2, ent_coef=0.05)
+        cfg = dataclasses.replace(wl.default_config(), lr=1e-2, ent_coef=0.05, **ppo)
         learner = wl.make_learner(model, cfg, GradAverager([p for p in model.parameters() if p.requires_grad],
                                                            plane=Plane.local("device")))
         samples, rewards = learner._samples({k: v for k, v in b.items() if k != "maker_tokens_per_s"})
@@ -135,6 +135,9 @@ def test_observation_tokens_carry_no_loss_kl_or_entropy(art):
     for k in ("turns", "observation_token_frac", "tool_call_rate", "truncated_frac", "episode_error_frac"):
         assert stats[k] == stats2[k], k
     assert stats["turns"] == 3.0 and 0 < stats["observation_token_frac"] < 1
+    for ppo in (dict(trim_padding=True), dict(pack_sequences=True)):  # the padding-free forwards agree
+        _, _, other, _ = train(False, **ppo)
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(clean, other)), ppo
 
 
 def test_gae_over_policy_tokens_skips_observations():

@@ -51,9 +51,9 @@ ASK, TOOL = "sum", "add"
 CALL, END_CALL, RESULT, END_RESULT, ERROR, END_ERROR = "<tool>", "</tool>", "<result>", "</result>", "<error>", "</error>"
 EOS = "<eos>"
 PROMPT_TOKENS = 3  # "sum A B"
-TOOL_SHARE = 0.3
+TOOL_SHARE = 0.5
 """The share of pre-training lines that call the tool (the rest answer directly)."""
-ANSWER_MIX = (("a", 0.35), ("b", 0.35), ("sum", 0.15), ("random", 0.15))
+ANSWER_MIX = (("a", 0.4), ("b", 0.4), ("sum", 0.2))
 """What a pre-training transcript answers after the result: A, B, the result, or a random number."""
 EVAL_RECORDS = 64
 TRAIN_RECORDS = 1024
@@ -155,7 +155,7 @@ def format_corpus(pairs: list[tuple[int, int]], n: int, seed: int = 1) -> list[s
             lines.append(transcript(a, b, guess, tool=False))
             continue
         pick = rng.choices(kinds, weights)[0]
-        lines.append(transcript(a, b, {"a": a, "b": b, "sum": a + b, "random": guess}[pick]))
+        lines.append(transcript(a, b, {"a": a, "b": b, "sum": a + b}[pick]))
     return lines
 
 

@@ -62,8 +62,8 @@ class HFOptions:
     the episode's rewards replace --reward-fn / --reward-model. Unset with --tools: the built-in tool episodes."""
     tools: str | None = None
     """Tools the policy may call, name=package.module:function[,...] (the name defaults to the function's): a
-    response holding <tool>NAME ARGUMENT</tool> calls NAME(ARGUMENT: str) -> str and sees <result> TEXT
-    </result>; a response without a call is the answer, scored by --reward-fn (docs/multi_turn.md)."""
+    response holding `<tool>NAME ARGUMENT</tool>` calls NAME(ARGUMENT: str) -> str and sees `<result> TEXT
+    </result>`; a response without a call is the answer, scored by --reward-fn (docs/multi_turn.md)."""
     tool_timeout_s: float = 10.0
     """A tool call running longer is stopped (its worker process killed); the episode sees an error instead."""
     tool_workers: int = 4
