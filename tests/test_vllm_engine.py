@@ -195,6 +195,25 @@ def test_detached_grpo_loads_every_version_into_the_engine(llama, tmp_path):
 
 
 @needs_vllm
+@pytest.mark.slow
+def test_multi_turn_episodes_through_the_engine(llama, tmp_path):
+    import json
+
+    run = tmp_path / "run"
+    prompts = F.write_prompts(tmp_path / "prompts.jsonl", n=32)
+    proc = F.run_ppo(["--workload", "hf", "--hf.model", str(llama), "--hf.env", "episode_fixtures:UntilYes",
+                      "--hf.max-turns", "3", "--hf.prompts", str(prompts), "--hf.max-prompt-tokens", "8",
+                      "--hf.max-new-tokens", "6", "--hf.batch-size", "4", "--hf.algo", "grpo", "--hf.group-size", "2",
+                      "--hf.engine", "vllm", "--makers", "1", "--trainers", "1", "--lag", "0", "--total-steps", "3",
+                      "--ppo.lr", "2e-3", "--run-dir", str(run)], tmp_path, 600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [r for r in (json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()) if "turns" in r]
+    assert len(rows) >= 3 and any(r["turns"] > 1 for r in rows) and all(r["observation_token_frac"] > 0 for r in rows)
+    # the engine's log-probs of every turn, laid out with the observations between, are the trainers' own
+    assert max(r["maker_logp_gap"] for r in rows) < 1e-4, [r["maker_logp_gap"] for r in rows]
+
+
+@needs_vllm
 @torch.no_grad()
 def test_lora_versions_are_pushed_merged(llama, setup):
     """With --lora-rank the maker merges each version's adapters into its base weights and the engine gets
