@@ -262,3 +262,66 @@ def test_bf16_engine_generates_close_to_fp32(setup):
         assert engine.capabilities().dtypes == ("fp32", "bf16")
     finally:
         engine.close()
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_resume_continues_with_the_same_batches(llama, tmp_path):
+    import json
+
+    from hpcrl.ppo.workloads.hf_prompts import epoch_order
+
+    run, log = tmp_path / "run", tmp_path / "ids.jsonl"
+    prompts = F.write_prompts(tmp_path / "prompts.jsonl", n=24)
+    common = ["--workload", "hf", "--hf.model", str(llama), "--hf.reward-fn", "hf_fixtures:logged_target_fraction",
+              "--hf.prompts", str(prompts), "--hf.max-prompt-tokens", "8", "--hf.max-new-tokens", "4",
+              "--hf.batch-size", "4", "--hf.engine", "vllm", "--makers", "1", "--trainers", "1", "--ppo.lr", "1e-3",
+              "--run-dir", str(run)]
+    env = {"HF_TEST_PROMPT_LOG": str(log)}
+    first = F.run_ppo([*common, "--total-steps", "3"], tmp_path, 600, env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = F.run_ppo([*common, "--total-steps", "5", "--resume"], tmp_path, 600, env=env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    texts = [json.loads(line)["prompt"] for line in prompts.read_text().splitlines()]
+    order = epoch_order(24, 0, 0)  # batch b of the run (--seed 0): records order[4b : 4b + 4]
+    batch = [[texts[order[i]] for i in range(4 * b, 4 * b + 4)] for b in range(6)]
+    pids = list(dict.fromkeys(c["pid"] for c in calls))
+    makers = [[c["prompts"] for c in calls if c["pid"] == p and len(c["prompts"]) == 4] for p in pids]
+    makers = [m for m in makers if m]
+    assert len(makers) == 2 and makers[0][:3] == batch[:3], makers
+    assert makers[1][:2] == batch[3:5], makers[1]  # the resumed maker's engine generates batch 3 next
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_frozen_vllm_maker_is_dropped_and_the_run_finishes(llama, tmp_path):
+    import signal
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_ppo_frozen import _check_accounts, _launch, _rows, _wait_rows
+
+    prompts = F.write_prompts(tmp_path / "prompts.jsonl")
+    run, steps = tmp_path / "run", 10
+    args = ["--workload", "hf", "--hf.model", str(llama), "--hf.reward-fn", "hf_fixtures:target_fraction",
+            "--hf.prompts", str(prompts), "--hf.max-prompt-tokens", "8", "--hf.max-new-tokens", "8",
+            "--hf.batch-size", "8", "--hf.engine", "vllm", "--makers", "2", "--heartbeat-timeout-s", "10",
+            "--timeout-s", "240"]
+    here = str(Path(__file__).resolve().parent)
+    procs = _launch(run, steps, args=args, extra_env={"PYTHONPATH": os.pathsep.join([here, os.environ.get(
+        "PYTHONPATH", "")]), "HF_HUB_OFFLINE": "1"})
+    trainer, healthy, frozen = procs
+    try:
+        _wait_rows(run, 3, procs, timeout=400)
+        frozen.send_signal(signal.SIGSTOP)
+        out, err = trainer.communicate(timeout=240)
+        assert trainer.returncode == 0, err[-3000:]
+        assert healthy.wait(timeout=120) == 0
+    finally:
+        for p in procs:
+            p.kill()
+    final = [r for r in _rows(run) if "samples_produced" in r][-1]
+    assert final["policy_version"] == steps
+    _check_accounts(final)
