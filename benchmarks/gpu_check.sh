@@ -13,7 +13,8 @@
 #      the hf workload (a tiny Llama built here) with FSDP bf16 trainer + bf16 maker (packed training
 #      forwards in token-budget micro-batches, generation in length buckets), a DCP checkpoint of
 #      CUDA shards resumed under ddp, and with FSDP CPU
-#      offload (where transformers is installed); then play (and
+#      offload (where transformers is installed), multi-turn episodes with a tool, and the vLLM engine (where
+#      vLLM is installed; one line says when it is not); then play (and
 #      ONNX export where onnx/onnxruntime exist) on the trained policy. $OUT/gpu_check.json: exit code,
 #      wall time and last metrics row of each.
 # Results land in $OUT (the device tool's output folder) or benchmarks/results/.
@@ -73,6 +74,15 @@ if "$PY" -c "import transformers, tokenizers" 2>/dev/null; then  # RLHF on a tin
     echo "ppo_hf_dcp: the fsdp part failed (see $OUT/runs/ppo_hf_dcp_fsdp.log)"
   PYTHONPATH=tests entry ppo_hf_dcp_fsdp_to_ddp 120 "$PY" -m hpcrl.ppo "${HF[@]}" --strategy ddp --resume --total-steps 6
   grep -q "resuming at v4" "$OUT/runs/ppo_hf_dcp_fsdp_to_ddp.log" || runs[${#runs[@]}-1]="ppo_hf_dcp_fsdp_to_ddp:98:0"
+  # multi-turn episodes with a tool (calls in the maker's worker processes), GPU maker and trainer
+  PYTHONPATH=tests entry ppo_hf_tools 120 "$PY" -m hpcrl.ppo "${HF[@]}" --hf.tools add=episode_fixtures:add --hf.max-turns 3 --hf.max-episode-tokens 48
+  # the vLLM engine on the GPU beside the trainer (a memory fraction each), where vLLM is installed
+  if "$PY" -c "import vllm" 2>/dev/null; then
+    PYTHONPATH=tests "$PY" -c "import test_vllm_engine as V, pathlib as p; V.build_llama(p.Path('$OUT/hf/llama64'))" > /dev/null 2>&1
+    PYTHONPATH=tests entry ppo_hf_vllm 240 "$PY" -m hpcrl.ppo "${HF[@]}" --hf.model "$OUT/hf/llama64" --hf.engine vllm --hf.vllm-gpu-memory-utilization 0.3 --hf.algo grpo --hf.group-size 4
+  else
+    echo "ppo_hf_vllm: skipped, vLLM is not installed in this Python (pip install -e '.[vllm]')"
+  fi
 fi
 echo "== tools on the trained policy (play on the GPU; ONNX export where onnx/onnxruntime are installed)"
 tools=()
