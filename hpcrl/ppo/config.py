@@ -214,10 +214,12 @@ class DetachedConfig:
         here, before any rank starts (the learners keep their own check for workloads built in code)."""
         ppo, workload = self.ppo, self.workload
         if workload in VECTOR_WORKLOADS:
-            for flag, given in (("advantage", ppo.advantage), ("kl-target", ppo.kl_target)):
+            for flag, given in (("advantage", ppo.advantage), ("kl-target", ppo.kl_target),
+                                ("is-level", None if ppo.is_level in (None, "token") else ppo.is_level)):
                 if given is not None:
                     raise ConfigError(f"--ppo.{flag} {given}: applies to the token workloads (--workload hf / "
-                                      f"lm), not a vector env (GAE advantages, no reference model); drop it")
+                                      f"lm), not a vector env (GAE advantages, no reference model, no sequences); "
+                                      "drop it")
             if ppo.anneal_updates and (ppo.lr_schedule not in (None, "constant") or ppo.warmup_updates):
                 raise ConfigError("--ppo.anneal-updates with --ppo.lr-schedule / --ppo.warmup-updates: two "
                                   "learning-rate schedules; keep one, e.g. --ppo.anneal-updates 0 for warm-up / cosine")

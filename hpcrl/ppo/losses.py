@@ -79,6 +79,74 @@ def whiten(x: Tensor, eps: float = 1e-8, mask: Tensor | None = None) -> Tensor:
     return out if mask is None else out * mask.to(x.dtype)
 
 
+ISLevel = Literal["token", "sequence", "geometric"]
+ISMode = Literal["truncate", "mask"]
+
+
+def row_weights(mask: Tensor, like: Tensor) -> Tensor:
+    """``[B, L]`` weights that average a per-sequence value over a minibatch's sequences: each non-empty
+    row's valid tokens share ``1 / rows`` (``rows``: the non-empty ones), so ``sum(w * x[:, None])`` is the
+    mean of ``x`` over sequences, and micro-batches' sums add up to it (as :func:`loss_weights`)."""
+    m = mask.to(like.dtype)
+    length = m.sum(-1, keepdim=True)
+    return m / (length.clamp_min(1.0) * (length > 0).sum().clamp_min(1))
+
+
+def _peak(x: Tensor, valid: Tensor | None) -> Tensor:
+    """Max of the non-negative ``x`` where ``valid`` (0 when nothing is)."""
+    x = x if valid is None else torch.where(valid, x, torch.zeros_like(x))
+    return torch.cat([x.detach().flatten(), x.new_zeros(1)]).max()
+
+
+def rollout_weights(proximal_logp: Tensor, behaviour_logp: Tensor, mask: Tensor | None, cap: float | None,
+                    level: ISLevel = "token", mode: ISMode = "truncate", stat_weights: Tensor | None = None,
+                    sequence_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """The detached rollout-correction weights ``[B, L]`` of decoupled PPO and their stats.
+
+    ``token``: ``w_t = pi_prox / pi_behaviour`` per token; ``sequence``: ``W = exp(sum_t m_t (log pi_prox -
+    log pi_behaviour))`` per row (the product of its tokens' ratios); ``geometric``: ``G = exp(mean over the
+    row's valid tokens of the same)``; a sequence weight applies to every token of its row (rows are
+    sequences: minibatches and micro-batches cut whole rows). ``truncate``: ``min(w, cap)``; ``mask``: a
+    weight outside the band is 0 (dropped): ``w_t > cap`` at token level, ``[1 / cap, cap]`` at the
+    sequence levels. An empty row has W = G = 1.
+
+    Stats: ``is_weight_mean`` / ``is_weight_max`` of the weights after truncation or masking and
+    ``is_trunc_frac`` (share truncated or masked), over valid tokens (``token``; ``stat_weights``) or
+    over non-empty sequences (else; ``sequence_weights``, :func:`row_weights` of the whole minibatch)."""
+    if mode not in ("truncate", "mask"):
+        raise ValueError(f"is mode must be 'truncate' or 'mask', not {mode!r}")
+    if cap is None and (level != "token" or mode != "truncate"):
+        raise ValueError(f"rollout correction {level}/{mode} needs a cap (--ppo.truncated-is)")
+    stats: dict[str, Tensor] = {}
+    valid = None if mask is None else mask.to(torch.bool)
+    if level == "token":
+        weight = torch.exp(proximal_logp - behaviour_logp).detach()
+        if cap is not None:  # truncate: the same ops as before rollout levels existed (bit-identical)
+            hit = weight > cap
+            stats["is_trunc_frac"] = weighted_mean(hit.float(), mask, stat_weights)
+            weight = weight.clamp(max=cap) if mode == "truncate" else torch.where(hit, torch.zeros_like(weight), weight)
+        stats["is_weight_mean"] = weighted_mean(weight, mask, stat_weights)
+        stats["is_weight_max"] = _peak(weight, valid)
+        return weight, stats
+    if mask is None or proximal_logp.dim() != 2:
+        raise ValueError(f"--ppo.is-level {level} needs [sequences, tokens] log-probs and a token mask "
+                         "(the token workloads hf / lm); use --ppo.is-level token")
+    m = mask.to(proximal_logp.dtype)
+    log_w = torch.where(valid, proximal_logp - behaviour_logp, torch.zeros_like(m)).sum(-1).detach()
+    if level == "geometric":
+        log_w = log_w / m.sum(-1).clamp_min(1.0)
+    elif level != "sequence":
+        raise ValueError(f"is level must be 'token', 'sequence' or 'geometric', not {level!r}")
+    w = torch.exp(log_w)
+    hit = w > cap if mode == "truncate" else (w > cap) | (w < 1.0 / cap)
+    w = w.clamp(max=cap) if mode == "truncate" else torch.where(hit, torch.zeros_like(w), w)
+    rows = row_weights(mask, m) if sequence_weights is None else sequence_weights.to(m.dtype)
+    stats["is_trunc_frac"] = (hit.to(m.dtype)[:, None] * rows).sum()
+    stats["is_weight_mean"] = (w[:, None] * rows).sum()
+    stats["is_weight_max"] = _peak(w, valid.any(-1))
+    return w[:, None].expand_as(proximal_logp), stats
+
+
 def policy_loss(
     logp: Tensor,
     behaviour_logp: Tensor,
@@ -89,6 +157,9 @@ def policy_loss(
     mask: Tensor | None = None,
     weights: Tensor | None = None,
     stat_weights: Tensor | None = None,
+    is_level: ISLevel = "token",
+    is_mode: ISMode = "truncate",
+    sequence_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped surrogate ``-mean(w * min(r A, clip(r, 1 - c, 1 + c) A))``.
 
@@ -99,16 +170,17 @@ def policy_loss(
     Decoupled PPO (Hilton et al. 2021; AReaL) when ``proximal_logp`` is given: the trust region is
     centred on the proximal policy (the trainer's policy at the start of this update),
     ``r = pi / pi_prox``, and the off-policyness of the data is corrected by the detached weight
-    ``w = pi_prox / pi_behaviour``, truncated to ``min(w, truncated_is)`` when a cap is given
-    (truncated IS: caps the variance a very stale sample can add). With ``pi_prox == pi_behaviour``
-    (lag 0) both forms are the same loss.
+    ``w = pi_prox / pi_behaviour`` of :func:`rollout_weights`: per token (``is_level``), per sequence or
+    the sequence's geometric mean, truncated at ``truncated_is`` or masked outside its band (``is_mode``).
+    With ``pi_prox == pi_behaviour`` (lag 0, same numerics) every form is the same loss.
 
     Stats: ``clip_frac`` (fraction of elements whose ratio lies outside the clip range),
-    ``ratio_mean``; with a proximal policy also ``is_weight_mean`` (after truncation) and
-    ``is_trunc_frac`` (fraction of weights that hit the cap).
+    ``ratio_mean``; with a proximal policy also :func:`rollout_weights`' ``is_weight_mean``,
+    ``is_weight_max`` and (with a cap) ``is_trunc_frac``.
 
     ``weights`` / ``stat_weights`` (:func:`loss_weights`) replace the mean over ``mask`` of the loss /
-    of the stats by a weighted sum (another loss normalisation, or one micro-batch of a minibatch).
+    of the stats by a weighted sum (another loss normalisation, or one micro-batch of a minibatch);
+    ``sequence_weights`` (:func:`row_weights`) likewise for the stats over sequences.
     """
     if proximal_logp is None and truncated_is is not None:
         raise ValueError("truncated_is needs proximal_logp (pi_prox / pi_behaviour is the weight it caps)")
@@ -117,12 +189,9 @@ def policy_loss(
     surrogate = torch.min(ratio * advantages, ratio.clamp(1.0 - clip_coef, 1.0 + clip_coef) * advantages)
     stats: dict[str, Tensor] = {}
     if proximal_logp is not None:
-        weight = torch.exp(proximal_logp - behaviour_logp).detach()
-        if truncated_is is not None:
-            stats["is_trunc_frac"] = weighted_mean((weight > truncated_is).float(), mask, stat_weights)
-            weight = weight.clamp(max=truncated_is)
+        weight, stats = rollout_weights(proximal_logp, behaviour_logp, mask, truncated_is, is_level, is_mode,
+                                        stat_weights, sequence_weights)
         surrogate = weight * surrogate
-        stats["is_weight_mean"] = weighted_mean(weight, mask, stat_weights)
     loss = -weighted_mean(surrogate, mask, weights)
     with torch.no_grad():
         stats["clip_frac"] = weighted_mean(((ratio - 1.0).abs() > clip_coef).float(), mask, stat_weights)
@@ -211,33 +280,25 @@ def sequence_rewards_with_kl(
 
 def token_gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float,
               normalize: bool) -> tuple[Tensor, Tensor]:
-    """GAE over ``[B, G]`` response tokens (right-padded ``mask``): the sequence terminates at its last
-    action token, so nothing bootstraps past it; advantages are 0 outside ``mask`` and whitened over
-    it with ``normalize``. Returns ``(advantages, returns)``, ``[B, G]``."""
-    if mask.shape[1] > 1 and bool((mask[:, 1:] > mask[:, :-1]).any()):  # one host read
-        return _gae_over_policy_tokens(rewards, values, mask, gamma, lam, normalize)
-    # where each row ends, by scatter: one_hot would read the indices' range on the host
-    end = torch.clamp(mask.sum(-1).long() - 1, min=0)
-    last = torch.zeros(mask.shape, dtype=rewards.dtype, device=mask.device).scatter_(-1, end.unsqueeze(-1), 1.0)
-    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)
-    adv, returns = gae(rewards.T, values.T, next_values.T, last.T, last.T, gamma, lam)  # time-major
-    adv, returns = adv.T * mask, returns.T
-    return (whiten(adv, mask=mask) if normalize else adv), returns
-
-
-def _gae_over_policy_tokens(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float,
-                            normalize: bool) -> tuple[Tensor, Tensor]:
-    """:func:`token_gae` where ``mask`` has gaps (multi-turn episodes: observation tokens between the
-    policy's turns): the policy tokens of each row are gathered to its front, in order, so that each one's
-    next step is the next *policy* token (an observation is part of the transition, not a step of its own),
-    GAE runs there, and the results go back to their columns (0 elsewhere). Rewards outside ``mask`` are
-    dropped: a turn's reward sits on its last policy token."""
+    """GAE over ``[B, G]`` response tokens: each sequence terminates at its last action token, so nothing
+    bootstraps past it; advantages are 0 outside ``mask`` and whitened over it with ``normalize``. A mask
+    with gaps (multi-turn episodes: observation tokens between the policy's turns) counts policy tokens
+    only: each row's are gathered to its front, in order, so each one's next step is the next *policy*
+    token (an observation is part of the transition), and the results go back to their columns; rewards
+    outside ``mask`` are dropped (a turn's reward sits on its last policy token). A right-padded mask is
+    gathered in place, no host read either way. Returns ``(advantages, returns)``, ``[B, G]``."""
     order = torch.argsort((mask <= 0).to(torch.int8), dim=1, stable=True)  # policy columns first, in order
     packed = torch.gather(mask, 1, order)
-    adv, returns = token_gae(torch.gather(rewards, 1, order), torch.gather(values, 1, order), packed, gamma, lam,
-                             normalize)
+    rewards, values = torch.gather(rewards, 1, order), torch.gather(values, 1, order)
+    # where each row ends, by scatter: one_hot would read the indices' range on the host
+    end = torch.clamp(packed.sum(-1).long() - 1, min=0)
+    last = torch.zeros(packed.shape, dtype=rewards.dtype, device=mask.device).scatter_(-1, end.unsqueeze(-1), 1.0)
+    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)
+    adv, returns = gae(rewards.T, values.T, next_values.T, last.T, last.T, gamma, lam)  # time-major
+    adv, returns = adv.T * packed, returns.T
+    adv = whiten(adv, mask=packed) if normalize else adv
     back = torch.empty_like(order).scatter_(1, order, torch.arange(mask.shape[1], device=mask.device).expand_as(order))
-    return torch.gather(adv, 1, back) * mask, torch.gather(returns, 1, back) * mask
+    return torch.gather(adv, 1, back), torch.gather(returns, 1, back)
 
 
 # -- loss variants: group baselines, loss normalisation, adaptive KL, learning-rate schedule ---------

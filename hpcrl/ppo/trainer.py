@@ -215,8 +215,8 @@ class Trainer:
         return dropped
 
     def _log(self, logger: RunLogger, tally: Tally, metrics: dict[str, float], step_s: float) -> dict:
-        reduced = reduce_metrics(metrics, self.planes.trainer_host, sums=STEP_SUMS, maxes=["lag_max"],
-                                 mins=["lag_min"])
+        maxes = ["lag_max", *(k for k in ("learn/is_weight_max",) if k in metrics)]
+        reduced = reduce_metrics(metrics, self.planes.trainer_host, sums=STEP_SUMS, maxes=maxes, mins=["lag_min"])
         publish_ms = self.publisher.publish_ms if self.publisher is not None else float("nan")
         row = tally.row(reduced, self.version, publish_ms, step_s)
         evals = {k: row.pop(k) for k in [k for k in row if k.startswith("eval_")]}

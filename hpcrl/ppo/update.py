@@ -15,7 +15,8 @@ from typing import Any, Callable, Literal, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-from .losses import LossNorm, approx_kl, entropy_bonus, loss_weights, policy_loss, value_loss, weighted_mean
+from .losses import (ISLevel, ISMode, LossNorm, approx_kl, entropy_bonus, loss_weights, policy_loss, row_weights,
+                     value_loss, weighted_mean)
 from .workload import PPOConfig
 
 __all__ = ["Coefs", "GradStep", "Outputs", "Plan", "Samples", "micro_batches", "minibatch_indices", "ppo_losses",
@@ -63,11 +64,15 @@ class Coefs:
     vf: float = 0.5
     ent: float = 0.0
     kl: float = 0.0
+    is_level: ISLevel = "token"
+    """Rollout correction's granularity with a proximal policy (``PPOConfig.is_level``)."""
+    is_mode: ISMode = "truncate"
+    """Truncate or mask the rollout-correction weight at ``truncated_is`` (``PPOConfig.is_mode``)."""
 
     @classmethod
     def of(cls, cfg: PPOConfig, clip: float | None = None) -> Coefs:
         return cls(cfg.clip_coef if clip is None else clip, cfg.truncated_is, cfg.value_clip_coef, cfg.vf_coef,
-                   cfg.ent_coef, cfg.kl_coef)
+                   cfg.ent_coef, cfg.kl_coef, cfg.is_level, cfg.is_mode)
 
 
 @dataclass(frozen=True)
@@ -135,17 +140,19 @@ def minibatch_indices(n: int, plan: Plan, generator: torch.Generator, device: to
 
 
 def ppo_losses(out: Outputs, s: Samples, c: Coefs,
-               weights: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+               weights: tuple[Tensor, ...] | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """The minibatch loss ``policy + vf * value - ent * entropy (+ kl * KL to the reference)`` and its
     stats (detached): the loss terms, ``entropy``, ``approx_kl`` (k3 of the current policy against the
     ratio's anchor: the proximal policy, else the behaviour one) and :func:`policy_loss`'s stats.
 
     ``weights``: ``(loss, stat)`` weights of :func:`~hpcrl.ppo.losses.loss_weights` (the loss's
-    normalisation, the token mean for the stats), cut from the whole minibatch's when ``s`` is one
-    micro-batch of it; None: means over ``s.mask`` (the token mean)."""
-    w, sw = (None, None) if weights is None else weights
+    normalisation, the token mean for the stats), and a third, :func:`~hpcrl.ppo.losses.row_weights` (the
+    mean over sequences of the sequence-level rollout stats) where ``c.is_level`` is not ``token``; cut from
+    the whole minibatch's when ``s`` is one micro-batch of it; None: means over ``s.mask``."""
+    w, sw, rw = (None, None, None) if weights is None else (*weights, None)[:3]
     pl, pstats = policy_loss(out.logp, s.behaviour_logp, s.advantages, c.clip, c.truncated_is, s.proximal_logp,
-                             mask=s.mask, weights=w, stat_weights=sw)
+                             mask=s.mask, weights=w, stat_weights=sw, is_level=c.is_level, is_mode=c.is_mode,
+                             sequence_weights=rw)
     loss, stats = pl, {"policy_loss": pl}
     if s.old_values is not None:
         vl = value_loss(out.values, s.old_values, s.returns, c.value_clip, mask=s.mask, weights=w)
@@ -195,17 +202,17 @@ def _cut(idx: Tensor, key: Tensor | None, size: int | None, tokens: int | None,
 
 
 def _minibatch_step(forward: Callable[[Tensor], Outputs], idx: Tensor, mb: Samples, pieces: list[slice],
-                    weights: tuple[Tensor, Tensor] | None, coefs: Coefs, step: GradStep,
+                    weights: tuple[Tensor, ...] | None, coefs: Coefs, step: GradStep,
                     want_gap: bool) -> tuple[dict[str, Tensor], Tensor | None]:
     """One optimizer step over minibatch ``mb`` (sample indices ``idx``): a forward / backward per piece, their
-    gradients accumulated. Returns the minibatch's stats (weighted pieces: their sum) with ``grad_norm``,
-    and with ``want_gap`` the mean ``|log pi_trainer - log pi_behaviour|`` before the step."""
+    gradients accumulated. Returns the minibatch's stats (weighted pieces: their sum; ``*_max``: their max)
+    with ``grad_norm``, and with ``want_gap`` the mean ``|log pi_trainer - log pi_behaviour|`` before the step."""
     stats: dict[str, Tensor] = {}
     gap = None
     step.zero_grad()
     for piece in pieces:
         part = mb[piece] if weights is not None else mb
-        w = None if weights is None else (weights[0][piece], weights[1][piece])
+        w = None if weights is None else tuple(x[piece] for x in weights)
         out = forward(idx[piece])
         loss, piece_stats = ppo_losses(out, part, coefs, w)
         if want_gap:
@@ -213,9 +220,16 @@ def _minibatch_step(forward: Callable[[Tensor], Outputs], idx: Tensor, mb: Sampl
             gap = g if gap is None else gap + g
         step.backward(loss)
         for k, v in piece_stats.items():
-            stats[k] = stats[k] + v if k in stats else v
+            stats[k] = _combine(stats.get(k), k, v)
     stats["grad_norm"] = step.finish().detach()
     return stats, gap
+
+
+def _combine(acc: Tensor | None, key: str, v: Tensor) -> Tensor:
+    """Accumulate stat ``key``: a sum, or the running max of a ``*_max`` stat."""
+    if acc is None:
+        return v
+    return torch.maximum(acc, v) if key.endswith("_max") else acc + v
 
 
 def ppo_update(forward: Callable[[Tensor], Outputs], samples: Samples, coefs: Coefs, plan: Plan, step: GradStep,
@@ -226,9 +240,9 @@ def ppo_update(forward: Callable[[Tensor], Outputs], samples: Samples, coefs: Co
                piece_cost: Callable[[list[int]], int] | None = None) -> dict[str, Tensor]:
     """Run ``plan`` over ``samples``: for each minibatch ``idx``, ``forward(idx)`` -> :func:`ppo_losses`
     -> ``step``. Returns each stat's mean over the minibatches as a device tensor (summed in
-    ``stats_dtype``, default the stat's own), plus ``grad_norm``; with ``logp_gap`` also
-    ``maker_logp_gap``, the mean ``|log pi_trainer - log pi_behaviour|`` over the first minibatch
-    before any step (staleness + numerics between maker and trainer).
+    ``stats_dtype``, default the stat's own; a ``*_max`` stat: the max over them), plus ``grad_norm``;
+    with ``logp_gap`` also ``maker_logp_gap``, the mean ``|log pi_trainer - log pi_behaviour|`` over the first
+    minibatch before any step (staleness + numerics between maker and trainer).
 
     ``micro_batch_size``: each minibatch runs as forward / backward passes over consecutive pieces
     of at most that many samples, their gradients accumulated before the one step; the loss weights
@@ -256,14 +270,16 @@ def ppo_update(forward: Callable[[Tensor], Outputs], samples: Samples, coefs: Co
             if weighted:
                 weights = (loss_weights(mb.mask, loss_norm, mb.behaviour_logp),
                            loss_weights(mb.mask, "token", mb.behaviour_logp))
+                if coefs.is_level != "token" and mb.mask is not None:  # sequence-level stats: a mean over rows
+                    weights += (row_weights(mb.mask, mb.behaviour_logp),)
             mb_stats, first_gap = _minibatch_step(forward, idx, mb, pieces, weights, coefs, step,
                                                   logp_gap and steps == 0)
             gap = first_gap if steps == 0 else gap
             for k, v in mb_stats.items():
                 v = v if stats_dtype is None else v.to(stats_dtype)
-                sums[k] = sums[k] + v if k in sums else v.clone()
+                sums[k] = _combine(sums.get(k), k, v) if k in sums else v.clone()
             steps += 1
-    means = {k: v / steps for k, v in sums.items()}
+    means = {k: v if k.endswith("_max") else v / steps for k, v in sums.items()}
     if gap is not None:
         means["maker_logp_gap"] = gap
     return means

@@ -29,9 +29,10 @@ from torch import nn
 
 from hpcrl.core.config_check import ConfigError
 
-from .losses import Advantage, LossNorm, LRSchedule, adaptive_kl_coef, lr_at
+from .losses import Advantage, ISLevel, ISMode, LossNorm, LRSchedule, adaptive_kl_coef, lr_at
 
-__all__ = ["AdamLearner", "Capabilities", "Collector", "Learner", "PPOConfig", "Workload", "check_variants"]
+__all__ = ["AdamLearner", "Capabilities", "Collector", "Learner", "PPOConfig", "Workload", "check_rollout_correction",
+           "check_variants"]
 
 
 @dataclass
@@ -51,7 +52,15 @@ class PPOConfig:
     max_grad_norm: float = 0.5
     normalize_advantages: bool = True
     truncated_is: float | None = None
-    """Cap of the truncated importance weight pi_current_at_start / pi_behaviour (None: off)."""
+    """Cap of the truncated importance weight pi_current_at_start / pi_behaviour (None: off); with
+    is_mode mask, the threshold C of the band the weight must stay in."""
+    is_level: ISLevel = "token"
+    """What one importance weight covers (needs truncated_is unless token): token = each token's own ratio,
+    sequence = the product of a sequence's token ratios, geometric = their geometric mean per sequence; a
+    sequence's weight applies to all its tokens."""
+    is_mode: ISMode = "truncate"
+    """truncate = cap each weight at truncated_is; mask = drop (weight 0) the tokens whose weight exceeds it
+    (token level) or the sequences whose weight lies outside [1 / truncated_is, truncated_is]."""
     kl_coef: float = 0.05
     """Per-token KL penalty against the frozen initial model (LM workload); with ``kl_target`` its
     starting value."""
@@ -121,6 +130,33 @@ def check_variants(cfg: PPOConfig) -> None:
                           "--ppo.lr to its minimum (e.g. the run's --total-steps)")
     if not (finite(cfg.min_lr_ratio) and 0 <= cfg.min_lr_ratio <= 1):
         bad("min-lr-ratio", cfg.min_lr_ratio, "in [0, 1]", "e.g. --ppo.min-lr-ratio 0.1")
+    check_rollout_correction(cfg)
+
+
+def check_rollout_correction(cfg: PPOConfig) -> None:
+    """``is_level`` / ``is_mode`` and the ``truncated_is`` they need: C >= 1 to truncate (a cap below 1
+    would cut on-policy weights of 1), C > 1 to mask (the band [1 / C, C] must hold 1)."""
+    if cfg.is_level not in get_args(ISLevel):
+        raise ConfigError(f"--ppo.is-level {cfg.is_level}: must be token, sequence or geometric; e.g. --ppo.is-level "
+                          "sequence, or leave it unset (token)")
+    if cfg.is_mode not in get_args(ISMode):
+        raise ConfigError(f"--ppo.is-mode {cfg.is_mode}: must be truncate or mask; e.g. --ppo.is-mode mask, or leave "
+                          "it unset (truncate)")
+    cap = cfg.truncated_is
+    if cap is None:
+        if (cfg.is_level, cfg.is_mode) != ("token", "truncate"):
+            flag, value = ("is-level", cfg.is_level) if cfg.is_level != "token" else ("is-mode", cfg.is_mode)
+            raise ConfigError(f"--ppo.{flag} {value}: needs --ppo.truncated-is C (the weight's cap or band), e.g. "
+                              f"--ppo.truncated-is 2; or drop --ppo.{flag}")
+        return
+    finite = isinstance(cap, (int, float)) and not isinstance(cap, bool) and math.isfinite(cap)
+    if cfg.is_mode == "mask" and not (finite and cap > 1):
+        raise ConfigError(f"--ppo.truncated-is {cap}: must be a finite number > 1 with --ppo.is-mode mask (it drops "
+                          "weights above C, at the sequence levels outside [1/C, C]: 1 must stay in); e.g. "
+                          "--ppo.truncated-is 2")
+    if cfg.is_mode == "truncate" and not (finite and cap >= 1):
+        raise ConfigError(f"--ppo.truncated-is {cap}: must be a finite number >= 1 (the cap of the importance "
+                          f"weight; below 1 it cuts on-policy weights); e.g. --ppo.truncated-is 2, or unset (off)")
 
 
 @dataclass(frozen=True)

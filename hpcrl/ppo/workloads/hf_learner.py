@@ -89,7 +89,8 @@ class HFLearner(AdamLearner):
     @torch.no_grad()
     def _samples(self, b: dict[str, Tensor]) -> tuple[Samples, Tensor]:
         """The update's samples (advantages; returns and old values with a critic; the reference
-        log-probs for GRPO's KL term; proximal log-probs with ``cfg.truncated_is``) and token rewards."""
+        log-probs for GRPO's KL term; proximal log-probs with ``cfg.truncated_is``, for the rollout correction at
+        ``cfg.is_level`` / ``cfg.is_mode``: rows are sequences) and token rewards."""
         cfg, model, o = self.cfg, self.model, self.options
         tokens, attn, mask = b["tokens"], b["attention_mask"], b["action_mask"]
         blogp, ref_logp, score = b["behaviour_logp"].float(), b["ref_logp"].float(), b["score"].float()

@@ -32,7 +32,8 @@ full-sequence forward after sampling), ``ref_logp`` (frozen initial model) and `
 trainer computes per-token rewards ``-kl_coef * KL_t(behaviour || ref)`` + score at the last token,
 values with its *current* critic, GAE (``gamma``, ``gae_lambda``: :meth:`LMWorkload.default_config`
 sets ``gamma = 1``), whitened advantages, the clipped policy loss against ``behaviour_logp`` (or the
-decoupled/truncated-IS form when ``cfg.truncated_is`` is set) and the clipped value loss.
+decoupled/truncated-IS form when ``cfg.truncated_is`` is set, per token or per sequence: ``cfg.is_level`` /
+``cfg.is_mode``) and the clipped value loss.
 
 LoRA (``lora_rank > 0``): every linear layer of the blocks (qkv, attention out, MLP in/out) of both
 actor and critic becomes :class:`LoRALinear`, with the base weight frozen. Trainable: the adapters
@@ -325,7 +326,8 @@ class LMLearner(AdamLearner):
     @torch.no_grad()
     def _samples(self, b: dict[str, Tensor]) -> tuple[Samples, Tensor]:
         """Token rewards, the current critic's values, GAE (the sequence terminates at its last action
-        token), whitened advantages and (with ``cfg.truncated_is``) the proximal log-probs."""
+        token), whitened advantages and (with ``cfg.truncated_is``) the proximal log-probs, rows = sequences (the
+        sequence-level rollout corrections' weights are per row)."""
         cfg, model = self.cfg, self.model
         tokens, mask = b["tokens"], b["action_mask"]
         blogp, ref_logp, score = b["behaviour_logp"].float(), b["ref_logp"].float(), b["score"].float()

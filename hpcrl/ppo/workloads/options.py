@@ -181,6 +181,12 @@ class PPOOptions:
     truncated_is: float | None = None
     """Cap c of the truncated importance weight pi_current / pi_behaviour for stale experience (off by
     default); in [1, 1000], or inf for off."""
+    is_level: Literal["token", "sequence", "geometric"] | None = None
+    """What --ppo.truncated-is C weighs (token workloads): token (default) each token's ratio; sequence one
+    weight per sequence, the product of its token ratios; geometric the geometric mean of its token ratios."""
+    is_mode: Literal["truncate", "mask"] | None = None
+    """truncate (default): weights above C are capped at C; mask: tokens above C (token level), or sequences
+    whose weight lies outside [1/C, C], drop out of the loss."""
     kl_coef: float | None = None
     """Per-token KL penalty against the frozen initial model (--workload lm); in [0, 100]."""
     anneal_updates: int | None = None
