@@ -42,22 +42,28 @@ from typing import Any, NamedTuple
 
 from .demo_task import build_tokenizer, tiny_config
 
-__all__ = ["Built", "add", "build", "command", "format_corpus", "reward", "split_pairs", "task_records"]
+__all__ = ["Built", "add", "build", "command", "format_corpus", "play", "reward", "split_pairs", "task_records"]
 
 PROG = "hpcrl.ppo.demo_tools"
 NUMBERS = 50
 """A and B are drawn from ``range(NUMBERS)``; sums reach ``2 * (NUMBERS - 1)``."""
 ASK, TOOL = "sum", "add"
-CALL, END_CALL, RESULT, END_RESULT, ERROR, END_ERROR = "<tool>", "</tool>", "<result>", "</result>", "<error>", "</error>"
+CALL, END_CALL = "<tool>", "</tool>"
+RESULT, END_RESULT, ERROR, END_ERROR = "<result>", "</result>", "<error>", "</error>"
 EOS = "<eos>"
 PROMPT_TOKENS = 3  # "sum A B"
 TOOL_SHARE = 0.5
 """The share of pre-training lines that call the tool (the rest answer directly)."""
 ANSWER_MIX = (("a", 0.4), ("b", 0.4), ("sum", 0.2))
-"""What a pre-training transcript answers after the result: A, B, the result, or a random number."""
+"""What a pre-training transcript answers after the result: A or B (greedy picks one of them), or the result."""
+PRETRAIN_BATCH = 64
+PRETRAIN_STEPS = 1000
+"""Format pre-training steps of :func:`build` (batch 64, about 20 s on one core)."""
 EVAL_RECORDS = 64
 TRAIN_RECORDS = 1024
-EVAL_EVERY = 20
+EVAL_EVERY = 10
+STEPS = 300
+"""Updates of the printed commands (about 1.5 min with the tool, 30 s without, on 2 quiet cores)."""
 TRAIN_ARGS = ("--hf.max-prompt-tokens", str(PROMPT_TOKENS), "--hf.max-new-tokens", "6", "--hf.algo", "grpo",
               "--hf.group-size", "8", "--hf.batch-size", "16", "--ppo.lr", "1e-3", "--ppo.epochs", "2",
               "--ppo.minibatches", "2", "--makers", "1", "--trainers", "1", "--checkpoint-every", "0")
@@ -139,7 +145,8 @@ def transcript(a: int, b: int, answer: int | str, tool: bool = True) -> str:
     """An episode as text: with the tool, the call, its result and the answer; else the direct answer."""
     if not tool:
         return f"{ASK} {a} {b} {answer} {EOS}"
-    return f"{ASK} {a} {b} {CALL} {TOOL} {a} {b} {END_CALL} {EOS} {RESULT} {add(f'{a} {b}')} {END_RESULT} {answer} {EOS}"
+    result = add(f"{a} {b}")
+    return f"{ASK} {a} {b} {CALL} {TOOL} {a} {b} {END_CALL} {EOS} {RESULT} {result} {END_RESULT} {answer} {EOS}"
 
 
 def format_corpus(pairs: list[tuple[int, int]], n: int, seed: int = 1) -> list[str]:
@@ -178,8 +185,9 @@ def policy_mask(ids: list[int], tok: Any) -> list[bool]:
 
 def pretrain_policy_tokens(model: Any, tok: Any, corpus: list[str], steps: int, seed: int = 0, batch: int = 64,
                            lr: float = 3e-3) -> float:
-    """Next-token training on ``corpus`` transcripts (``<eos>`` inside a line is the EOS token) with the loss
-    on the policy's tokens only (:func:`policy_mask`); returns the last loss."""
+    """Next-token training on ``corpus`` transcripts (``<eos>`` inside a line is the EOS token), ``batch`` lines
+    a step taken in order (a corpus of ``steps * batch`` lines is seen once: no line's answer is memorised),
+    with the loss on the policy's tokens only (:func:`policy_mask`); returns the last loss."""
     import torch
 
     rows = [list(tok(line, add_special_tokens=False)["input_ids"]) for line in corpus]
@@ -189,11 +197,11 @@ def pretrain_policy_tokens(model: Any, tok: Any, corpus: list[str], steps: int, 
                            for r in rows])
     attn = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
     opt = torch.optim.Adam(model.parameters(), lr=lr)
-    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
     model.train()
     loss = torch.zeros(())
-    for _ in range(steps):
-        pick = torch.randint(len(rows), (batch,), generator=gen)
+    for step in range(steps):
+        pick = torch.arange(step * batch, (step + 1) * batch) % len(rows)
         loss = model(input_ids=ids[pick], attention_mask=attn[pick], labels=labels[pick]).loss
         opt.zero_grad()
         loss.backward()
@@ -202,7 +210,7 @@ def pretrain_policy_tokens(model: Any, tok: Any, corpus: list[str], steps: int, 
     return float(loss.detach())
 
 
-def build(out: Path, seed: int = 0, pretrain_steps: int = 300) -> Built:
+def build(out: Path, seed: int = 0, pretrain_steps: int = PRETRAIN_STEPS) -> Built:
     """The model (``out/model``), training records (``out/train.jsonl``) and held-out records
     (``out/eval.jsonl``), written under ``out``."""
     import torch
@@ -216,13 +224,14 @@ def build(out: Path, seed: int = 0, pretrain_steps: int = 300) -> Built:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config("llama", len(tok), tok.eos_token_id, max_positions=64))
     if pretrain_steps:
-        pretrain_policy_tokens(model, tok, format_corpus(train, 4000, seed + 1), pretrain_steps, seed)
+        pretrain_policy_tokens(model, tok, format_corpus(train, pretrain_steps * PRETRAIN_BATCH, seed + 1),
+                               pretrain_steps, seed, PRETRAIN_BATCH)
     model.save_pretrained(out / "model")
     return Built(out / "model", write_jsonl(out / "train.jsonl", task_records(rng.sample(train, TRAIN_RECORDS))),
                  write_jsonl(out / "eval.jsonl", task_records(held)))
 
 
-def command(built: Built, tools: bool = True, total_steps: int = 200, run_dir: str | Path = "runs/hf-tools",
+def command(built: Built, tools: bool = True, total_steps: int = STEPS, run_dir: str | Path = "runs/hf-tools",
             seed: int = 0, eval_every: int = EVAL_EVERY, python: str | None = None) -> list[str]:
     """The ``python -m hpcrl.ppo`` command of the with-tool run, or (``tools=False``) of the no-tool baseline
     (the same model, records and budget, one turn: it must answer directly)."""
@@ -233,6 +242,55 @@ def command(built: Built, tools: bool = True, total_steps: int = 200, run_dir: s
     return cmd + ["--total-steps", str(total_steps), "--seed", str(seed), "--run-dir", str(run_dir)]
 
 
+# ---------------------------------------------------------------------------- greedy episodes, played here
+
+
+def play(model_dir: str | Path, records: list[dict[str, Any]], tools: bool = True, max_new_tokens: int = 6,
+         max_turns: int = 2, episode_tokens: int = 12) -> list[tuple[str, float]]:
+    """``(transcript, reward)`` of each record's greedy episode, played as the runs' evaluation plays it (the
+    tool called in this process; one turn without ``tools``): the untrained model's update-0 pass rate."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .workloads.hf_env import CALL as CALL_PATTERN
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    eos, out = tok.eos_token_id, []
+    for rec in records:
+        ctx = list(tok(rec["prompt"], add_special_tokens=False)["input_ids"])
+        start, score = len(ctx), 0.0
+        for _ in range(max_turns if tools else 1):
+            x, room = torch.tensor([ctx]), episode_tokens - (len(ctx) - start)
+            with torch.no_grad():
+                gen = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False, eos_token_id=eos,
+                                     pad_token_id=eos, max_new_tokens=min(max_new_tokens, room))
+            new = gen[0, len(ctx):].tolist()
+            ctx += new
+            text = tok.decode(new, skip_special_tokens=True)
+            call = CALL_PATTERN.search(text) if tools else None
+            if call is None:
+                score = reward([rec], [text])[0]
+                break
+            obs = observe(call.group(1), call.group(2))
+            ids = list(tok(obs, add_special_tokens=False)["input_ids"])
+            if len(ctx) - start + len(ids) >= episode_tokens:
+                break
+            ctx += ids
+        out.append((tok.decode(ctx), score))
+    return out
+
+
+def observe(name: str, argument: str) -> str:
+    """What a call shows the policy (as ``--hf.tools`` episodes do): the result, or the error."""
+    try:
+        if name != TOOL:
+            raise ValueError(f"no tool named {name!r}")
+        return f"{RESULT} {add(argument)} {END_RESULT}"
+    except ValueError as err:
+        return f"{ERROR} ValueError: {err} {END_ERROR}"
+
+
 # ---------------------------------------------------------------------------- the command line
 
 
@@ -240,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("dir", type=Path, help="where to write model/, train.jsonl and eval.jsonl (must not hold them)")
     p.add_argument("--seed", type=int, default=0, help="model init, pre-training and records (default: 0)")
-    p.add_argument("--pretrain-steps", type=int, default=300, help="format pre-training steps, batch 64 (default: 300)")
+    p.add_argument("--pretrain-steps", type=int, default=PRETRAIN_STEPS,
+                   help=f"format pre-training steps, batch 64 (default: {PRETRAIN_STEPS})")
     args = p.parse_args(argv)
     taken = [q for q in (args.dir / "model", args.dir / "train.jsonl", args.dir / "eval.jsonl") if q.exists()]
     if taken or args.pretrain_steps < 0:
