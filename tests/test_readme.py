@@ -119,6 +119,9 @@ def workdir(tmp_path_factory, hf_demo):
     d = tmp_path_factory.mktemp("readme")
     (d / "runs").mkdir()
     (d / "runs" / "hf-demo").symlink_to(hf_demo.out, target_is_directory=True)
+    from hpcrl.ppo import demo_tools
+
+    demo_tools.build(d / "runs" / "tools-demo", pretrain_steps=2)  # the files the commands read, not a trained model
     return d
 
 
@@ -196,7 +199,7 @@ def test_command_runs_as_written(page, cmd, workdir, monkeypatch, capsys):
             _check_parse_only(module, args)
         elif module == "hpcrl.launch":
             _check_launch(args, capsys)
-        elif module == "hpcrl.ppo.demo":
+        elif module in ("hpcrl.ppo.demo", "hpcrl.ppo.demo_tools"):
             if "--show" not in args:  # the builder ran in the fixture; its dir must not be rebuilt silently
                 assert (workdir / args[0] / "model").is_dir()
         elif module == "pytest":

@@ -63,12 +63,12 @@ HEADLINE: list[tuple[str, str, str, Callable[[dict], str]]] = [
      lambda d: f"**{figure(d, 'pendulum_time_to_solve_speedup'):.1f}× faster** "
                f"({figure(d, 'pendulum_time_to_solve_hpcrl_wall_s'):.1f} s vs "
                f"{figure(d, 'pendulum_time_to_solve_cleanrl_wall_s'):.1f} s)"),
-    ("HalfCheetah-v5, 2 seeds: wall time to CleanRL's 50k-step return (1 rank)", "vs_cleanrl.json", "vs_cleanrl",
+    ("HalfCheetah-v5, 2 seeds, 1 rank: wall time to CleanRL's 50k-step return; eval return at 50k steps, "
+     "hpcrl / CleanRL", "vs_cleanrl.json", "vs_cleanrl",
      lambda d: f"**{figure(d, 'halfcheetah_time_to_cleanrl_final_ratio'):.2f}×** "
                f"({figure(d, 'halfcheetah_time_to_cleanrl_final_hpcrl_wall_s'):.0f} s vs "
-               f"{figure(d, 'halfcheetah_time_to_cleanrl_final_cleanrl_wall_s'):.0f} s)"),
-    ("HalfCheetah-v5, 2 seeds: eval return at 50k steps, hpcrl / CleanRL", "vs_cleanrl.json", "vs_cleanrl",
-     lambda d: f"{figure(d, 'halfcheetah_at_50000_hpcrl'):,.0f} / {figure(d, 'halfcheetah_at_50000_cleanrl'):,.0f}"),
+               f"{figure(d, 'halfcheetah_time_to_cleanrl_final_cleanrl_wall_s'):.0f} s); "
+               f"{figure(d, 'halfcheetah_at_50000_hpcrl'):,.0f} / {figure(d, 'halfcheetah_at_50000_cleanrl'):,.0f}"),
     ("FastSAC update, pendulum preset: `--compile` vs eager (flat parameters)", "sac_ladder_pendulum_stored.json",
      "sac_ladder",
      lambda d: f"{figure(d, 'pendulum_compiled_update_s') * 1e3:.2f} ms vs "
@@ -80,6 +80,11 @@ HEADLINE: list[tuple[str, str, str, Callable[[dict], str]]] = [
      lambda d: f"**{d['summary']['detached_1to1_over_lag0']:.2f}×** (ideal 2×)"),
     ("RLHF on the demo task, GRPO: final reward hpcrl / TRL (3 seeds)", "hf_learning.json", "hf_learning",
      lambda d: f"{d['summary']['hpcrl-grpo']['reward_last']:.2f} / {d['summary']['trl-grpo']['reward_last']:.2f}"),
+    ("Multi-turn tool use on the demo sums, GRPO: held-out pass rate with / without the `add` tool",
+     "hf_tool_learning.json", "tool_learning",
+     lambda d: f"**{d['summary']['with_tool']['eval_pass_end']:.2f}** / {d['summary']['without_tool']['eval_pass_end']:.2f} "
+               f"(from {d['summary']['with_tool']['eval_pass_start']:.2f} / "
+               f"{d['summary']['without_tool']['eval_pass_start']:.2f})"),
     ("Replay sample + n-step gather vs holosoma-style, batch 8192, 10⁶ stored", "kernels_cpu.json", "op_kernels",
      lambda d: f"**{d['targets']['replay_8192_n3_1e+06_vs_holosoma']['value']:.1f}×**"),
 ]
