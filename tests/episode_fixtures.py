@@ -111,3 +111,11 @@ class LoggedUntilYes(UntilYes):
         if path:
             with open(path, "a") as f:
                 f.write(json.dumps({"pid": os.getpid(), "id": self.record["id"], "what": what}) + "\n")
+
+
+class LongObservation(Scripted):
+    """Answers the first turn with an observation longer than any episode budget the tests use."""
+
+    def step(self, response: str):
+        self.turn += 1
+        return " ".join(["red"] * 80), 0.0, False

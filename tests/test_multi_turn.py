@@ -203,3 +203,43 @@ def test_refusals_before_ranks_start(art, kw, want):
     with pytest.raises(ConfigError) as err:
         _wl(art, **kw)
     assert want in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_an_observation_past_the_budget_ends_the_episode_truncated_and_is_logged_once(art, capfd):
+    wl = _wl(art, env="episode_fixtures:LongObservation", batch_size=3)
+    traces, calls = _play(wl, ["red", "dog", "yes"])
+    assert len(calls) == 1
+    for t in traces:
+        assert t.done and t.truncated and t.error is None and "observation of 80 tokens" in t.cut
+        assert t.info()[EPISODE_INFO.index("truncated")] == 1.0 and t.info()[EPISODE_INFO.index("errors")] == 0.0
+    collector = wl.make_collector(1)
+    for _ in range(2):
+        batch, _ = collector.collect(wl.build_model(0, critic=False), torch.Generator().manual_seed(0))
+    collector.close()
+    err = capfd.readouterr().err
+    assert err.count("an episode ended early: observation: an observation of 80 tokens") == 1, err
+    assert bool((batch["episode_info"][:, EPISODE_INFO.index("truncated")] == 1).all())
+
+
+@pytest.mark.parametrize("kw", [dict(algo="ppo"), dict(algo="grpo", group_size=2), dict(algo="ppo", lora_rank=4),
+                                dict(algo="ppo", micro_batch_tokens=40, micro_batch_size=2),
+                                dict(algo="grpo", group_size=2, ref_on="trainers")],
+                         ids=["ppo", "grpo", "lora", "token-budget", "ref-on-trainers"])
+def test_collect_and_update_over_episodes(art, kw):
+    from hpcrl.comm import GradAverager, Plane
+
+    wl = _wl(art, env="episode_fixtures:UntilYes", max_turns=3, max_new_tokens=4, max_episode_tokens=20,
+             batch_size=4, **kw)
+    cfg = dataclasses.replace(wl.default_config(), lr=2e-3, pack_sequences="micro_batch_tokens" in kw)
+    model = wl.build_model(0)
+    collector = wl.make_collector(3)
+    learner = wl.make_learner(model, cfg, GradAverager([p for p in model.parameters() if p.requires_grad],
+                                                       plane=Plane.local("device")))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        batch, stats = collector.collect(model, gen)
+        assert batch["tokens"].shape[1] == 8 + 20 and batch["episode_info"].shape == (batch["tokens"].shape[0], 6)
+        out = learner.update([batch], gen)
+        assert 1 <= out["turns"] <= 3 and 0 <= out["observation_token_frac"] < 1, out
+        assert all(v == v for v in out.values()), out  # finite (no NaN)
+    collector.close()

@@ -76,3 +76,54 @@ def test_a_factory_that_does_not_import_exits_2_before_ranks_start(art, tmp_path
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert "--hf.env nope_pkg.envs:Env: cannot import 'nope_pkg.envs'" in lines[0], lines[0]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_fsdp_trainers_sigterm_and_resume_over_tool_episodes(tmp_path):
+    """2 makers : 2 fsdp trainers on tool episodes: SIGTERM to the job checkpoints and exits 75, --resume
+    finishes the run, and every update is logged once, in order."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from hpcrl.ppo import demo_tools
+
+    built = demo_tools.build(tmp_path / "demo", pretrain_steps=50)
+    run = tmp_path / "run"
+    args = ["--workload", "hf", "--hf.model", str(built.model), "--hf.prompts", str(built.train),
+            "--hf.tools", "add=hpcrl.ppo.demo_tools:add", "--hf.reward-fn", "hpcrl.ppo.demo_tools:reward",
+            "--hf.max-turns", "2", "--hf.max-prompt-tokens", "3", "--hf.max-new-tokens", "6",
+            "--hf.max-episode-tokens", "12", "--hf.batch-size", "4", "--hf.algo", "grpo", "--hf.group-size", "2",
+            "--makers", "2", "--trainers", "2", "--strategy", "fsdp", "--checkpoint-every", "2",
+            "--total-steps", "12", "--ppo.lr", "1e-3", "--run-dir", str(run)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.ppo", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 240
+        while len(_score_rows(run)) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 75, err[-3000:]
+    stopped_at = max(r["updates"] for r in _score_rows(run))
+    assert stopped_at < 12
+    again = subprocess.run([sys.executable, "-m", "hpcrl.ppo", *args, "--resume"], env=env, capture_output=True,
+                           text=True, cwd=tmp_path, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    updates = [r["updates"] for r in _score_rows(run)]
+    assert updates == sorted(set(updates)) and updates[-1] == 12, updates  # each once, in order
+    assert all(r["tool_calls"] > 0 for r in _score_rows(run))
+
+
+def _score_rows(run) -> list[dict]:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if "score" in r and "samples_produced" not in r]

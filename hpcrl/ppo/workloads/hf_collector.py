@@ -132,11 +132,13 @@ class HFCollector(Collector):
     def _report(self, traces: list[Trace]) -> None:
         """Each kind of reason an episode was ended for, once per maker on stderr (the rows count them)."""
         for t in traces:
-            kind = (t.error or "").split(":")[0]
-            if t.error and kind not in self._reasons:
+            why = t.error or t.cut
+            kind = (why or "").split(":")[0]
+            if why and kind not in self._reasons:
                 self._reasons.add(kind)
-                print(f"hpcrl.ppo hf maker: an episode ended early: {t.error} (counted in the rows as "
-                      "episode_error_frac; further ones of this kind are not printed)", file=sys.stderr, flush=True)
+                count = "episode_error_frac" if t.error else "truncated_frac"
+                print(f"hpcrl.ppo hf maker: an episode ended early: {why} (counted in the rows as {count}; further "
+                      "ones of this kind are not printed)", file=sys.stderr, flush=True)
 
     def state_dict(self) -> dict[str, Any]:
         return {"stream": self.stream.state_dict(), "batches": self.batches}

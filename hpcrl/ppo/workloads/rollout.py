@@ -56,6 +56,8 @@ class Trace:
     done: bool = False
     truncated: bool = False
     error: str | None = None
+    cut: str | None = None
+    """Why a truncated episode was cut short, when an observation did not fit (logged once per kind)."""
 
     def context(self) -> list[int]:
         return self.prompt + (torch.cat(self.tokens).tolist() if self.tokens else [])
@@ -119,6 +121,8 @@ def _follow(t: Trace, outcome: Outcome, observation_ids: Tokens, i: int, budget:
         return
     if t.length + len(ids) >= budget:  # no room for the observation and a response to it
         t.done = t.truncated = True
+        t.cut = (f"observation: an observation of {len(ids)} tokens left no room for a response in the episode's "
+                 f"{budget} tokens (--hf.max-episode-tokens); the episode ends truncated")
         return
     t.add(torch.tensor(ids, dtype=torch.int64), None)
 
