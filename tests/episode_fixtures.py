@@ -119,3 +119,12 @@ class LongObservation(Scripted):
     def step(self, response: str):
         self.turn += 1
         return " ".join(["red"] * 80), 0.0, False
+
+
+class SlowForRecordZero(Scripted):
+    """:class:`Scripted` whose first step sleeps 1.5 s for the record with id 0 (the others answer at once)."""
+
+    def step(self, response: str):
+        if self.turn == 0 and self.record["id"] == 0:
+            time.sleep(1.5)
+        return super().step(response)

@@ -64,7 +64,7 @@ def _play(wl: HFWorkload, turns: list[str]):
     traces = env.start([wl.task.records[0], wl.task.records[1]])
     generate, calls = scripted(wl.task.tokenizer, turns)
     run_turns(traces, generate, env.step, env.observation_ids, wl.task.sampling, 7, wl.options.max_turns,
-              wl.options.episode_tokens)
+              wl.options.episode_tokens, wl.options.turn_wait_s)
     env.close()
     return traces, calls
 
@@ -243,3 +243,20 @@ def test_collect_and_update_over_episodes(art, kw):
         assert 1 <= out["turns"] <= 3 and 0 <= out["observation_token_frac"] < 1, out
         assert all(v == v for v in out.values()), out  # finite (no NaN)
     collector.close()
+
+
+def test_a_slow_step_holds_only_its_own_episode(art):
+    wl = _wl(art, env="episode_fixtures:SlowForRecordZero", turn_wait_s=0.3)
+    records = {r["id"]: r for r in wl.task.records}
+    env = EnvEpisodes(wl.options, wl.task)
+    traces = env.start([records[0], records[1]])
+    generate, calls = scripted(wl.task.tokenizer, ["red"] * 6)
+    t0 = time.monotonic()
+    run_turns(traces, generate, env.step, env.observation_ids, wl.task.sampling, 7, 3, 24, wl.options.turn_wait_s)
+    env.close()
+    # round 0 both; rounds 1-2 the fast episode alone (its turns 2 and 3) while the slow step runs; then the
+    # slow episode's turns 2 and 3
+    assert [len(c[0]) for c in calls] == [2, 1, 1, 1, 1], [len(c[0]) for c in calls]
+    assert calls[1][0][0][:len(traces[1].prompt)] == traces[1].prompt
+    assert all(t.turns == 3 and [r for _, r in t.rewards] == list(E.TURN_REWARDS) for t in traces)
+    assert time.monotonic() - t0 < 4

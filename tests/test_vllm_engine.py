@@ -266,7 +266,7 @@ def test_bf16_engine_generates_close_to_fp32(setup):
 
 @needs_vllm
 @pytest.mark.slow
-def test_resume_continues_with_the_same_batches(llama, tmp_path):
+def test_resume_continues_with_the_same_batches_and_may_switch_engines(llama, tmp_path):
     import json
 
     from hpcrl.ppo.workloads.hf_prompts import epoch_order
@@ -275,13 +275,14 @@ def test_resume_continues_with_the_same_batches(llama, tmp_path):
     prompts = F.write_prompts(tmp_path / "prompts.jsonl", n=24)
     common = ["--workload", "hf", "--hf.model", str(llama), "--hf.reward-fn", "hf_fixtures:logged_target_fraction",
               "--hf.prompts", str(prompts), "--hf.max-prompt-tokens", "8", "--hf.max-new-tokens", "4",
-              "--hf.batch-size", "4", "--hf.engine", "vllm", "--makers", "1", "--trainers", "1", "--ppo.lr", "1e-3",
-              "--run-dir", str(run)]
+              "--hf.batch-size", "4", "--makers", "1", "--trainers", "1", "--ppo.lr", "1e-3", "--run-dir", str(run)]
     env = {"HF_TEST_PROMPT_LOG": str(log)}
-    first = F.run_ppo([*common, "--total-steps", "3"], tmp_path, 600, env=env)
+    first = F.run_ppo([*common, "--total-steps", "3", "--hf.engine", "hf"], tmp_path, 600, env=env)
     assert first.returncode == 0, first.stderr[-3000:]
-    second = F.run_ppo([*common, "--total-steps", "5", "--resume"], tmp_path, 600, env=env)
+    # the resumed job's makers generate with vLLM: the engine is not part of a run's identity
+    second = F.run_ppo([*common, "--total-steps", "5", "--resume", "--hf.engine", "vllm"], tmp_path, 600, env=env)
     assert second.returncode == 0, second.stderr[-3000:]
+    assert "engine vllm" in second.stderr and "engine vllm" not in first.stderr
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     texts = [json.loads(line)["prompt"] for line in prompts.read_text().splitlines()]
     order = epoch_order(24, 0, 0)  # batch b of the run (--seed 0): records order[4b : 4b + 4]

@@ -30,8 +30,8 @@ from typing import Any, Protocol, Union
 
 from hpcrl.core.config_check import ConfigError
 
-__all__ = ["Episode", "EpisodeFactory", "Message", "Observation", "Outcome", "check_observation", "checked",
-           "import_factory", "step_bounded"]
+__all__ = ["Done", "Episode", "EpisodeFactory", "Message", "Observation", "Outcome", "Pending", "check_observation",
+           "checked", "import_factory", "launch", "wait_ready"]
 
 Message = dict[str, str]
 Observation = Union[str, list[Message]]
@@ -139,32 +139,58 @@ def probe(factory: EpisodeFactory, record: dict[str, Any], spec: str, flag: str 
         raise ConfigError(f"{flag} {spec}: reset() of record 0 returned {_kind(first)}; {why}")
 
 
-def step_bounded(calls: list[Callable[[], Any]], timeout_s: float) -> list[Outcome]:
-    """Run every episode's step at once, each in a daemon thread of its own (a tool that blocks holds only
-    its episode), and wait at most ``timeout_s`` for all: one still running then is abandoned (a thread
-    cannot be stopped; the daemon flag keeps it from holding the process at exit) and its episode ends."""
-    results: list[Any] = [None] * len(calls)
-    errors: list[BaseException | None] = [None] * len(calls)
+class Pending:
+    """One episode's step, running in a daemon thread of its own from :func:`launch` on (so a tool that
+    blocks holds only its episode): :meth:`ready` once it returned or its deadline passed; :meth:`outcome`
+    then. A step still running at its deadline is abandoned (a thread cannot be stopped; the daemon flag
+    keeps it from holding the process at exit) and its episode ends."""
 
-    def run(i: int) -> None:
+    def __init__(self, call: Callable[[], Any], timeout_s: float, wake: threading.Condition) -> None:
+        self.timeout_s, self.wake = timeout_s, wake
+        self.deadline = time.monotonic() + timeout_s
+        self._result: Outcome | None = None
+        self._thread = threading.Thread(target=self._run, args=(call,), daemon=True, name="episode-step")
+        self._thread.start()
+
+    def _run(self, call: Callable[[], Any]) -> None:
         try:
-            results[i] = calls[i]()
+            result = checked(call())
         except Exception as err:  # the user's step: its episode ends, the run goes on
-            errors[i] = err
+            result = Outcome.failed(f"step raised {type(err).__name__}: {err}")
+        with self.wake:
+            self._result = result
+            self.wake.notify_all()
 
-    threads = [threading.Thread(target=run, args=(i,), daemon=True, name=f"episode-step-{i}")
-               for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout_s
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    out = []
-    for t, result, err in zip(threads, results, errors):
-        if t.is_alive():
-            out.append(Outcome.failed(f"step took longer than --hf.step-timeout-s {timeout_s:g}"))
-        elif err is not None:
-            out.append(Outcome.failed(f"step raised {type(err).__name__}: {err}"))
-        else:
-            out.append(checked(result))
-    return out
+    def ready(self) -> bool:
+        return self._result is not None or time.monotonic() >= self.deadline
+
+    def outcome(self) -> Outcome:
+        if self._result is not None:
+            return self._result
+        return Outcome.failed(f"step took longer than --hf.step-timeout-s {self.timeout_s:g}")
+
+
+class Done(Pending):
+    """A step with its outcome known at once (no thread)."""
+
+    def __init__(self, outcome: Outcome) -> None:
+        self._result, self.deadline = outcome, 0.0
+
+
+def launch(calls: list[Callable[[], Any]], timeout_s: float, wake: threading.Condition) -> list[Pending]:
+    """Every call started at once, each bounded by ``timeout_s``; ``wake`` is notified as each returns."""
+    return [Pending(call, timeout_s, wake) for call in calls]
+
+
+def wait_ready(pending: dict[int, Pending], wake: threading.Condition, wait_s: float) -> list[int]:
+    """The keys of the ``pending`` steps that are ready: as soon as all are, else once ``wait_s`` has passed
+    and one is (a step that is never ready by itself is at its deadline)."""
+    until = time.monotonic() + wait_s
+    with wake:
+        while True:
+            done = [i for i, p in pending.items() if p.ready()]
+            now = time.monotonic()
+            if len(done) == len(pending) or (done and now >= until):
+                return done
+            times = [p.deadline for i, p in pending.items() if i not in done] + ([until] if now < until else [])
+            wake.wait(max(0.0, min(min(times) - now, 1.0)))

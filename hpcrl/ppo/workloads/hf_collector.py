@@ -14,7 +14,7 @@ from torch import Tensor
 from ..workload import Collector
 from .engine import Engine
 from .hf_engine import make_engine
-from .episodes import Outcome
+from .episodes import Done, Outcome
 from .hf_env import EnvEpisodes
 from .hf_generate import left_pad, token_logp
 from .rollout import Trace, layout, run_turns
@@ -100,7 +100,7 @@ class HFCollector(Collector):
         else:
             traces = self.env.start([task.records[i] for i in idx])
             run_turns(traces, engine.generate, self.env.step, self.env.observation_ids, task.sampling, seed,
-                      o.max_turns, o.episode_tokens)
+                      o.max_turns, o.episode_tokens, o.turn_wait_s)
             self._report(traces)
         gen_s = max(time.perf_counter() - t0, 1e-9)
         batch = {k: v.to(device) for k, v in layout(traces, o.max_prompt_tokens, o.episode_tokens, task.pad_id).items()}
@@ -162,9 +162,9 @@ class HFCollector(Collector):
                 f"the {self.options.ref_on}; peak RSS {peak_rss_mib():.0f} MiB")
 
 
-def _finished(live: list[int], responses: list[list[int]]) -> list[Outcome]:
+def _finished(rows: list[int], responses: list[list[int]], wake: object) -> list[Done]:
     """The single-completion step: every episode ends after its one response (scored afterwards)."""
-    return [Outcome(None, 0.0, True)] * len(live)
+    return [Done(Outcome(None, 0.0, True)) for _ in rows]
 
 
 def _no_observation(i: int, obs: object) -> list[int]:

@@ -4,7 +4,7 @@ the built-in tool episodes (:class:`ToolEpisode`, ``--hf.tools``).
 :class:`EnvEpisodes` builds one episode per row from its record (``--hf.env``'s factory, or tool episodes),
 turns their observations into tokens (text as it is; chat messages through the tokenizer's chat template,
 as what the template appends for them after an assistant turn) and steps them all at once, each bounded
-(:func:`~.episodes.step_bounded`).
+(:func:`~.episodes.launch`).
 
 Tool calls (:class:`ToolEpisode`): a response holding ``<tool>NAME ARGUMENT</tool>`` (the closing tag may be
 cut off by the end of the response) calls the tool ``NAME`` with the text ``ARGUMENT`` in a worker process
@@ -16,10 +16,11 @@ cut off by the end of the response) calls the tool ``NAME`` with the text ``ARGU
 from __future__ import annotations
 
 import re
+import threading
 from typing import TYPE_CHECKING, Any
 
 from . import hf_models as M
-from .episodes import Episode, EpisodeFactory, Observation, Outcome, import_factory, probe, step_bounded
+from .episodes import Episode, EpisodeFactory, Observation, Pending, import_factory, launch, probe
 from .rollout import Trace
 from .tool_runner import ToolRunner, check_tools, parse_tools
 
@@ -101,11 +102,12 @@ class EnvEpisodes:
                 traces.append(Trace([self.task.eos_id], done=True, error=f"episode start: {type(err).__name__}: {err}"))
         return traces
 
-    def step(self, live: list[int], responses: list[list[int]]) -> list[Outcome]:
+    def step(self, rows: list[int], responses: list[list[int]], wake: threading.Condition) -> list[Pending]:
+        """The steps of episodes ``rows`` on their responses, started (each in a thread of its own)."""
         decode = self.task.tokenizer.decode
         calls = [(lambda e=self.episodes[i], r=decode(ids, skip_special_tokens=True): e.step(r))
-                 for i, ids in zip(live, responses)]
-        return step_bounded(calls, self.options.step_timeout_s)
+                 for i, ids in zip(rows, responses)]
+        return launch(calls, self.options.step_timeout_s, wake)
 
     def prompt_ids(self, obs: Observation) -> list[int]:
         """The first observation's tokens, as a dataset prompt's (templated; cut or refused past the width)."""

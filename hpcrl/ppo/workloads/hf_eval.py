@@ -89,6 +89,7 @@ def _episode_answers(o: HFOptions, task: HFTask, actor: nn.Module, env: EnvEpiso
                                                  task.pad_id, s, o.generate_buckets)
             return Generation.from_padded(response.cpu(), amask.cpu(), torch.zeros(amask.shape), task.eos_id)
 
+        # every step waited for (no turn-wait): trainers under fsdp must make the same forwards
         run_turns(traces, generate, env.step, env.observation_ids, task.sampling if k else greedy, seed, o.max_turns,
                   o.episode_tokens)
         answers.append([sum(r for _, r in t.rewards) for t in traces])

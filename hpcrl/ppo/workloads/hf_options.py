@@ -75,6 +75,10 @@ class HFOptions:
     ends, flagged truncated. Default: --max-new-tokens with one turn, else 2 x --max-turns x --max-new-tokens."""
     step_timeout_s: float = 60.0
     """An episode's step() running longer ends that episode (counted in the rows as an error)."""
+    turn_wait_s: float = 2.0
+    """How long the episodes of a batch wait for each other's steps (tool calls included) before those whose
+    steps are in take their next turn without the rest, which join a later turn. While every step returns
+    within it, the turns are taken together and a run replays exactly from its seed."""
     temperature: float = 1.0
     """Sampling temperature, > 0; the optimised policy is the tempered one (maker and trainer alike)."""
     top_p: float = 1.0
@@ -264,7 +268,7 @@ class HFOptions:
         if e is not None and (not isinstance(e, int) or isinstance(e, bool) or not self.max_new_tokens <= e <= MAX_TOKENS):
             self.fail("max_episode_tokens", f"an integer in [--max-new-tokens, {MAX_TOKENS}]",
                       f"e.g. {self.flag('max_episode_tokens')} {2 * self.max_turns * self.max_new_tokens}, or leave it unset")
-        for name in ("tool_timeout_s", "step_timeout_s"):
+        for name in ("tool_timeout_s", "step_timeout_s", "turn_wait_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 86400:
                 self.fail(name, "a number of seconds in (0, 86400]", f"e.g. {self.flag(name)} {getattr(HFOptions, name)}")

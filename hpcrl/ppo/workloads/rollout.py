@@ -1,9 +1,10 @@
 """A maker's episodes, turn by turn, and the experience layout they are sent in.
 
 :func:`run_turns` drives a batch of episodes: each turn generates for the live episodes only (their whole
-context so far as the prompt; one engine call per turn, seeded per turn), hands each response to its
+context so far as the prompt; one engine call per round, seeded per round), hands each response to its
 episode's ``step`` and appends the observation it returns; an episode stops at ``done``, at ``max_turns``
-or when its tokens reach the episode budget (``truncated``). One turn with a step that ends every episode
+or when its tokens reach the episode budget (``truncated``). A step slower than ``--hf.turn-wait-s`` does not
+hold the others: they take their next turn without it. One turn with a step that ends every episode
 is the single-completion case (``--hf.reward-fn`` / ``--hf.reward-model``, scored afterwards).
 
 :func:`layout` lays the episodes out as the trainers read them (:mod:`.hf_generate`): the prompt left-padded
@@ -16,6 +17,8 @@ token. With one turn it is exactly the single-completion layout.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .engine import Generation, SamplingParams
-from .episodes import Outcome
+from .episodes import Outcome, Pending, wait_ready
 
 __all__ = ["EPISODE_INFO", "Trace", "layout", "run_turns", "turn_seed"]
 
@@ -31,8 +34,9 @@ EPISODE_INFO = ("turns", "tool_calls", "tool_errors", "truncated", "errors", "ob
 """The columns of a multi-turn batch's ``episode_info [B, 6]``, per episode."""
 
 Generate = Callable[[list[list[int]], SamplingParams, int], Generation]
-Step = Callable[[list[int], list[list[int]]], list[Outcome]]
-"""``step(live, responses)``: the outcomes of the episodes ``live`` (indices) given their responses' tokens."""
+Step = Callable[[list[int], list[list[int]], threading.Condition], list[Pending]]
+"""``step(rows, responses, wake)``: the steps of the episodes ``rows`` (indices) on their responses' tokens,
+started (:func:`~.episodes.launch`; ``wake`` notified as each returns)."""
 Tokens = Callable[[int, object], list[int]]
 """``observation_ids(i, observation)``: the tokens episode ``i`` appends for an observation."""
 
@@ -81,27 +85,40 @@ def turn_seed(seed: int, turn: int) -> int:
 
 
 def run_turns(traces: list[Trace], generate: Generate, step: Step, observation_ids: Tokens, params: SamplingParams,
-              seed: int, max_turns: int, budget: int) -> None:
-    """Play the episodes of ``traces`` (their prompts set) to their ends (see the module's docstring)."""
-    for turn in range(max_turns):
-        live = [i for i, t in enumerate(traces) if not t.done]
-        if not live:
+              seed: int, max_turns: int, budget: int, wait_s: float = float("inf")) -> None:
+    """Play the episodes of ``traces`` (their prompts set) to their ends, in rounds: each round generates
+    for the episodes ready for a turn (one engine call, seeded per round) and starts their steps; it then
+    waits for every step still running, at most ``wait_s`` (then for at least one). An episode whose step
+    is slower goes on in a later round, so a slow tool holds its own episode, not the batch. When every
+    step returns within ``wait_s`` the rounds are the turns, taken together: the run is reproducible."""
+    pending: dict[int, Pending] = {}
+    wake = threading.Condition()
+    for round_ in itertools.count():
+        ready = [i for i, t in enumerate(traces) if not t.done and i not in pending]
+        if not ready and not pending:
             return
-        room = max(budget - traces[i].length for i in live)
-        generation = generate([traces[i].context() for i in live],
-                              dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room)),
-                              turn_seed(seed, turn))
-        responses = []
-        for k, i in enumerate(live):
-            t, lo, hi = traces[i], int(generation.offsets[k]), int(generation.offsets[k + 1])
-            keep = min(hi - lo, budget - t.length)
-            t.add(generation.tokens[lo:lo + keep].cpu(), generation.logp[lo:lo + keep].float().cpu())
-            t.turns += 1
-            t.truncated = keep < hi - lo
-            responses.append(generation.tokens[lo:lo + keep].tolist())
-        outcomes = step(live, responses)
-        for i, outcome in zip(live, outcomes):
-            _follow(traces[i], outcome, observation_ids, i, budget, last_turn=turn + 1 == max_turns)
+        if ready:
+            room = max(budget - traces[i].length for i in ready)
+            generation = generate([traces[i].context() for i in ready],
+                                  dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room)),
+                                  turn_seed(seed, round_))
+            pending.update(zip(ready, step(ready, _take(traces, ready, generation, budget), wake)))
+        for i in wait_ready(pending, wake, wait_s):
+            t = traces[i]
+            _follow(t, pending.pop(i).outcome(), observation_ids, i, budget, last_turn=t.turns == max_turns)
+
+
+def _take(traces: list[Trace], rows: list[int], generation: Generation, budget: int) -> list[list[int]]:
+    """Each row's response appended to its trace (cut at the episode budget: truncated); their tokens."""
+    responses = []
+    for k, i in enumerate(rows):
+        t, lo, hi = traces[i], int(generation.offsets[k]), int(generation.offsets[k + 1])
+        keep = min(hi - lo, budget - t.length)
+        t.add(generation.tokens[lo:lo + keep].cpu(), generation.logp[lo:lo + keep].float().cpu())
+        t.turns += 1
+        t.truncated = keep < hi - lo
+        responses.append(generation.tokens[lo:lo + keep].tolist())
+    return responses
 
 
 def _follow(t: Trace, outcome: Outcome, observation_ids: Tokens, i: int, budget: int, last_turn: bool) -> None:
