@@ -78,7 +78,7 @@ def test_a_factory_that_does_not_import_exits_2_before_ranks_start(art, tmp_path
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # an exactness-under-kills run: the extended tier
 def test_fsdp_trainers_sigterm_and_resume_over_tool_episodes(tmp_path):
     """2 makers : 2 fsdp trainers on tool episodes: SIGTERM to the job checkpoints and exits 75, --resume
     finishes the run, and every update is logged once, in order."""

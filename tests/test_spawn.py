@@ -290,7 +290,7 @@ def test_sigkilled_parent_takes_its_ranks_and_its_scratch_dirs_are_swept(tmp_pat
         proc.wait(10)
         _wait_for(lambda: not any(_alive(p) for p in ranks), None, 10, "the orphaned ranks to die")
     finally:
-        _finish(proc, 1)
+        _finish(proc, 30)  # the pipes close when the forkserver, too, has seen its parent die (later under load)
     # a SIGKILLed parent cannot clean up: the run's scratch dir and its forkserver's socket dir stay ...
     assert len(_scratch_dirs(tmp_path)) == 1 and len(left_by_parent()) == 2
     live = tmp_path / "scratch" / f"{scratch.PREFIX}{scratch.host_tag()}-{os.getpid()}-{scratch.start_tag(os.getpid())}-x"
