@@ -82,17 +82,14 @@ def _resume(run: Path, trainers: int) -> None:
     assert "resuming at v" in done.stdout, done.stdout[-2000:]
 
 
-@pytest.mark.parametrize("trainers,frozen", [(1, 0), (2, 1)], ids=["1-of-1", "1-of-2"])
-def test_under_local_spawn_a_frozen_trainer_ends_the_run_with_its_name(tmp_path, trainers, frozen):
-    run = tmp_path / "run"
-    short = Path(tempfile.mkdtemp(prefix="hs", dir="/tmp"))  # the launcher's scratch and socket dirs land here
-    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.ppo", *_args(run, trainers)],
-                            env=clean_env(TMPDIR=str(short)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+def _launch_and_fault(run: Path, trainers: int, fault, env: dict) -> tuple[int, str, float, list[int]]:
+    """Launch a local run, ``fault(ranks)`` once it logged 5 rows; ``(exit code, stderr, seconds from the fault
+    to the launcher's exit, what was left of its process group)``. Nothing outlives the call."""
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.ppo", *_args(run, trainers)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _wait_rows(run, 5, [proc])
-        ranks = ranks_of(proc.pid)
-        os.kill(ranks[frozen], signal.SIGSTOP)
+        fault(ranks_of(proc.pid))
         t0 = time.monotonic()
         _, err = proc.communicate(timeout=BOUND_S + 30)
         elapsed = time.monotonic() - t0
@@ -101,10 +98,21 @@ def test_under_local_spawn_a_frozen_trainer_ends_the_run_with_its_name(tmp_path,
         if proc.poll() is None or _group(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    return proc.returncode, err, elapsed, left
+
+
+@pytest.mark.parametrize("trainers,frozen", [(1, 0), (2, 1)], ids=["1-of-1", "1-of-2"])
+def test_under_local_spawn_a_frozen_trainer_ends_the_run_with_its_name(tmp_path, trainers, frozen):
+    run = tmp_path / "run"
+    short = Path(tempfile.mkdtemp(prefix="hs", dir="/tmp"))  # the launcher's scratch and socket dirs land here
+    try:
+        freeze = lambda ranks: os.kill(ranks[frozen], signal.SIGSTOP)  # noqa: E731
+        rc, err, elapsed, left = _launch_and_fault(run, trainers, freeze, clean_env(TMPDIR=str(short)))
+    finally:
         scratch = sorted(p.name for p in short.glob("hpcrl-spawn-*"))
         shutil.rmtree(short, ignore_errors=True)
     print(f"{trainers} trainer(s), trainer {frozen} frozen: the launcher exited {elapsed:.1f} s later")
-    assert proc.returncode == 1, err[-3000:]
+    assert rc == 1, err[-3000:]
     assert elapsed < BOUND_S, elapsed
     last = err.rstrip().splitlines()[-1]
     assert last.startswith("hpcrl.ppo: error: ") and f"trainer rank {frozen} (" in last, err[-3000:]
@@ -150,23 +158,13 @@ def test_torchrun_style_every_other_rank_exits_naming_the_frozen_trainer(tmp_pat
 def test_under_local_spawn_losing_every_maker_ends_the_run_in_one_line(tmp_path):
     """Both makers SIGKILLed: the trainer cannot go on; the parent exits 1 with the trainer's one line (no
     traceback: an expected loss, as under a launcher) and nothing of the run is left."""
-    run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.ppo", *_args(run, 1)], env=clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        _wait_rows(run, 5, [proc])
-        for pid in ranks_of(proc.pid)[1:]:
+    def kill_makers(ranks: list[int]) -> None:
+        for pid in ranks[1:]:
             os.kill(pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        _, err = proc.communicate(timeout=BOUND_S + 30)
-        elapsed = time.monotonic() - t0
-        left = _gone(proc.pid)
-    finally:
-        if proc.poll() is None or _group(proc.pid):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+
+    rc, err, elapsed, left = _launch_and_fault(tmp_path / "run", 1, kill_makers, clean_env())
     print(f"every maker killed: the launcher exited {elapsed:.1f} s later")
-    assert proc.returncode == 1, err[-3000:]
+    assert rc == 1, err[-3000:]
     assert elapsed < BOUND_S, elapsed
     last = err.rstrip().splitlines()[-1]
     assert last.startswith("hpcrl.ppo: error: trainer 0: every maker is dead"), err[-3000:]
