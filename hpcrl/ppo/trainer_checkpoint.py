@@ -71,8 +71,11 @@ FORMAT = "ppo-dcp-1"  # learner.pt["format"] of a sharded checkpoint
 # one run dir. The option groups (--env.*, --lm.*, --hf.*, --ppo.*) are part of it: they change the
 # model or the update.
 IDENTITY_FIELDS = ("seed", "workload", "env", "lm", "hf", "ppo", "plugin_args")
-# option-group fields that do not change the math: not identity
-NOT_IDENTITY = {"hf": ("micro_batch_size", "micro_batch_tokens", "generate_buckets", "ref_on")}
+# option-group fields that do not change the math: not identity (the engine samples the same policy; the
+# timeouts and worker counts bound how episodes are run, not what they are)
+NOT_IDENTITY = {"hf": ("micro_batch_size", "micro_batch_tokens", "generate_buckets", "ref_on", "engine",
+                       "vllm_gpu_memory_utilization", "vllm_enforce_eager", "vllm_cpu_kvcache_gib",
+                       "vllm_prefix_caching", "tool_timeout_s", "tool_workers", "step_timeout_s", "turn_wait_s")}
 
 
 def _plain(value: Any) -> Any:
