@@ -63,19 +63,17 @@ from hpcrl.core.h5io import load_h5
 __all__ = ["DCP_DIR", "FORMAT", "TrainerCheckpoints", "dcp_fault_line", "deal_rank_state", "read_full", "run_identity",
            "upgrade_identity"]
 
-DCP_DIR = "dcp"
-FORMAT = "ppo-dcp-1"  # learner.pt["format"] of a sharded checkpoint
+DCP_DIR, FORMAT = "dcp", "ppo-dcp-1"  # FORMAT: learner.pt["format"] of a sharded checkpoint
 
 # DetachedConfig fields a resume may not change: the run's identity. Everything else (steps, lag,
 # makers, trainers, strategy, devices, timeouts, checkpoint cadence) may change between the jobs of
 # one run dir. The option groups (--env.*, --lm.*, --hf.*, --ppo.*) are part of it: they change the
 # model or the update.
 IDENTITY_FIELDS = ("seed", "workload", "env", "lm", "hf", "ppo", "plugin_args")
-# option-group fields that do not change the math: not identity (the engine samples the same policy; the
-# timeouts and worker counts bound how episodes are run, not what they are)
+# option-group fields that change neither the math nor the episodes (the engine, its knobs, timeouts): not identity
 NOT_IDENTITY = {"hf": ("micro_batch_size", "micro_batch_tokens", "generate_buckets", "ref_on", "engine",
-                       "vllm_gpu_memory_utilization", "vllm_enforce_eager", "vllm_cpu_kvcache_gib",
-                       "vllm_prefix_caching", "tool_timeout_s", "tool_workers", "step_timeout_s", "turn_wait_s")}
+                       "vllm_enforce_eager", "vllm_gpu_memory_utilization", "vllm_cpu_kvcache_gib", "vllm_prefix_caching",
+                       "tool_timeout_s", "tool_workers", "step_timeout_s", "turn_wait_s")}
 
 
 def _plain(value: Any) -> Any:
