@@ -64,7 +64,7 @@ def test_no_imports_of_private_names():
     found = []
     for path in sources():
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in {"hpcrl", ""}:
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] == "hpcrl"):
                 private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")
                            and a.name != "_C"]  # the compiled extension keeps its conventional name
                 if private:

@@ -288,7 +288,7 @@ class TorchVecEnv(VecEnv):
         self._started = bool(state["started"])
 
 
-def _check_shape(action: Tensor, shapes: tuple[tuple[int, ...], ...], name: str) -> None:
+def check_action_shape(action: Tensor, shapes: tuple[tuple[int, ...], ...], name: str) -> None:
     if tuple(action.shape) not in shapes:
         raise ValueError(f"{name}: action shape {tuple(action.shape)} not in {list(shapes)}")
 

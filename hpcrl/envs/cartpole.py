@@ -16,7 +16,7 @@ import math
 import torch
 from torch import Tensor
 
-from .base import TorchVecEnv, _check_shape
+from .base import TorchVecEnv, check_action_shape
 
 
 class _CartPoleDynamics:
@@ -90,7 +90,7 @@ class CartPole(TorchVecEnv):
         return self._rand(self.num_envs, 4).mul_(self._width).sub_(self._half_width)
 
     def _prepare_action(self, action: Tensor) -> Tensor:
-        _check_shape(action, ((self.num_envs,), (self.num_envs, 1)), "CartPole")
+        check_action_shape(action, ((self.num_envs,), (self.num_envs, 1)), "CartPole")
         # As gymnasium: action 1 pushes right, anything else left (values are not validated:
         # that would need a host read).
         return action.to(self.device).reshape(self.num_envs) == 1
@@ -192,7 +192,7 @@ class CartPoleSwingUp(TorchVecEnv):
         return s
 
     def _prepare_action(self, action: Tensor) -> Tensor:
-        _check_shape(action, ((self.num_envs, 1), (self.num_envs,)), "CartPoleSwingUp")
+        check_action_shape(action, ((self.num_envs, 1), (self.num_envs,)), "CartPoleSwingUp")
         return action.to(self.device, self.dtype).reshape(self.num_envs).clamp(-1.0, 1.0)
 
     def _transition(self, state: Tensor, a: Tensor) -> tuple[Tensor, Tensor, Tensor]:

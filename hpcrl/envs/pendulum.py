@@ -17,7 +17,7 @@ import math
 import torch
 from torch import Tensor
 
-from .base import TorchVecEnv, _check_shape
+from .base import TorchVecEnv, check_action_shape
 
 
 class Pendulum(TorchVecEnv):
@@ -58,7 +58,7 @@ class Pendulum(TorchVecEnv):
         return self._rand(self.num_envs, 2).mul_(self._reset_span).sub_(self._reset_high)
 
     def _prepare_action(self, action: Tensor) -> Tensor:
-        _check_shape(action, ((self.num_envs, 1), (self.num_envs,)), "Pendulum")
+        check_action_shape(action, ((self.num_envs, 1), (self.num_envs,)), "Pendulum")
         u = action.to(self.device, self.dtype).reshape(self.num_envs)
         return u.clamp(-self.max_torque, self.max_torque)
 
