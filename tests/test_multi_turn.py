@@ -260,3 +260,19 @@ def test_a_slow_step_holds_only_its_own_episode(art):
     assert calls[1][0][0][:len(traces[1].prompt)] == traces[1].prompt
     assert all(t.turns == 3 and [r for _, r in t.rewards] == list(E.TURN_REWARDS) for t in traces)
     assert time.monotonic() - t0 < 4
+
+
+def test_a_chat_observation_is_what_the_template_appends_after_an_assistant_turn(tmp_path, art):
+    template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} <eos> {% endfor %}"
+                "{% if add_generation_prompt %}assistant{% endif %}")
+    chat = F.build_causal_lm(tmp_path / "chat", chat_template=template)
+    wl = _wl(art, model="llama", env="episode_fixtures:Scripted")
+    wl_chat = HFWorkload(**{**wl.kwargs(), "model": str(chat)})
+    env = EnvEpisodes(wl_chat.options, wl_chat.task)
+    tok = wl_chat.task.tokenizer
+    got = env.observation_ids(0, [{"role": "user", "content": "red blue"}])
+    assert got == tok("user red blue <eos> assistant", add_special_tokens=False)["input_ids"]
+    assert env.observation_ids(1, [{"role": "user", "content": "cat"}]) == \
+        tok("user cat <eos> assistant", add_special_tokens=False)["input_ids"]
+    with pytest.raises(ValueError, match="chat template"):  # a tokenizer without one: the episode ends
+        EnvEpisodes(wl.options, wl.task).observation_ids(0, [{"role": "user", "content": "red"}])

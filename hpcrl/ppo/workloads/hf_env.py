@@ -84,7 +84,7 @@ class EnvEpisodes:
         else:
             self.factory = import_factory(options.env or "", options.flag("env"))
         self.episodes: list[Episode | None] = []
-        self._chat_delta: dict[str, list[int]] = {}
+        self._chat_base: list[int] | None = None  # the template's tokens of a fixed user + assistant exchange
 
     def start(self, records: list[dict[str, Any]]) -> list[Trace]:
         """One episode per record (fresh copies), reset; a trace per episode with its prompt's tokens. An
@@ -134,9 +134,10 @@ class EnvEpisodes:
             return list(tok(obs, add_special_tokens=False)["input_ids"])
         if not getattr(tok, "chat_template", None):
             raise ValueError("a chat observation needs the tokenizer's chat template; return text instead")
-        base = tok.apply_chat_template(_CHAT_BASE, tokenize=True)
-        full = tok.apply_chat_template(_CHAT_BASE + list(obs), tokenize=True, add_generation_prompt=True)
-        base, full = _ids(base), _ids(full)
+        if self._chat_base is None:  # the same for every observation: rendered once
+            self._chat_base = _ids(tok.apply_chat_template(_CHAT_BASE, tokenize=True))
+        base = self._chat_base
+        full = _ids(tok.apply_chat_template(_CHAT_BASE + list(obs), tokenize=True, add_generation_prompt=True))
         if full[:len(base)] != base:
             raise ValueError("the chat template does not extend a conversation by appending to it; return text")
         return full[len(base):]
