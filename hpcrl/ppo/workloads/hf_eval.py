@@ -77,20 +77,19 @@ def _episode_answers(o: HFOptions, task: HFTask, actor: nn.Module, env: EnvEpiso
     """Records ``idx`` of the eval set played as episodes, greedily then ``--eval-samples`` times sampled:
     each episode's return, per record."""
     greedy = dataclasses.replace(task.sampling, sample=False)
+    device = next(actor.parameters()).device
+
+    def generate(prompts: list[list[int]], params: SamplingParams, seed: int) -> Generation:
+        ids, mask = left_pad(prompts, max(o.max_prompt_tokens, max(map(len, prompts))), task.pad_id)
+        response, amask = generate_by_length(actor, ids.to(device), mask.long().to(device), params, task.eos_id,
+                                             task.pad_id, seed, o.generate_buckets)
+        return Generation.from_padded(response.cpu(), amask.cpu(), torch.zeros(amask.shape), task.eos_id)
+
     answers = []
     for k in range(1 + o.eval_samples):
-        seed = (updates * 1_000_003 + start * 1024 + k) % 2**62
         traces = env.start([task.eval_records[i] for i in idx])
-
-        def generate(prompts: list[list[int]], params: SamplingParams, s: int) -> Generation:
-            ids, mask = left_pad(prompts, max(o.max_prompt_tokens, max(map(len, prompts))), task.pad_id)
-            device = next(actor.parameters()).device
-            response, amask = generate_by_length(actor, ids.to(device), mask.long().to(device), params, task.eos_id,
-                                                 task.pad_id, s, o.generate_buckets)
-            return Generation.from_padded(response.cpu(), amask.cpu(), torch.zeros(amask.shape), task.eos_id)
-
         # every step waited for (no turn-wait): trainers under fsdp must make the same forwards
-        run_turns(traces, generate, env.step, env.observation_ids, task.sampling if k else greedy, seed, o.max_turns,
-                  o.episode_tokens)
-        answers.append([sum(r for _, r in t.rewards) for t in traces])
+        run_turns(traces, generate, env.step, env.observation_ids, task.sampling if k else greedy,
+                  (updates * 1_000_003 + start * 1024 + k) % 2**62, o.max_turns, o.episode_tokens)
+        answers.append([t.episode_return() for t in traces])
     return [list(s) for s in zip(*answers)]

@@ -72,6 +72,9 @@ class Trace:
         self.logp.append(logp if logp is not None else torch.zeros(len(tokens), dtype=torch.float32))
         self.length += len(tokens)
 
+    def episode_return(self) -> float:
+        return sum(r for _, r in self.rewards)
+
     def info(self) -> list[float]:
         """Its row of ``episode_info`` (:data:`EPISODE_INFO`)."""
         obs = sum(len(t) for t, p in zip(self.tokens, self.policy) if not p)
