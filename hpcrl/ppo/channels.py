@@ -12,8 +12,10 @@ naming the sending rank before anything is allocated from it.
   credit_id"); ``trainer = -1`` is the end of the stream (STOP).
 * :class:`ExperienceChannel` — maker -> trainer, host plane: an int64 :class:`Header` then ONE packed
   byte buffer holding every tensor of the batch and its rollout stats (:class:`Schema`). Experience
-  is packed on the maker's host and moved to the trainer's device on arrival, whatever the two
-  devices are; ``maker = -1`` ends a stream.
+  is packed where the batch lives, copied to the maker's host once, and moved to the trainer's device
+  on arrival, whatever the two devices are; ``maker = -1`` ends a stream. A schema with ragged fields
+  (the ``hf`` workload's padded tokens and masks) sends each row's span only: its payloads vary in
+  size, within the schema's bounds, and their spans are checked on arrival.
 * :class:`WeightChannel` — trainer 0 -> every maker: per version a header ``[version, buckets,
   checksum, numel]`` and the flat weights in buckets, as ONE bucketed broadcast over the weight
   plane (trainer 0 + makers). That plane is NCCL when trainer 0 and every maker sit on distinct GPUs;
@@ -90,9 +92,10 @@ class CreditChannel:
 
 
 class ExperienceChannel:
-    """Maker -> trainer experience over the host plane. ``schema`` (trainer side) gives the one payload
-    size a header may announce (given the sender's rank); ``max_version`` (trainer side) returns the
-    newest version any maker can hold."""
+    """Maker -> trainer experience over the host plane. ``schema`` (trainer side) gives, per sender rank,
+    the payload size a header may announce (exactly ``nbytes``; up to it with ragged fields) and the
+    check of a received payload (:meth:`Schema.check_payload`: a ragged one's spans); ``max_version``
+    (trainer side) returns the newest version any maker can hold."""
 
     def __init__(self, plane: Plane, schema: Callable[[int], Schema] | None = None,
                  max_version: Callable[[], int] | None = None, maker_index: Callable[[int], int] | None = None,
@@ -116,8 +119,11 @@ class ExperienceChannel:
             problems.append(f"maker index {h.maker}, but rank {src} is maker {self._maker_index(src)}")
         if not 0 <= h.nbytes <= self.max_bytes:
             problems.append(f"payload of {h.nbytes} bytes (limit {self.max_bytes})")
-        elif h.nbytes != self._schema(src).nbytes:
+        elif not self._schema(src).ragged and h.nbytes != self._schema(src).nbytes:
             problems.append(f"payload of {h.nbytes} bytes, the schema says {self._schema(src).nbytes}")
+        elif not self._schema(src).min_nbytes <= h.nbytes <= self._schema(src).nbytes:
+            problems.append(f"payload of {h.nbytes} bytes, the schema's ragged batches take "
+                            f"{self._schema(src).min_nbytes} to {self._schema(src).nbytes}")
         if not 0 <= h.version <= self._max_version():
             problems.append(f"unknown policy version {h.version} (newest published: {self._max_version()})")
         if h.samples < 0 or h.credit < 0 or h.seq < 0:
@@ -126,7 +132,8 @@ class ExperienceChannel:
             raise ChannelError(f"experience header from rank {src} refused: " + "; ".join(problems))
 
     def receive(self, maker_rank: int) -> tuple[Header, torch.Tensor] | None:
-        """The next (header, payload) from one maker (blocking), or None when its stream ends."""
+        """The next (header, payload) from one maker (blocking), or None when its stream ends; a header or
+        payload out of the schema's bounds raises ChannelError naming the rank."""
         buf = torch.empty(6, dtype=torch.int64)
         dist.recv(buf, maker_rank, group=self.plane.group, tag=TAG_HEADER)
         h = Header.from_tensor(buf)
@@ -135,6 +142,7 @@ class ExperienceChannel:
         self.check(h, maker_rank)
         payload = torch.empty(h.nbytes, dtype=torch.uint8)
         dist.recv(payload, maker_rank, group=self.plane.group, tag=TAG_PAYLOAD)
+        self._schema(maker_rank).check_payload(payload, f"rank {maker_rank}")  # a ragged one's spans, before use
         return h, payload
 
 

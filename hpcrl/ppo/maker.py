@@ -124,7 +124,7 @@ class Maker:
             prev_end = time.monotonic()
             stats = {**stats, "maker_wait_s": t_collect - wait_start, "maker_busy_s": prev_end - t_collect}
             if schema is None:  # every maker announces its layout: the trainers size receives by it
-                schema = Schema.of(batch, stats)
+                schema = Schema.of(batch, stats, self.collector.ragged())
                 self.schema.announce(self.ctx.rank, schema)
             samples = int(stats.get("env_steps", 1))
             payload = schema.pack(batch, stats)

@@ -1,6 +1,7 @@
 """What detached PPO puts on the wire and in the store; owned by :mod:`hpcrl.ppo.channels`.
 
-* the message formats: :class:`Schema` (one experience batch as one byte buffer), :class:`Header`,
+* the message formats: :class:`Schema` (one experience batch as one byte buffer; the fields a collector
+  pads, declared ragged, as each row's span: :mod:`hpcrl.ppo.ragged`), :class:`Header`,
   :class:`Credit`, :func:`checksum`;
 * every ``ppo/`` store key, and the store handshakes built on them: :class:`SchemaChannel` (a maker
   announces its batch layout before its first batch; a trainer reads it once), :class:`StatusChannel`
@@ -16,12 +17,15 @@ import json
 import math
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
+from functools import cached_property
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from hpcrl.comm import IDLE_TIMEOUT
+
+from .ragged import Layout, Ragged
 
 __all__ = ["ChannelError", "Credit", "Header", "Schema", "SchemaChannel", "StatusChannel", "barrier_name",
            "checksum", "share_placements"]
@@ -71,31 +75,39 @@ class ChannelError(RuntimeError):
 @dataclass(frozen=True)
 class Schema:
     """Names, shapes and dtypes of an experience batch and its stats: agreed once, then every batch
-    is one byte buffer of ``nbytes`` (no per-sample pickling)."""
+    is one byte buffer (no per-sample pickling). Without ``ragged`` declarations every field goes whole
+    and every batch takes exactly ``nbytes``; with them (:class:`~hpcrl.ppo.ragged.Ragged`: the fields a
+    collector pads to a fixed width) only each row's span travels (:class:`~hpcrl.ppo.ragged.Layout`),
+    a payload takes at most ``nbytes`` and :meth:`unpack` rebuilds the padded fields bit for bit."""
 
     fields: tuple[tuple[str, tuple[int, ...], str], ...]
     stats: tuple[str, ...]
+    ragged: tuple[Ragged, ...] = ()
 
     @classmethod
-    def of(cls, batch: dict[str, torch.Tensor], stats: dict[str, float]) -> "Schema":
-        return cls(tuple((k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in sorted(batch.items())),
-                   tuple(sorted(stats)))
+    def of(cls, batch: dict[str, torch.Tensor], stats: dict[str, float], ragged: Sequence[Ragged] = ()) -> "Schema":
+        """The schema of ``batch``; ValueError if ``ragged`` does not fit its fields."""
+        schema = cls(tuple((k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in sorted(batch.items())),
+                     tuple(sorted(stats)), tuple(ragged))
+        if schema.ragged:
+            schema.layout.check(MAX_PAYLOAD_BYTES)
+        return schema
 
     def to_json(self) -> str:
-        return json.dumps({"fields": self.fields, "stats": self.stats})
+        return json.dumps({"fields": self.fields, "stats": self.stats, "ragged": [r.to_json() for r in self.ragged]})
 
     @classmethod
     def from_json(cls, text: str, source: str = "the store", max_bytes: int = MAX_PAYLOAD_BYTES) -> "Schema":
         """Parse a schema a peer published (``source`` names it in errors), refusing anything malformed
-        or announcing batches over ``max_bytes`` before any buffer is sized from it."""
+        or announcing batches over ``max_bytes`` (sent, or rebuilt padded) before any buffer is sized from it."""
         if len(text) > MAX_SCHEMA_CHARS:
             raise ChannelError(f"experience schema from {source} refused: {len(text)} characters "
                                f"(limit {MAX_SCHEMA_CHARS})")
         try:
             d = json.loads(text)
             schema = cls(tuple((str(k), tuple(int(x) for x in s), str(t)) for k, s, t in d["fields"]),
-                         tuple(str(x) for x in d["stats"]))
-        except (ValueError, TypeError, KeyError) as err:
+                         tuple(str(x) for x in d["stats"]), tuple(Ragged.from_json(r) for r in d.get("ragged", [])))
+        except (ValueError, TypeError, KeyError, AttributeError) as err:
             raise ChannelError(f"experience schema from {source} refused: malformed ({type(err).__name__}: "
                                f"{err})") from None
         for name, shape, dtype in schema.fields:
@@ -103,42 +115,81 @@ class Schema:
                     or len(shape) > 16 or any(not 0 <= x <= max_bytes for x in shape)):
                 raise ChannelError(f"experience schema from {source}: field {name!r}: bad dtype {dtype!r} or "
                                    f"shape {shape}")
-        if schema.nbytes > max_bytes:
-            raise ChannelError(f"experience schema from {source} refused: {schema.nbytes} bytes per batch "
-                               f"(limit {max_bytes})")
+        if schema.ragged:
+            try:
+                schema.layout.check(max_bytes)
+            except ValueError as err:
+                raise ChannelError(f"experience schema from {source} refused: {err}") from None
+        if max(schema.nbytes, schema.padded_nbytes) > max_bytes:
+            raise ChannelError(f"experience schema from {source} refused: {schema.nbytes} bytes per batch, "
+                               f"{schema.padded_nbytes} padded (limit {max_bytes})")
         return schema
 
     def _sizes(self) -> list[int]:
         return [math.prod(s) * torch.empty((), dtype=getattr(torch, t)).element_size() for _, s, t in self.fields]
 
+    @cached_property
+    def layout(self) -> Layout:
+        """The payload of a schema with ragged fields."""
+        return Layout(tuple((k, s, getattr(torch, t)) for k, s, t in self.fields), self.ragged, 8 * len(self.stats))
+
+    @property
+    def padded_nbytes(self) -> int:
+        """Every field whole: a fixed schema's payload; the fields a ragged one rebuilds."""
+        return sum(self._sizes()) + 8 * len(self.stats)
+
     @property
     def nbytes(self) -> int:
-        return sum(self._sizes()) + 8 * len(self.stats)
+        """The largest payload (a fixed schema's every payload): with ragged fields, every span full width."""
+        return self.layout.max_nbytes if self.ragged else self.padded_nbytes
+
+    @property
+    def min_nbytes(self) -> int:
+        """The smallest payload: with ragged fields, every span empty."""
+        return self.layout.frame_nbytes if self.ragged else self.padded_nbytes
 
     def pack(self, batch: dict[str, torch.Tensor], stats: dict[str, float]) -> torch.Tensor:
         """One CPU byte buffer (the host plane carries experience, whatever the maker's device)."""
         if set(batch) != {k for k, _, _ in self.fields} or set(stats) != set(self.stats):
             raise ValueError(f"experience keys {sorted(batch)} / stats {sorted(stats)} do not match the schema "
                              f"{[k for k, _, _ in self.fields]} / {list(self.stats)}")
-        parts = []
         for name, shape, dtype in self.fields:
             t = batch[name]
             if tuple(t.shape) != shape or str(t.dtype).removeprefix("torch.") != dtype:
                 raise ValueError(f"experience field {name!r} is {tuple(t.shape)} {t.dtype}, schema says {shape} {dtype}")
-            parts.append(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
-        parts.append(torch.tensor([float(stats[k]) for k in self.stats], dtype=torch.float64).view(torch.uint8))
-        return torch.cat(parts)
+        tail = torch.tensor([float(stats[k]) for k in self.stats], dtype=torch.float64).view(torch.uint8)
+        if self.ragged:  # where the batch lives: its spans read once, its bytes copied to the host once
+            return self.layout.pack(batch, tail)
+        parts = [batch[k].detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for k, _, _ in self.fields]
+        return torch.cat([*parts, tail])
 
-    def unpack(self, buf: torch.Tensor, device: torch.device | str = "cpu"
+    def check_payload(self, buf: torch.Tensor, source: str) -> None:
+        """ChannelError naming ``source`` unless ``buf`` is a payload of this schema: with ragged fields,
+        spans within their fields' widths that make exactly its size (checked before anything is sized
+        from them)."""
+        try:
+            if self.ragged:
+                self.layout.spans(buf)
+            elif buf.numel() != self.nbytes:
+                raise ValueError(f"payload of {buf.numel()} bytes, the schema says {self.nbytes}")
+        except ValueError as err:
+            raise ChannelError(f"experience payload from {source} refused: {err}") from None
+
+    def unpack(self, buf: torch.Tensor, device: torch.device | str = "cpu", source: str = "the wire"
                ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """The batch on ``device`` (the trainer's) and its stats."""
+        """The batch on ``device`` (the trainer's) and its stats; a payload that is not one of this schema
+        raises ChannelError naming ``source`` (:meth:`check_payload`)."""
+        self.check_payload(buf, source)
+        values = buf[buf.numel() - 8 * len(self.stats):].clone().view(torch.float64).tolist()
+        if self.ragged:
+            out = self.layout.unpack(buf, device)
+            return {k: out[k] for k, _, _ in self.fields}, dict(zip(self.stats, values))
         out, offset = {}, 0
         for (name, shape, dtype), size in zip(self.fields, self._sizes()):
             # clone() first: a fresh buffer is aligned for any dtype (the packed offset may not be)
             t = buf[offset : offset + size].clone().view(getattr(torch, dtype)).reshape(shape)
             out[name] = t.to(device, non_blocking=True)
             offset += size
-        values = buf[offset:].clone().view(torch.float64).tolist()
         return out, dict(zip(self.stats, values))
 
 

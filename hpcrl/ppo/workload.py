@@ -12,7 +12,8 @@ that does not is adapted once by :func:`hpcrl.ppo.workload_plugin.as_workload` (
 it has them, the defaults elsewhere).
 
 Data: an experience batch is a ``dict[str, Tensor]`` with fixed keys, shapes and dtypes for a given
-workload config (it travels as one packed buffer). It must contain ``behaviour_logp`` (the maker's
+workload config (it travels as one packed buffer; padded fields a collector declares ragged travel as
+their rows' spans, :meth:`Collector.ragged`). It must contain ``behaviour_logp`` (the maker's
 log-probabilities of the taken actions) so the trainer can correct for staleness.
 """
 
@@ -30,6 +31,7 @@ from torch import nn
 from hpcrl.core.config_check import ConfigError
 
 from .losses import Advantage, ISLevel, ISMode, LossNorm, LRSchedule, adaptive_kl_coef, lr_at
+from .ragged import Ragged
 
 __all__ = ["AdamLearner", "Capabilities", "Collector", "Learner", "PPOConfig", "Workload", "check_rollout_correction",
            "check_variants"]
@@ -277,6 +279,12 @@ class Collector(ABC):
 
     def close(self) -> None:
         """Called once when the maker ends: free what the collector holds (an engine). Default: nothing."""
+
+    def ragged(self) -> tuple[Ragged, ...]:
+        """The fields of its batches padded to a fixed width, declared with the span that holds each row's
+        real values (:class:`~hpcrl.ppo.ragged.Ragged`): they travel as those spans only and arrive padded
+        as they left. Read once, with the first batch. Default: none (every field travels whole)."""
+        return ()
 
 
 class Learner(ABC):

@@ -1,6 +1,6 @@
 """The ``hf`` workload's maker side: prompts -> the engine (:mod:`.engine`: responses with their behaviour
 log-probs) -> reference log-probs (only with ``--ref-on makers``) -> scores, in fixed-shape batches
-(:mod:`hpcrl.ppo.workloads.hf`)."""
+(:mod:`hpcrl.ppo.workloads.hf`) that travel without their padding (:meth:`HFCollector.ragged`)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from ..ragged import Ragged
 from ..workload import Collector
 from .engine import Engine
 from .hf_engine import make_engine
 from .episodes import Done, Outcome
 from .hf_env import EnvEpisodes
 from .hf_generate import left_pad, token_logp
-from .rollout import Trace, layout, run_turns
+from .rollout import Trace, layout, run_turns, wire_spans
 from .hf_prompts import PromptStream
 
 if TYPE_CHECKING:
@@ -75,6 +76,12 @@ class HFCollector(Collector):
         """The published tensors, by name, into the engine (the maker wrote them into ``model``)."""
         self.engine_for(model).load_weights(self.models.publish_named(model), version)
 
+    def ragged(self) -> tuple[Ragged, ...]:
+        """Only each row's prompt and episode travel (:func:`~.rollout.wire_spans`), not the padding."""
+        sent = ("action_mask", "behaviour_logp", *(("turn_reward",) if self.env is not None else ()),
+                *(("ref_logp",) if self.options.ref_on == "makers" else ()))
+        return (wire_spans(self.options.max_prompt_tokens, self.task.pad_id, sent),)
+
     def close(self) -> None:
         if self.env is not None:
             self.env.close()
@@ -120,8 +127,10 @@ class HFCollector(Collector):
         stats = {"reward_sum": float(score.sum()), "sequences": n, "episode_return_sum": float(score.sum()),
                  "episodes": n, "env_steps": n_tok, "generate_s": gen_s}
         if o.ref_on == "makers":  # else the trainers compute it (HFLearner.reference_logp): not sent
+            # zeros outside the policy's tokens by a fill, not a product (x * 0 is -0.0 for x < 0): the
+            # padding is then the +0.0 the wire rebuilds it with (wire_spans)
             ref_logp = token_logp(model.action_logits(tokens, attn, self.models.reference_model(device)),
-                                  tokens[:, o.max_prompt_tokens:], o.temperature) * amask
+                                  tokens[:, o.max_prompt_tokens:], o.temperature).masked_fill(amask == 0, 0.0)
             batch["ref_logp"] = ref_logp
             stats["kl_to_ref_sum"] = float((batch["behaviour_logp"] - ref_logp).sum())
         if not self._logged:

@@ -11,7 +11,8 @@ is the single-completion case (``--hf.reward-fn`` / ``--hf.reward-model``, score
 to ``P`` then everything after it right-padded to ``E`` (the episode budget). ``action_mask`` is 1 on the
 policy's tokens only, 0 on observation tokens and padding, so log-probs, KL, entropy, values, GAE and
 advantages count policy tokens alone; ``turn_reward`` holds each turn's reward on that turn's last policy
-token. With one turn it is exactly the single-completion layout.
+token. With one turn it is exactly the single-completion layout. :func:`wire_spans` says how such a batch
+travels: each row's attention span (its prompt and episode, contiguous), the padding rebuilt on arrival.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..ragged import Ragged
 from .engine import Generation, SamplingParams
 from .episodes import Outcome, Pending, wait_ready
 
-__all__ = ["EPISODE_INFO", "Trace", "layout", "run_turns", "turn_seed"]
+__all__ = ["EPISODE_INFO", "Trace", "layout", "run_turns", "turn_seed", "wire_spans"]
 
 EPISODE_INFO = ("turns", "tool_calls", "tool_errors", "truncated", "errors", "observation_tokens")
 """The columns of a multi-turn batch's ``episode_info [B, 6]``, per episode."""
@@ -169,3 +171,11 @@ def layout(traces: list[Trace], prompt_len: int, width: int, pad_id: int) -> dic
                 reward[r, pos] += value
     return {"tokens": tokens, "attention_mask": attn, "action_mask": amask, "behaviour_logp": logp,
             "turn_reward": reward}
+
+
+def wire_spans(prompt_len: int, pad_id: int, response_fields: tuple[str, ...]) -> Ragged:
+    """:func:`layout`'s batch as it travels (:class:`~hpcrl.ppo.ragged.Ragged`): each row's ``attention_mask``
+    run (its prompt, then its episode's policy and observation tokens) carries ``tokens`` (``pad_id`` around
+    it) and the ``[B, E]`` fields named, whose column 0 is the mask's column ``prompt_len`` (0 past the
+    episode: ``action_mask``, ``behaviour_logp``, ``turn_reward``, ``ref_logp``)."""
+    return Ragged("attention_mask", (("tokens", 0, float(pad_id)), *((f, prompt_len, 0.0) for f in response_fields)))
