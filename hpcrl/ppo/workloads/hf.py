@@ -19,11 +19,10 @@ Roles (the same split as :mod:`hpcrl.ppo.workloads.lm`):
   (not with ``--ref-on trainers``) and the reward model / function. Per experience batch:
   ``batch_size`` prompts from the dataset (:mod:`.hf_prompts`; ``group_size`` samples each with
   GRPO), left-padded; ``generate`` with the KV cache through the engine (``--engine``, :mod:`.hf_engine`:
-  ragged responses with their behaviour log-probs, padded again for the wire); one full forward of actor
-  and reference over prompt + response for ``behaviour_logp`` / ``ref_logp`` of the sampled tokens
-  (tempered by ``--temperature``); the score
-  (one number per sequence). Everything has fixed shapes: prompts padded to ``max_prompt_tokens``,
-  responses to ``max_new_tokens``, with real ``attention_mask`` / ``action_mask``.
+  ragged responses with their behaviour log-probs); with ``--ref-on makers`` one reference forward for
+  ``ref_logp``; the score (one number per sequence). The batch is laid out padded (prompts to
+  ``max_prompt_tokens``, episodes to ``max_new_tokens`` or ``--max-episode-tokens``, with real
+  ``attention_mask`` / ``action_mask``) and shipped as each row's span (:mod:`hpcrl.ppo.ragged`).
 * **trainers**: token-level PPO — per-token KL penalty to the reference (k1 / k3) plus the score at
   the last response token, GAE over response tokens with the *current* critic (a value head on the
   actor's backbone, or on ``--critic``), whitened advantages, clipped policy and value losses (coati's
