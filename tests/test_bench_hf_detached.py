@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # a benchmark script's quick mode (two detached hf runs)
 def test_hf_detached_quick_writes_ratio_and_publish(tmp_path):
     out = tmp_path / "x.json"
     env = {k: v for k, v in os.environ.items()

@@ -127,6 +127,7 @@ def test_menagerie_task_exits_2_through_cli(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the one-rank tests above keep the simulator in the fast tier
 def test_two_rank_fastsac_on_playground(tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "hpcrl.sac", "--env", NAME, "--nproc", "2", "--num-envs", str(2 * N),

@@ -128,6 +128,7 @@ def test_an_hf_export_shard_on_a_full_disk_is_a_disk_fault(small_disk):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+@pytest.mark.extended
 def test_the_hf_export_tool_on_a_full_disk_exits_74_with_one_line(small_disk, tmp_path):
     import hf_fixtures as F
 
@@ -152,6 +153,7 @@ def test_the_hf_export_tool_on_a_full_disk_exits_74_with_one_line(small_disk, tm
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+@pytest.mark.extended
 def test_a_full_disk_under_the_per_checkpoint_hf_export_exits_74_with_one_line(small_disk, tmp_path):
     """Trainer 0 exports the actor to --hf.save-dir after each checkpoint's commit: a full disk there stops
     the run with one line; the checkpoint it exported is committed and verifies."""
@@ -175,6 +177,7 @@ def test_a_full_disk_under_the_per_checkpoint_hf_export_exits_74_with_one_line(s
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+@pytest.mark.extended
 def test_a_full_disk_under_fsdp_dcp_shards_exits_74_and_resumes(tmp_path):
     """--strategy fsdp on a 4 MiB tmpfs: the first checkpoint (~2.1 MiB) fits, the second's DCP shards do
     not (nothing is pruned before a commit). DCP loses the disk error on its way over the ranks: the line

@@ -97,6 +97,7 @@ def test_a_maker_frozen_for_good_is_dropped_and_the_run_finishes(tmp_path):
     assert "maker rank 1" not in out + err  # the healthy maker is never blamed
 
 
+@pytest.mark.extended  # a 300-update run around a 10 s freeze; the fast tier keeps the maker frozen for good
 def test_a_maker_frozen_for_10_s_is_dropped_trained_around_and_leaves_when_woken(tmp_path):
     run = tmp_path / "run"
     procs = _launch(run, 300)

@@ -101,7 +101,8 @@ def _launch_and_fault(run: Path, trainers: int, fault, env: dict) -> tuple[int, 
     return proc.returncode, err, elapsed, left
 
 
-@pytest.mark.parametrize("trainers,frozen", [(1, 0), (2, 1)], ids=["1-of-1", "1-of-2"])
+@pytest.mark.parametrize("trainers,frozen", [pytest.param(1, 0, marks=pytest.mark.extended), (2, 1)],
+                         ids=["1-of-1", "1-of-2"])
 def test_under_local_spawn_a_frozen_trainer_ends_the_run_with_its_name(tmp_path, trainers, frozen):
     run = tmp_path / "run"
     short = Path(tempfile.mkdtemp(prefix="hs", dir="/tmp"))  # the launcher's scratch and socket dirs land here

@@ -161,30 +161,45 @@ def test_fsdp_gives_the_ddp_update_and_resumes(art, tmp_path):
     assert all(torch.equal(p, saved[n]) for n, p in actor.named_parameters())
 
 
+def _one_update(art, run: Path, *extra: str) -> dict:
+    """Update 1's row of a 1 maker : 2 trainers run (batches are fixed by their number: prompts and seed)."""
+    proc = _run(art, run, "--makers", "1", "--trainers", "2", "--lag", "1", "--total-steps", "1",
+                "--hf.batch-size", "16", *extra)
+    assert proc.returncode == 0, (run.name, proc.stderr[-3000:])
+    return _rows(run)[0]
+
+
+@pytest.fixture(scope="module")
+def plain_fsdp(art, tmp_path_factory) -> dict:
+    row = _one_update(art, tmp_path_factory.mktemp("plain") / "run", "--strategy", "fsdp")
+    assert row["grad_norm"] > 0.1, row  # a batch with some reward: a gradient to compare
+    return row
+
+
 @pytest.mark.slow
-def test_fsdp_offload_lora_and_bf16_train(art, tmp_path):
-    # one update each: every comparison below is of update 1 (its row, then the checkpoint it ends with)
-    common = ["--makers", "1", "--trainers", "2", "--lag", "1", "--total-steps", "1",
-              "--hf.batch-size", "16"]  # batches are fixed by their number (prompts and sampling seed)
-    runs = {"plain": ["--strategy", "fsdp"],
-            "off": ["--strategy", "fsdp", "--offload", "--hf.gradient-checkpointing"],
-            "bf16": ["--strategy", "fsdp", "--trainer-dtype", "bf16"],
-            "lora_ddp": ["--hf.lora-rank", "4"],
-            "lora_fsdp": ["--strategy", "fsdp", "--hf.lora-rank", "4"]}
-    for name, extra in runs.items():
-        proc = _run(art, tmp_path / name, *common, *extra)
-        assert proc.returncode == 0, (name, proc.stderr[-3000:])
-    p, o, h, ld, lf = (_rows(tmp_path / n)[0] for n in runs)
-    assert p["grad_norm"] > 0.1, p  # a batch with some reward: a gradient to compare
+def test_fsdp_offload_and_gradient_checkpointing_give_the_plain_update(art, plain_fsdp, tmp_path):
     # offload moves shards, gradients and the Adam step to host memory, and gradient checkpointing
     # recomputes activations: on CPU trainers the same numbers
-    assert o["policy_loss"] == pytest.approx(p["policy_loss"], abs=1e-6)
-    assert o["grad_norm"] == pytest.approx(p["grad_norm"], rel=1e-5)
+    o = _one_update(art, tmp_path / "off", "--strategy", "fsdp", "--offload", "--hf.gradient-checkpointing")
+    assert o["policy_loss"] == pytest.approx(plain_fsdp["policy_loss"], abs=1e-6)
+    assert o["grad_norm"] == pytest.approx(plain_fsdp["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_fsdp_bf16_trainers_give_the_plain_update_to_bf16_rounding(art, plain_fsdp, tmp_path):
+    h = _one_update(art, tmp_path / "bf16", "--strategy", "fsdp", "--trainer-dtype", "bf16")
     # bf16 compute: the same update up to bf16 rounding (8 mantissa bits), not bit-equal
-    assert h["grad_norm"] == pytest.approx(p["grad_norm"], rel=0.1) and h["grad_norm"] != p["grad_norm"]
+    assert h["grad_norm"] == pytest.approx(plain_fsdp["grad_norm"], rel=0.1) and h["grad_norm"] != plain_fsdp["grad_norm"]
     assert all(v.dtype == torch.float32 for v in _final(tmp_path / "bf16")["model"].values())  # fp32 masters
-    # LoRA: the frozen base sharded with its adapters; the same update as ddp's (the adapters' random
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # two runs; LoRA under DDP is in the fast tier (tests/test_ppo_hf.py)
+def test_fsdp_lora_gives_the_ddp_lora_update(art, tmp_path):
+    # the frozen base sharded with its adapters; the same update as ddp's (the adapters' random
     # A matrices come from the seed, so both trainers of the ddp run start as one replica)
+    ld = _one_update(art, tmp_path / "lora_ddp", "--hf.lora-rank", "4")
+    lf = _one_update(art, tmp_path / "lora_fsdp", "--strategy", "fsdp", "--hf.lora-rank", "4")
     for key in ("policy_loss", "value_loss", "grad_norm"):
         assert lf[key] == pytest.approx(ld[key], rel=1e-4, abs=1e-6), key
     a, b = _final(tmp_path / "lora_ddp")["model"], _final(tmp_path / "lora_fsdp")["model"]

@@ -144,6 +144,7 @@ def test_sbatch_two_cpu_ranks_complete(reference):
 
 
 @needs_slurm
+@pytest.mark.extended  # the same requeue as the sbatch test above, through submitit
 def test_submitit_job_requeues_on_usr2_resumes_exactly_and_returns(reference, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     # 2 virtual nodes x 1 (fake) GPU = one task per GPU; torch sees no GPU, so the ranks use gloo on CPU

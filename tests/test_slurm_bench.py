@@ -14,7 +14,8 @@ import pytest
 from benchmarks.common import schema
 from test_slurm import FINAL_STATES, REPO, cluster, job_env, job_fields, needs_slurm, wait_for  # noqa: F401
 
-pytestmark = pytest.mark.timeout(720)
+# The benchmark suite's own sbatch machinery (one srun step per point, ~1 min of CPU): extended tier, run by CI.
+pytestmark = [pytest.mark.timeout(720), pytest.mark.extended]
 
 
 @needs_slurm

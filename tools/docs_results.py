@@ -56,8 +56,9 @@ def _num(v: float) -> str:
     return f"{v:,.4g}" if abs(v) >= 1e-3 else f"{v:.3g}"
 
 
-# The README's headline: (what, JSON under benchmarks/results, benchmark script, value from the JSON).
-HEADLINE: list[tuple[str, str, str, Callable[[dict], str]]] = [
+# The README's headline: (what, JSON under benchmarks/results (or a tuple of them), benchmark script, value from
+# the JSON(s), one argument each).
+HEADLINE: list[tuple[str, str | tuple[str, ...], str, Callable[..., str]]] = [
     ("Pendulum, wall time to solve vs the real CleanRL SAC (1 rank, `--compile`)",
      "vs_cleanrl_pendulum_solve_stored/vs_cleanrl.json", "vs_cleanrl",
      lambda d: f"**{figure(d, 'pendulum_time_to_solve_speedup'):.1f}× faster** "
@@ -69,13 +70,12 @@ HEADLINE: list[tuple[str, str, str, Callable[[dict], str]]] = [
                f"({figure(d, 'halfcheetah_time_to_cleanrl_final_hpcrl_wall_s'):.0f} s vs "
                f"{figure(d, 'halfcheetah_time_to_cleanrl_final_cleanrl_wall_s'):.0f} s); "
                f"{figure(d, 'halfcheetah_at_50000_hpcrl'):,.0f} / {figure(d, 'halfcheetah_at_50000_cleanrl'):,.0f}"),
-    ("FastSAC update, pendulum preset: `--compile` vs eager (flat parameters)", "sac_ladder_pendulum_stored.json",
-     "sac_ladder",
-     lambda d: f"{figure(d, 'pendulum_compiled_update_s') * 1e3:.2f} ms vs "
-               f"{figure(d, 'pendulum_flat_update_s') * 1e3:.2f} ms "
-               f"(**{figure(d, 'pendulum_compiled_vs_flat'):.2f}×**)"),
-    ("FastSAC update time, 2 ranks vs 1 at the same global batch (pendulum preset)",
-     "sac_ladder_world_pendulum_shm.json", "sac_ladder", lambda d: f"{figure(d, 'pendulum_w2_vs_w1'):.2f}×"),
+    ("FastSAC update, pendulum preset: `--compile` vs eager (flat parameters); 2 ranks vs 1 at the same global "
+     "batch", ("sac_ladder_pendulum_stored.json", "sac_ladder_world_pendulum_shm.json"), "sac_ladder",
+     lambda d, w: f"{figure(d, 'pendulum_compiled_update_s') * 1e3:.2f} ms vs "
+                  f"{figure(d, 'pendulum_flat_update_s') * 1e3:.2f} ms "
+                  f"(**{figure(d, 'pendulum_compiled_vs_flat'):.2f}×**); 2 ranks: {figure(w, 'pendulum_w2_vs_w1'):.2f}× "
+                  f"the time"),
     ("Detached PPO 1:1, lag 1 vs lag 0 (40 ms rollout, 40 ms update)", "ppo_throughput.json", "ppo_throughput",
      lambda d: f"**{d['summary']['detached_1to1_over_lag0']:.2f}×** (ideal 2×)"),
     ("RLHF on the demo task, GRPO: final reward hpcrl / TRL (3 seeds)", "hf_learning.json", "hf_learning",
@@ -85,6 +85,11 @@ HEADLINE: list[tuple[str, str, str, Callable[[dict], str]]] = [
      lambda d: f"**{d['summary']['with_tool']['eval_pass_end']:.2f}** / {d['summary']['without_tool']['eval_pass_end']:.2f} "
                f"(from {d['summary']['with_tool']['eval_pass_start']:.2f} / "
                f"{d['summary']['without_tool']['eval_pass_start']:.2f})"),
+    ("RLHF experience on the wire, 64 responses of 1–512 tokens: bytes sent packed vs padded; trainer padding "
+     "share padded → `--ppo.pack-sequences`", "hf_wire_packing.json", "wire_packing",
+     lambda d: (lambda r: f"**{r['bytes_ratio']:.2f}× fewer** ({r['packed_bytes'] / 1e3:,.0f} kB vs "
+                          f"{r['padded_bytes'] / 1e3:,.0f} kB); {r['padding_frac']:.0%} → {r['packed_padding_frac']:.0%}")(
+         next(r for r in d['results'] if r['layout'] == 'single-turn'))),
     ("Replay sample + n-step gather vs holosoma-style, batch 8192, 10⁶ stored", "kernels_cpu.json", "op_kernels",
      lambda d: f"**{d['targets']['replay_8192_n3_1e+06_vs_holosoma']['value']:.1f}×**"),
 ]
@@ -94,10 +99,12 @@ def headline_table(base: str = "") -> str:
     """The README's table: each figure linked to its script and its JSON (``base`` + the path from the
     repository root: "" in the README, "../" on a docs page)."""
     out = ["| figure | measured | from |", "|---|---|---|"]
-    for what, name, bench, value in HEADLINE:
+    for what, names, bench, value in HEADLINE:
+        names = (names,) if isinstance(names, str) else names
         src = script(bench)
         src_link = f"[{src.name}]({base}{src.relative_to(ROOT).as_posix()})" if src else f"`{bench}`"
-        out.append(f"| {what} | {value(load(name))} | {src_link} → [JSON]({base}benchmarks/results/{name}) |")
+        json_links = ", ".join(f"[JSON]({base}benchmarks/results/{name})" for name in names)
+        out.append(f"| {what} | {value(*map(load, names))} | {src_link} → {json_links} |")
     return "\n".join(out) + "\n"
 
 
