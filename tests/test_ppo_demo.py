@@ -76,3 +76,17 @@ def test_demo_refuses_a_dir_that_holds_one(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "prompts.jsonl already exists" in err[0], err
     assert (tmp_path / "prompts.jsonl").read_text() == "{}\n"  # untouched
+
+
+def test_demo_for_vllm_builds_heads_vllm_runs_and_prints_the_engine_flag(tmp_path, capsys):
+    from transformers import AutoConfig
+
+    from hpcrl.ppo.workloads.vllm_engine import CPU_HEAD_SIZES, head_dim
+
+    assert demo.main([str(tmp_path / "d"), "--engine", "vllm", "--pretrain-steps", "0"]) == 0
+    out = capsys.readouterr().out
+    config = AutoConfig.from_pretrained(tmp_path / "d" / "model")
+    assert head_dim(config) == 32 and head_dim(config) in CPU_HEAD_SIZES and config.hidden_size == 64
+    command = shlex.split(out.strip().splitlines()[-1])
+    assert command[command.index("--hf.engine") + 1] == "vllm", command
+    assert "--hf.engine" not in demo.command(tmp_path / "d")  # the default engine's command stays as it was

@@ -196,6 +196,23 @@ def test_detached_grpo_loads_every_version_into_the_engine(llama, tmp_path):
 
 @needs_vllm
 @pytest.mark.slow
+def test_the_demo_built_for_vllm_trains_through_the_engine(tmp_path):
+    import json
+
+    from hpcrl.ppo import demo
+
+    demo.build(tmp_path / "demo", pretrain_steps=20, prompts=32, engine="vllm")
+    cmd = demo.command(tmp_path / "demo", total_steps=3, run_dir=str(tmp_path / "run"), engine="vllm")
+    assert cmd[1:3] == ["-m", "hpcrl.ppo"]
+    proc = F.run_ppo(cmd[3:], tmp_path, 600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "hpcrl.ppo hf maker: engine vllm" in proc.stderr
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in rows if "score" in r][:3] == [1, 2, 3]
+
+
+@needs_vllm
+@pytest.mark.slow
 def test_multi_turn_episodes_through_the_engine(llama, tmp_path):
     import json
 

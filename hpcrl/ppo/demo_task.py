@@ -63,14 +63,18 @@ def build_tokenizer(out: Path, corpus: list[str], kind: str = "wordlevel", chat_
     return fast
 
 
-def tiny_config(arch: str, vocab: int, eos: int, max_positions: int = 64, **extra: Any):
-    """A 2-layer, hidden-64 config (``llama`` or ``gpt2``) over ``vocab`` tokens."""
+def tiny_config(arch: str, vocab: int, eos: int, max_positions: int = 64, head_dim: int | None = None, **extra: Any):
+    """A 2-layer, hidden-64 config (``llama`` or ``gpt2``) over ``vocab`` tokens; 4 attention heads of
+    ``hidden / 4 = 16`` features, or of ``head_dim`` (Llama only: vLLM's CPU attention runs 32 and up)."""
     from transformers import GPT2Config, LlamaConfig
 
     if arch == "llama":
         return LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
-                           eos_token_id=eos, bos_token_id=eos, tie_word_embeddings=False, **extra)
+                           eos_token_id=eos, bos_token_id=eos, tie_word_embeddings=False,
+                           **({} if head_dim is None else {"head_dim": head_dim}), **extra)
+    if head_dim is not None:
+        raise ValueError(f"head_dim is a Llama option, not {arch}'s")
     if arch == "gpt2":
         return GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=max_positions,
                           eos_token_id=eos, bos_token_id=eos, **extra)
@@ -78,7 +82,8 @@ def tiny_config(arch: str, vocab: int, eos: int, max_positions: int = 64, **extr
 
 
 def build_causal_lm(out: Path, corpus: list[str], arch: str = "llama", kind: str = "wordlevel", seed: int = 0,
-                    max_positions: int = 64, chat_template: str | None = None, pretrain_steps: int = 0):
+                    max_positions: int = 64, chat_template: str | None = None, pretrain_steps: int = 0,
+                    head_dim: int | None = None):
     """A random (or briefly :func:`pretrain`-ed on ``corpus``) tiny causal LM and its tokenizer, saved
     in ``out``; returns ``(model, tokenizer)``."""
     import torch
@@ -86,7 +91,7 @@ def build_causal_lm(out: Path, corpus: list[str], arch: str = "llama", kind: str
 
     tok = build_tokenizer(out, corpus, kind, chat_template)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, len(tok), tok.eos_token_id, max_positions))
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, len(tok), tok.eos_token_id, max_positions, head_dim))
     if pretrain_steps:
         pretrain(model, tok, corpus, pretrain_steps, seed)
     model.save_pretrained(out)
