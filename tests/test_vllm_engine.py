@@ -343,3 +343,26 @@ def test_a_frozen_vllm_maker_is_dropped_and_the_run_finishes(llama, tmp_path):
     final = [r for r in _rows(run) if "samples_produced" in r][-1]
     assert final["policy_version"] == steps
     _check_accounts(final)
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_engines_learning_benchmark_quick_writes_both_engines(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "engines.json"
+    proc = subprocess.run([sys.executable, str(repo / "benchmarks" / "hf" / "engines_learning.py"), "--quick",
+                           "--out", str(tmp_path / "runs"), "--json", str(out)], capture_output=True, text=True,
+                          timeout=850, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                            "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])})
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
+    d = json.loads(out.read_text())
+    assert d["benchmark"] == "engines_learning" and d["quick"] and set(d["summary"]) == {"hf", "vllm"}
+    for engine, s in d["summary"].items():
+        assert s["train_s"] > 0 and s["process_wall_s"] > s["train_s"] and s["tokens_per_s"] > 0, (engine, s)
+        assert len(d["runs"][engine]["curve"]) == 12 and "--hf.engine" in d["runs"][engine]["command"]
+    assert "engine vllm" in (tmp_path / "runs" / "hpcrl-grpo-seed0-vllm.log").read_text()

@@ -56,9 +56,13 @@ def _num(v: float) -> str:
     return f"{v:,.4g}" if abs(v) >= 1e-3 else f"{v:.3g}"
 
 
-# The README's headline: (what, JSON under benchmarks/results (or a tuple of them), benchmark script, value from
-# the JSON(s), one argument each).
-HEADLINE: list[tuple[str, str | tuple[str, ...], str, Callable[..., str]]] = [
+def _seconds(value: float | None) -> str:
+    return "not reached" if value is None else f"{value:.0f} s"
+
+
+# The README's headline: (what, JSON under benchmarks/results (or a tuple of them), benchmark script (or a tuple),
+# value from the JSON(s), one argument each).
+HEADLINE: list[tuple[str, str | tuple[str, ...], str | tuple[str, ...], Callable[..., str]]] = [
     ("Pendulum, wall time to solve vs the real CleanRL SAC (1 rank, `--compile`)",
      "vs_cleanrl_pendulum_solve_stored/vs_cleanrl.json", "vs_cleanrl",
      lambda d: f"**{figure(d, 'pendulum_time_to_solve_speedup'):.1f}× faster** "
@@ -78,8 +82,12 @@ HEADLINE: list[tuple[str, str | tuple[str, ...], str, Callable[..., str]]] = [
                   f"the time"),
     ("Detached PPO 1:1, lag 1 vs lag 0 (40 ms rollout, 40 ms update)", "ppo_throughput.json", "ppo_throughput",
      lambda d: f"**{d['summary']['detached_1to1_over_lag0']:.2f}×** (ideal 2×)"),
-    ("RLHF on the demo task, GRPO: final reward hpcrl / TRL (3 seeds)", "hf_learning.json", "hf_learning",
-     lambda d: f"{d['summary']['hpcrl-grpo']['reward_last']:.2f} / {d['summary']['trl-grpo']['reward_last']:.2f}"),
+    ("RLHF on the demo task, GRPO: final reward hpcrl / TRL (3 seeds); from launch to TRL's final reward with the "
+     "makers' engine `hf` / `vllm` (seed 0)", ("hf_learning.json", "hf_engines_learning.json"),
+     ("hf_learning", "engines_learning"),
+     lambda d, e: f"{d['summary']['hpcrl-grpo']['reward_last']:.2f} / {d['summary']['trl-grpo']['reward_last']:.2f}; "
+                  f"{_seconds(e['summary']['hf']['launch_to_target_s'])} / "
+                  f"{_seconds(e['summary']['vllm']['launch_to_target_s'])}"),
     ("Multi-turn tool use on the demo sums, GRPO: held-out pass rate with / without the `add` tool",
      "hf_tool_learning.json", "tool_learning",
      lambda d: f"**{d['summary']['with_tool']['eval_pass_end']:.2f}** / {d['summary']['without_tool']['eval_pass_end']:.2f} "
@@ -99,10 +107,13 @@ def headline_table(base: str = "") -> str:
     """The README's table: each figure linked to its script and its JSON (``base`` + the path from the
     repository root: "" in the README, "../" on a docs page)."""
     out = ["| figure | measured | from |", "|---|---|---|"]
-    for what, names, bench, value in HEADLINE:
+    for what, names, benches, value in HEADLINE:
         names = (names,) if isinstance(names, str) else names
-        src = script(bench)
-        src_link = f"[{src.name}]({base}{src.relative_to(ROOT).as_posix()})" if src else f"`{bench}`"
+        links = []
+        for bench in (benches,) if isinstance(benches, str) else benches:
+            src = script(bench)
+            links.append(f"[{src.name}]({base}{src.relative_to(ROOT).as_posix()})" if src else f"`{bench}`")
+        src_link = ", ".join(links)
         json_links = ", ".join(f"[JSON]({base}benchmarks/results/{name})" for name in names)
         out.append(f"| {what} | {value(*map(load, names))} | {src_link} → {json_links} |")
     return "\n".join(out) + "\n"
