@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +25,7 @@ TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # comm_workers must be importable here and in spawned ranks
 
 from comm_workers import fail, grad, ranks, shutdown  # noqa: E402
+from torchrun_style import free_port  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -43,18 +42,6 @@ def clean_env() -> dict[str, str]:
         for k, v in os.environ.items()
         if k not in LAUNCH_VARS and not k.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_"))
     }
-
-
-def free_port(lo: int = 1024, hi: int = 65535) -> int:
-    for _ in range(200):
-        port = random.randint(lo, hi)
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port")
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from hpcrl.ppo.channels import Schema, checksum
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
+from torchrun_style import free_port  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -170,15 +170,9 @@ def test_trainer_checkpoint_and_resume_continue_the_version_count(tmp_path):
     assert closing[-1]["samples_produced"] > closing[0]["samples_produced"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(tmp_path, makers, trainers, extra):
     """Independent processes, torchrun-style variables, no supervisor: peers may die alone."""
-    port, world = _free_port(), makers + trainers
+    port, world = free_port(), makers + trainers
     procs = []
     for rank in range(world):
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "RANK": str(rank),

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from torchrun_style import free_port  # noqa: E402
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -25,18 +25,12 @@ HEARTBEAT_S = 3.0
 ARGS = ["--workload", "cartpole", "--makers", "2", "--heartbeat-timeout-s", str(HEARTBEAT_S), "--timeout-s", "60"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(run: Path, steps: int, trainers: int = 1, args: list[str] = ARGS,
             extra_env: dict[str, str] | None = None) -> list[subprocess.Popen]:
     """Independent processes, torchrun-style variables (ranks 0 trainer, 1-2 makers; with ``trainers=2``,
     ranks 0-1 trainers, 2-3 makers): a frozen maker is then the test's to end, and each process's exit
     code is its own."""
-    port, procs, world = _free_port(), [], trainers + 2
+    port, procs, world = free_port(), [], trainers + 2
     for rank in range(world):
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "RANK": str(rank),
                "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",

@@ -23,6 +23,7 @@ from hpcrl.run.rundir import RunDirError, acquire
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_sac_train import TINY, metrics, run_cli  # noqa: E402
+from torchrun_style import free_port  # noqa: E402
 
 HOST = socket.gethostname()
 
@@ -208,7 +209,7 @@ def test_second_start_refuses_with_exit_2_and_a_killed_run_is_taken_over(tmp_pat
 
 @pytest.mark.timeout(120)
 def test_every_rank_of_a_refused_multi_rank_start_exits_2(tmp_path):
-    port = _free_port()
+    port = free_port()
     with acquire(tmp_path):
         procs = []
         t0 = time.time()
@@ -227,12 +228,6 @@ def test_every_rank_of_a_refused_multi_rank_start_exits_2(tmp_path):
             for p in procs:
                 p.kill()
         assert time.time() - t0 < 60
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(180)

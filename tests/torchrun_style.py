@@ -5,16 +5,35 @@ tests that launch that way (tests/test_sac_frozen.py, tests/test_reshard.py)."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
 import time
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(lo: int = 10000, hi: int | None = None) -> int:
+    """A port free now, drawn at random from ``[lo, hi]`` below the kernel's ephemeral range. A port the OS
+    hands out for ``bind(0)`` is ephemeral: once released, any outgoing connection (gloo opens many in the
+    tests running beside this one) may take it before the rank binds it (EADDRINUSE). Below the range only an
+    explicit bind takes a port."""
+    hi = min(hi or 65535, _ephemeral_start() - 1)
+    for _ in range(200):
+        port = random.randint(lo, hi)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError(f"no free port in [{lo}, {hi}]")
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def clean_env(**extra: str) -> dict[str, str]:
