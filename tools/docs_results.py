@@ -83,11 +83,12 @@ HEADLINE: list[tuple[str, str | tuple[str, ...], str | tuple[str, ...], Callable
     ("Detached PPO 1:1, lag 1 vs lag 0 (40 ms rollout, 40 ms update)", "ppo_throughput.json", "ppo_throughput",
      lambda d: f"**{d['summary']['detached_1to1_over_lag0']:.2f}×** (ideal 2×)"),
     ("RLHF on the demo task, GRPO: final reward hpcrl / TRL (3 seeds); from launch to TRL's final reward with the "
-     "makers' engine `hf` / `vllm` (seed 0)", ("hf_learning.json", "hf_engines_learning.json"),
+     "makers' engine `hf` / `vllm` (seed 0, CPU)", ("hf_learning.json", "hf_engines_learning.json"),
      ("hf_learning", "engines_learning"),
      lambda d, e: f"{d['summary']['hpcrl-grpo']['reward_last']:.2f} / {d['summary']['trl-grpo']['reward_last']:.2f}; "
                   f"{_seconds(e['summary']['hf']['launch_to_target_s'])} / "
-                  f"{_seconds(e['summary']['vllm']['launch_to_target_s'])}"),
+                  f"{_seconds(e['summary']['vllm']['launch_to_target_s'])} "
+                  f"({e['summary']['hf']['tokens_per_s']:,.0f} / {e['summary']['vllm']['tokens_per_s']:,.0f} tokens/s)"),
     ("Multi-turn tool use on the demo sums, GRPO: held-out pass rate with / without the `add` tool",
      "hf_tool_learning.json", "tool_learning",
      lambda d: f"**{d['summary']['with_tool']['eval_pass_end']:.2f}** / {d['summary']['without_tool']['eval_pass_end']:.2f} "
