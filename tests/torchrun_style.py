@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def free_port(lo: int = 10000, hi: int | None = None) -> int:
@@ -31,7 +32,7 @@ def free_port(lo: int = 10000, hi: int | None = None) -> int:
 
 def _ephemeral_start() -> int:
     try:
-        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768  # Linux's default
 

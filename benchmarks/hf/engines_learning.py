@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,24 +33,6 @@ import hf_learning as L  # noqa: E402
 from benchmarks.common.timing import loadavg, machine_info, write_json  # noqa: E402
 
 ENGINES = ("hf", "vllm")
-
-
-def demo_dir(out: Path, seed: int, sizes: dict[str, int]) -> Path:
-    """The demo built for vLLM's CPU attention (both engines run it), once per seed and sizes."""
-    d = out / f"demo-vllm-seed{seed}-p{sizes['pretrain_steps']}-n{sizes['prompts']}"
-    if not (d / ".complete").exists():
-        import torch
-        import transformers
-
-        from hpcrl.ppo.demo import build
-
-        transformers.utils.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
-        torch.set_num_threads(1)
-        build(d, seed=seed, pretrain_steps=sizes["pretrain_steps"], prompts=sizes["prompts"], engine="vllm")
-        (d / "baseline.json").write_text(json.dumps(L.baseline_eval(d)))
-        (d / ".complete").write_text("")
-    return d
 
 
 def target(seed: int, results: Path) -> float | None:
@@ -93,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     sizes = L.QUICK if a.quick else L.FULL
-    demo = demo_dir(a.out, a.seed, sizes)
+    demo = L.demo_dir(a.out, a.seed, sizes, engine="vllm")  # both engines run the model vLLM can
     goal = target(a.seed, REPO / "benchmarks" / "results" / "hf_learning.json")
     hp = L.CHOSEN["hpcrl-grpo"]
     runs: dict[str, Any] = {}

@@ -66,9 +66,10 @@ def env() -> dict[str, str]:
     return {**clean, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def demo_dir(out: Path, seed: int, sizes: dict[str, int]) -> Path:
-    """The demo's model, prompts and eval set for ``seed`` (built once, reused by every system)."""
-    d = out / f"demo-seed{seed}-p{sizes['pretrain_steps']}-n{sizes['prompts']}"
+def demo_dir(out: Path, seed: int, sizes: dict[str, int], engine: str = "hf") -> Path:
+    """The demo's model (built for the makers' ``engine``: ``python -m hpcrl.ppo.demo --engine``), prompts and
+    eval set for ``seed`` (built once, reused by every system)."""
+    d = out / f"demo-{'' if engine == 'hf' else engine + '-'}seed{seed}-p{sizes['pretrain_steps']}-n{sizes['prompts']}"
     if not (d / ".complete").exists():
         sys.path.insert(0, str(REPO))
         import torch
@@ -79,7 +80,7 @@ def demo_dir(out: Path, seed: int, sizes: dict[str, int]) -> Path:
         transformers.utils.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
         torch.set_num_threads(1)
-        build(d, seed=seed, pretrain_steps=sizes["pretrain_steps"], prompts=sizes["prompts"])
+        build(d, seed=seed, pretrain_steps=sizes["pretrain_steps"], prompts=sizes["prompts"], engine=engine)
         (d / "baseline.json").write_text(json.dumps(baseline_eval(d)))
         (d / ".complete").write_text("")
     return d

@@ -179,18 +179,24 @@ class Schema:
                ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """The batch on ``device`` (the trainer's) and its stats; a payload that is not one of this schema
         raises ChannelError naming ``source`` (:meth:`check_payload`)."""
-        self.check_payload(buf, source)
-        values = buf[buf.numel() - 8 * len(self.stats):].clone().view(torch.float64).tolist()
         if self.ragged:
-            out = self.layout.unpack(buf, device)
-            return {k: out[k] for k, _, _ in self.fields}, dict(zip(self.stats, values))
+            try:
+                out = self.layout.unpack(buf, device)  # reads the spans, checked before anything is sized from them
+            except ValueError as err:
+                raise ChannelError(f"experience payload from {source} refused: {err}") from None
+            return {k: out[k] for k, _, _ in self.fields}, self._stats(buf)
+        self.check_payload(buf, source)
         out, offset = {}, 0
         for (name, shape, dtype), size in zip(self.fields, self._sizes()):
             # clone() first: a fresh buffer is aligned for any dtype (the packed offset may not be)
             t = buf[offset : offset + size].clone().view(getattr(torch, dtype)).reshape(shape)
             out[name] = t.to(device, non_blocking=True)
             offset += size
-        return out, dict(zip(self.stats, values))
+        return out, self._stats(buf)
+
+    def _stats(self, buf: torch.Tensor) -> dict[str, float]:
+        """The stats at the end of payload ``buf``."""
+        return dict(zip(self.stats, buf[buf.numel() - 8 * len(self.stats):].clone().view(torch.float64).tolist()))
 
 
 @dataclass(frozen=True)
