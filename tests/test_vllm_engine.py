@@ -5,8 +5,10 @@ Needs vLLM (CPU: ``tools/setup_vllm_cpu.sh``); a tiny random Llama with a head s
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -315,7 +317,6 @@ def test_resume_continues_with_the_same_batches_and_may_switch_engines(llama, tm
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_frozen_vllm_maker_is_dropped_and_the_run_finishes(llama, tmp_path):
-    import signal
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -339,10 +340,23 @@ def test_a_frozen_vllm_maker_is_dropped_and_the_run_finishes(llama, tmp_path):
         assert healthy.wait(timeout=120) == 0
     finally:
         for p in procs:
+            for child in _children(p.pid):  # the frozen maker's vLLM engine core would outlive it
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child, signal.SIGKILL)
             p.kill()
     final = [r for r in _rows(run) if "samples_produced" in r][-1]
     assert final["policy_version"] == steps
     _check_accounts(final)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+    return out
 
 
 @needs_vllm
