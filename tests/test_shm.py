@@ -3,6 +3,8 @@ every dtype, across many slot rounds, no file left behind, and a missing peer na
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -90,3 +92,18 @@ def test_detached_ppo_trainers_sum_through_shared_memory():
     trainers, _, maker = spawn(workers.ppo_trainer_planes, 3, timeout_s=120)
     assert all("shared memory" in p and "ranks [0, 1]" in p for p in trainers), trainers
     assert all("shared memory" not in p for p in maker), maker  # not a member: its trainer planes are inactive
+
+
+def test_a_member_gone_before_the_sums_began_is_still_watched():
+    """A peer that exited between mapping the segment and the first sum is named as exited at once (it once
+    looked unwatchable, and its wait ran to the timeout); one in another pid namespace is not watched."""
+    from hpcrl.comm.shm import _peer, _pid_namespace
+    from hpcrl.core import process_state
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    pid, start = _peer(gone.pid, _pid_namespace())
+    assert pid == gone.pid and not process_state.pid_alive(pid, start)
+    me = _peer(os.getpid(), _pid_namespace())
+    assert me[0] == os.getpid() and process_state.pid_alive(*me)
+    assert _peer(os.getpid(), "pid:[1]") == (0, "")

@@ -183,6 +183,77 @@ def _launch_view() -> dict:
             "launcher": int(os.environ[LAUNCHED_PID_ENV]), "forked": b"forkserver" in parent}
 
 
+MARK = "as imported"  # a launcher below sets it: its ranks see the launcher's value only if forked from it
+
+
+def _holds(path: str) -> bool:
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            if os.readlink(fd) == path:
+                return True
+        except OSError:  # the listing's own descriptor
+            pass
+    return False
+
+
+def _server_view(path: str) -> dict:
+    server = os.getppid()
+    server_parent = int(Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return {"mark": MARK, "server_parent": server_parent, "holds": _holds(path), "sympy": "sympy" in sys.modules,
+            "sigusr1": str(signal.getsignal(signal.SIGUSR1)), "torch_threads": torch.get_num_threads()}
+
+
+_FORK_PROBE = """
+import json, os, signal, sys, threading
+import test_spawn
+from hpcrl.comm import spawn
+from hpcrl.comm.prefork import prefork
+fd = os.open(sys.argv[2], os.O_RDONLY)  # the launcher's own: no rank may hold it
+test_spawn.MARK = "imported and set"
+if sys.argv[1] == "thread":
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+forked = prefork()
+test_spawn.MARK = "run state"  # what the launcher does after the fork stays its own
+import sympy  # a library it imported meanwhile: preloaded
+signal.signal(signal.SIGUSR1, lambda *a: None)  # the launcher's handler: a rank starts without it
+views = spawn(test_spawn._server_view, 2, args=(sys.argv[2],), timeout_s=60, num_threads=2)
+print(json.dumps({"forked": forked, "launcher": os.getpid(), "views": views}))
+"""
+
+
+@pytest.mark.parametrize("threads", ["one", "thread"])
+def test_a_launcher_forked_before_its_own_work_is_its_ranks_server(tmp_path, threads):
+    """The ranks' server is a fork of a launcher that runs one thread, taken where it called prefork: its
+    imports are there, what it did afterwards is not, nor its descriptors or signal handlers. A launcher
+    with a second thread (which may hold a lock a fork would copy held) starts a fresh interpreter."""
+    held = tmp_path / "held-by-the-launcher"
+    held.write_text("")
+    out = subprocess.run([sys.executable, "-c", _FORK_PROBE, threads, str(held)], env=_env(tmp_path),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    probe = json.loads(out.stdout.splitlines()[-1])
+    forked = threads == "one"
+    assert probe["forked"] is forked
+    for view in probe["views"]:
+        assert view["mark"] == ("imported and set" if forked else "as imported")
+        assert view["sympy"] is forked  # the fresh server preloads only what the run names
+        assert view["server_parent"] == probe["launcher"]  # either server is the launcher's child
+        assert not view["holds"]
+        assert view["sigusr1"] == str(signal.SIG_DFL)  # what a fresh interpreter has
+        assert view["torch_threads"] == 2
+
+
+def test_a_server_forked_for_ranks_never_spawned_leaves_with_its_launcher(tmp_path):
+    code = ("import os, sys; from hpcrl.comm.prefork import prefork; assert prefork(); "
+            "import multiprocessing.forkserver as f; print(f._forkserver._forkserver_pid, flush=True); "
+            "raise SystemExit(3)")
+    out = subprocess.run([sys.executable, "-c", code], env=_env(tmp_path), capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 3, out.stderr[-3000:]
+    server = int(out.stdout.split()[0])
+    _wait_for(lambda: not _alive(server), None, 10, "the unused server to exit")
+
+
 def test_ranks_are_forks_that_get_what_the_launcher_has_at_launch(capfd, monkeypatch):
     """The forkserver started long before (an earlier spawn here) must not leak its own state into a
     rank: the environment, stdout/stderr and signal mask are the launcher's at this launch, the thread
@@ -440,3 +511,16 @@ def test_detached_ppo_leaves_neither_its_scratch_nor_its_socket_dir(tmp_path, st
     finally:
         _finish(proc, 1)
         shutil.rmtree(short, ignore_errors=True)
+
+
+def test_numpys_blas_pool_does_not_keep_a_launcher_from_forking(tmp_path):
+    """Without OMP_NUM_THREADS (as users run), numpy's OpenBLAS starts a thread pool when it loads; it stops
+    that pool itself before a fork, so the launcher stops it first and forks (its next call restarts it)."""
+    env = {k: v for k, v in _env(tmp_path).items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+    code = ("import os, numpy as np, torch; from hpcrl.comm.prefork import prefork; "
+            "print(len(os.listdir('/proc/self/task')), prefork(), len(os.listdir('/proc/self/task')))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    before, forked, after = out.stdout.split()
+    assert int(before) > 1 or (os.cpu_count() or 1) == 1, out.stdout  # the pool was there
+    assert forked == "True" and after == "1", out.stdout

@@ -9,6 +9,9 @@ Imported only in that server process, never in a rank or a user's process. It li
 * the stop signals blocked: a job-wide SIGTERM (a scheduler stopping every process of a job) must not
   end the server, whose ranks would die with it (their parent-death signal) before they checkpoint.
   A rank sets its own mask, the one its launcher had, once its handlers are in place.
+
+A server forked from its launcher (:mod:`hpcrl.comm.rank_start`) has torch loaded and no thread
+already; there the mask is what this module still does.
 """
 
 import os

@@ -14,29 +14,33 @@ from typing import Any, Callable, Sequence
 
 import torch.multiprocessing as mp
 
+from .prefork import release
 from .scratch import PREFIX, host_tag, make_scratch_dir, start_tag
 
-__all__ = ["current_mask", "is_open", "remove_socket_dir", "start_method"]
+__all__ = ["current_mask", "is_open", "remove_socket_dir", "socket_dir_fits", "start_method"]
 
 _PRELOAD = ["hpcrl.comm.forkserver_preload"]
 
 
 def start_method(preload: Sequence[str]) -> tuple[Any, int | None]:
     """How ranks start, and the pid that will be their parent: forks of multiprocessing's forkserver with
-    torch loaded (``hpcrl.comm.forkserver_preload``; one server per launching process, started on first use),
-    where the platform has one, else fresh interpreters ("spawn", parented by this process)."""
-    if "forkserver" not in mp.get_all_start_methods() or not _socket_dir_fits():
+    torch loaded (``hpcrl.comm.forkserver_preload``; one server per launching process: the one
+    :func:`~hpcrl.comm.prefork.prefork` started, else a fresh interpreter started on first use), where the
+    platform has one, else fresh interpreters ("spawn", parented by this process)."""
+    if "forkserver" not in mp.get_all_start_methods() or not socket_dir_fits():
         return mp.get_context("spawn"), None
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([*_PRELOAD, *preload])  # read when the server starts; one running keeps its own
-    multiprocessing.forkserver.ensure_running()
+    modules = [*_PRELOAD, *preload]
+    if not release(modules):
+        ctx.set_forkserver_preload(modules)  # read when the server starts; one running keeps its own
+        multiprocessing.forkserver.ensure_running()
     return ctx, multiprocessing.forkserver._forkserver._forkserver_pid
 
 
 _SUN_PATH_MAX = 107  # bytes of a unix socket's path; the forkserver's is <temp dir>/listener-XXXXXXXX
 
 
-def _socket_dir_fits() -> bool:
+def socket_dir_fits() -> bool:
     """Give multiprocessing's temp dir of this process (where the forkserver listens) the form of a
     :func:`make_scratch_dir`, so a SIGKILLed launcher's is swept like its other scratch dirs, under /tmp
     when $TMPDIR is too long for a socket path (as Python 3.13 does); False: no short one to be had."""

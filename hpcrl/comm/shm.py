@@ -92,7 +92,7 @@ class SharedMemorySum:
         self.pids = segment[pids_at : pids_at + 8 * w].view(torch.int64)
         self.slots = segment[slots_at:].view(2, w, slot_bytes)
         self.round = 0
-        self.peers: list[tuple[int, str]] = []  # (pid, start) per index; pid 0: not visible from here, not checked
+        self.peers: list[tuple[int, str]] = []  # (pid, start) per index; pid 0: another pid namespace, not checked
         self._views: dict[tuple[int, torch.dtype, int], list[torch.Tensor]] = {}
 
     @staticmethod
@@ -204,6 +204,24 @@ def _map(path: str, nbytes: int, token: str) -> torch.Tensor | None:
     return seg if bytes(seg[: len(token)].tolist()) == token.encode() else None
 
 
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+_GONE = "gone"  # no process starts then: a peer that exited before the sums began is named at its first wait
+
+
+def _peer(pid: int, namespace: str) -> tuple[int, str]:
+    """(pid, start) of a member for :meth:`SharedMemorySum._wait`; (0, "") when its pid means nothing here
+    (another pid namespace: containers sharing a host's /dev/shm)."""
+    if not namespace or namespace != _pid_namespace():
+        return 0, ""
+    return (pid, process_state.proc_start(pid)) if process_state.pid_alive(pid, "") else (pid, _GONE)
+
+
 def attach_shared_memory(planes: list[Plane], ctx: DistContext) -> list[Plane]:
     """Give each CPU plane of ``planes`` (all over the same ranks) a shared-memory segment, when every member
     runs on one host and maps the same one; a plane that cannot get one keeps gloo, alike on every member.
@@ -241,7 +259,7 @@ def attach_shared_memory(planes: list[Plane], ctx: DistContext) -> list[Plane]:
             if seg is not None:
                 mapped[p.name] = SharedMemorySum(seg, index, members, int(slot_text), p.name, ctx.timeout)
                 mapped[p.name].pids[index] = os.getpid()
-        store.set(f"{tag}/{p.name}/mapped/{rank}", "1" if p.name in mapped else "0")
+        store.set(f"{tag}/{p.name}/mapped/{rank}", f"1|{_pid_namespace()}" if p.name in mapped else "0")
     barrier(ctx, tag, ranks=members)  # every member mapped (or failed to): the creator may unlink
     for path in made.values():
         shutil.rmtree(os.path.dirname(path), ignore_errors=True)
@@ -249,9 +267,9 @@ def attach_shared_memory(planes: list[Plane], ctx: DistContext) -> list[Plane]:
     for p in planes:
         m = mapped.get(p.name)
         if m is not None and p in wanted:
-            if all(v == b"1" for v in store.multi_get([f"{tag}/{p.name}/mapped/{r}" for r in members])):
-                m.peers = [(pid, process_state.proc_start(pid)) if process_state.pid_alive(pid, "") else (0, "")
-                           for pid in m.pids.tolist()]
+            flags = [v.decode() for v in store.multi_get([f"{tag}/{p.name}/mapped/{r}" for r in members])]
+            if all(v.startswith("1|") for v in flags):
+                m.peers = [_peer(pid, v.split("|", 1)[1]) for pid, v in zip(m.pids.tolist(), flags)]
                 p = replace(p, shm=m)
         out.append(p)
     return out

@@ -31,13 +31,16 @@ from hpcrl.run.rundir_reuse import check_start, overwrite
 if TYPE_CHECKING:  # bound by _torch_side() once the refusals that need no torch have passed
     from hpcrl.comm import check_local_gpus, cuda_count, detect_launch, spawn
     from hpcrl.comm.devices import resolve_kind
+    from hpcrl.comm.prefork import prefork
 
     from .config import DetachedConfig
     from hpcrl.comm.heartbeat import PeerLost
     from .run import build_workload, train, validate
+    from .workloads import shared_imports
 
 _TORCH_SIDE = {"check_local_gpus": "hpcrl.comm", "cuda_count": "hpcrl.comm", "detect_launch": "hpcrl.comm",
-               "spawn": "hpcrl.comm", "resolve_kind": "hpcrl.comm.devices", "PeerLost": "hpcrl.comm.heartbeat",
+               "spawn": "hpcrl.comm", "resolve_kind": "hpcrl.comm.devices", "prefork": "hpcrl.comm.prefork",
+               "shared_imports": "hpcrl.ppo.workloads", "PeerLost": "hpcrl.comm.heartbeat",
                "build_workload": "hpcrl.ppo.run", "train": "hpcrl.ppo.run", "validate": "hpcrl.ppo.run"}
 """Names this module uses after its refusals, from modules that import torch: loaded on first use, as
 module globals (so that a test may replace one, e.g. ``spawn``)."""
@@ -102,10 +105,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(cfg: DetachedConfig) -> list[dict]:
+    spawns = detect_launch().source == "single" and cfg.makers + cfg.trainers > 1
+    if spawns:  # the ranks' server: a fork of this process while it holds imports only (no workload yet)
+        for module in shared_imports(cfg.workload):
+            importlib.import_module(module)
+        prefork()
     workload, _ = build_workload(cfg)  # fail on a bad workload or device before starting any process
     for role in ("trainer", "maker"):
         resolve_kind(getattr(cfg, f"{role}_device"), cuda_count(), f"--{role}-device")
-    if detect_launch().source != "single" or cfg.makers + cfg.trainers == 1:
+    if not spawns:
         return [train(cfg)]
     validate(cfg, cfg.makers + cfg.trainers)
     # Spawned ranks get cuda:(rank mod GPUs); makers may share GPUs, trainers (one NCCL group) may not.

@@ -75,10 +75,12 @@ def parse(argv: list[str]) -> SACConfig:
 def _run(cfg: SACConfig) -> list[dict]:
     # heavy: after every refusal that needs no torch
     from hpcrl.comm import check_local_gpus, cuda_count, detect_launch, spawn
+    from hpcrl.comm.prefork import prefork
 
     from .run import plan, train
 
     if cfg.nproc > 1:
+        prefork()  # the ranks' server: a fork of this process while it holds imports only
         plan(cfg, cfg.nproc)  # fail before spawning anything
         check_local_gpus(cfg.nproc, cfg.device, cuda_count())
         check_sac(cfg, cfg.nproc, cfg.nproc, preset(cfg.preset), local_rank=None)  # every rank's memory

@@ -17,7 +17,7 @@ from typing import Any, Callable
 from ..workload import Workload
 from .vector_env import VectorEnvWorkload
 
-__all__ = ["VectorEnvWorkload", "make_workload", "workload_names"]
+__all__ = ["VectorEnvWorkload", "make_workload", "shared_imports", "workload_names"]
 
 
 def _vector(env: str, name: str, **defaults: Any) -> Callable[..., Workload]:
@@ -51,6 +51,18 @@ _REGISTRY: dict[str, Callable[..., Workload]] = {
     "lm": _lm,
     "hf": _hf,
 }
+
+
+_SHARED_IMPORTS: dict[str, tuple[str, ...]] = {
+    "hf": ("hpcrl.ppo.workloads.hf", "transformers.modeling_utils", "transformers.models.auto"),
+}
+
+
+def shared_imports(name: str) -> tuple[str, ...]:
+    """Modules that both the launcher (checking the workload) and every rank of a registered workload
+    import: a launcher imports them before it forks its ranks' server (:mod:`hpcrl.comm.prefork`), so a
+    run imports them once."""
+    return _SHARED_IMPORTS.get(name, ())
 
 
 def workload_names() -> list[str]:
