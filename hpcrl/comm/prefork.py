@@ -120,10 +120,10 @@ def prefork() -> bool:
 
 def release(preload: Sequence[str]) -> bool:
     """Send the server :func:`prefork` started what to preload, once; False when there is none waiting."""
-    go = _PENDING.pop("go", None)
-    if go is None:
+    if not _PENDING:
         return False
-    since = [m for m in sys.modules if m not in _PENDING["modules"] and m.split(".", 1)[0] in _LIBRARIES]
+    go, before = _PENDING.pop("go"), _PENDING.pop("modules")
+    since = [m for m in sys.modules if m not in before and m.split(".", 1)[0] in _LIBRARIES]
     with os.fdopen(go, "w") as pipe:
         json.dump([*preload, *since], pipe)
     return True
