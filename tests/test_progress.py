@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 
 import pytest
 
@@ -97,7 +98,8 @@ def test_run_logger_file_output_is_one_full_line_per_row_and_json_has_no_nan(tmp
     assert "return=-3.5 (1 row ago)" in lines[1] and "return=-3.5 (2 rows ago)" in lines[2]
     assert "critic_loss" not in lines[1] and "critic_loss=0.5" in lines[2]  # inf is missing, not "-"
     assert lines[3] == "hpcrl: done in 0s: eval_return=-2"
-    assert lines[4:] == [f"hpcrl: checkpoint {tmp_path / 'checkpoints'}", f"hpcrl: metrics {tmp_path / 'metrics.jsonl'}"]
+    shown = [progress.short_path(tmp_path / name, os.getcwd()) for name in ("checkpoints", "metrics.jsonl")]
+    assert lines[4:] == [f"hpcrl: checkpoint {shown[0]}", f"hpcrl: metrics {shown[1]}"]  # relative where shorter
     raw = (tmp_path / "metrics.jsonl").read_text()
     rows = [json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}")) for line in
             raw.splitlines()]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import hpcrl.envs
-from hpcrl.run import checkpoint
+from hpcrl.run import checkpoint, progress
 from hpcrl.envs import Pendulum
 from hpcrl.sac.__main__ import main, parse
 from hpcrl.sac.config import parse_seeds, preset, seed_runs
@@ -52,7 +52,7 @@ def test_eval_rows_best_and_final_snapshots_final_checkpoint_and_resume(tmp_path
     # 40 vector steps, checkpoint_every 15 does not divide it: the final checkpoint is written anyway
     assert checkpoint.latest(run).name.endswith(f"{40:012d}")
     err = capsys.readouterr().err
-    assert "hpcrl: done in " in err and "eval_return=" in err and f"metrics {run / 'metrics.jsonl'}" in err
+    assert "hpcrl: done in " in err and "eval_return=" in err and f"metrics {progress.short_path(run / 'metrics.jsonl', os.getcwd())}" in err
 
     assert main(args + ["--resume"]) == 0  # finished: nothing to do, nothing changed
     assert "nothing left to do" in capsys.readouterr().out
