@@ -10,7 +10,7 @@ Imported only in that server process, never in a rank or a user's process. It li
   end the server, whose ranks would die with it (their parent-death signal) before they checkpoint.
   A rank sets its own mask, the one its launcher had, once its handlers are in place.
 
-A server forked from its launcher (:mod:`hpcrl.comm.rank_start`) has torch loaded and no thread
+A server forked from its launcher (:mod:`hpcrl.comm.prefork`) has torch loaded and no thread
 already; there the mask is what this module still does.
 """
 

@@ -21,9 +21,9 @@ The parent supervises like an agent:
   turns a finished rank into a failure.
 - **Ranks start in milliseconds.** They are forks of multiprocessing's forkserver, started once per
   launching process with torch already imported (:mod:`hpcrl.comm.forkserver_preload`), not fresh
-  interpreters that import torch again (~1 s and ~200 MB each). The server itself is a fork of the
-  launcher where that is safe (one thread, no GPU driver loaded: :mod:`hpcrl.comm.rank_start`), so
-  nothing the launcher imported is imported twice. Each rank still gets what a spawned
+  interpreters that import torch again (~1 s and ~200 MB each). A launcher that called
+  :func:`~hpcrl.comm.prefork.prefork` before its own work has that server forked from itself (where it
+  runs one thread and no GPU driver), so nothing it imported is imported twice. Each rank still gets what a spawned
   process would: the launcher's environment, stdout/stderr and signal mask as they are at launch, its
   own numpy seed, its thread count. Where there is no forkserver, ranks are spawned.
 - **No orphans.** A rank dies with its parent (Linux: ``PR_SET_PDEATHSIG``), the forkserver, which

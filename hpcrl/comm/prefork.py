@@ -1,5 +1,5 @@
 """The ranks' server as a fork of their launcher, so a local run imports torch (and a model library) once
-instead of twice: 1.5-3.5 s of every ``--nproc`` / detached run on a 2-core VM.
+instead of twice: 1.5-3.7 s of every ``--nproc`` / detached run on a 2-core VM (benchmarks/sac/startup.py).
 
 A launcher calls :func:`prefork` once it has imported what it needs and done nothing else: no run state
 yet that a rank could inherit (a reward function's probe, a socket, an open file), so the server holds
@@ -26,11 +26,10 @@ import socket
 import sys
 import threading
 import traceback
-from contextlib import contextmanager
 from multiprocessing import connection, resource_tracker
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
-__all__ = ["fork_safe", "no_thread_pools", "prefork", "release"]
+__all__ = ["fork_safe", "prefork", "release"]
 
 _GPU_DRIVERS = ("/libcuda.so", "/libamdhip64.so")  # loaded on a process's first CUDA (HIP) runtime call
 _LIBRARIES = ("hpcrl", "torch", "numpy", "sympy", "transformers", "tokenizers", "safetensors", "huggingface_hub", "peft")
@@ -65,22 +64,6 @@ def _stop_blas_pools(maps: str) -> None:
             ctypes.CDLL(path).blas_thread_shutdown_()
         except (OSError, AttributeError):  # not a library that can be loaded by its path, or no such pool
             pass
-
-
-@contextmanager
-def no_thread_pools() -> Iterator[None]:
-    """A launcher's own work (a workload built to be checked) without the thread pools libraries start on
-    first use, so it stays :func:`fork_safe` for a server started later: Hugging Face tokenizers encode on
-    a pool of their own unless ``TOKENIZERS_PARALLELISM`` says otherwise (read at every call)."""
-    previous = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = previous
 
 
 def prefork() -> bool:
