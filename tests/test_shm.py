@@ -102,8 +102,9 @@ def test_a_member_gone_before_the_sums_began_is_still_watched():
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    pid, start = _peer(gone.pid, _pid_namespace())
+    own = _pid_namespace()
+    pid, start = _peer(gone.pid, own, own)
     assert pid == gone.pid and not process_state.pid_alive(pid, start)
-    me = _peer(os.getpid(), _pid_namespace())
+    me = _peer(os.getpid(), own, own)
     assert me[0] == os.getpid() and process_state.pid_alive(*me)
-    assert _peer(os.getpid(), "pid:[1]") == (0, "")
+    assert _peer(os.getpid(), "pid:[1]", own) == (0, "")

@@ -214,10 +214,10 @@ def _pid_namespace() -> str:
 _GONE = "gone"  # no process starts then: a peer that exited before the sums began is named at its first wait
 
 
-def _peer(pid: int, namespace: str) -> tuple[int, str]:
+def _peer(pid: int, namespace: str, own: str) -> tuple[int, str]:
     """(pid, start) of a member for :meth:`SharedMemorySum._wait`; (0, "") when its pid means nothing here
-    (another pid namespace: containers sharing a host's /dev/shm)."""
-    if not namespace or namespace != _pid_namespace():
+    (``namespace`` is not this process's ``own``: containers sharing a host's /dev/shm)."""
+    if not namespace or namespace != own:
         return 0, ""
     return (pid, process_state.proc_start(pid)) if process_state.pid_alive(pid, "") else (pid, _GONE)
 
@@ -269,7 +269,8 @@ def attach_shared_memory(planes: list[Plane], ctx: DistContext) -> list[Plane]:
         if m is not None and p in wanted:
             flags = [v.decode() for v in store.multi_get([f"{tag}/{p.name}/mapped/{r}" for r in members])]
             if all(v.startswith("1|") for v in flags):
-                m.peers = [_peer(pid, v.split("|", 1)[1]) for pid, v in zip(m.pids.tolist(), flags)]
+                own = _pid_namespace()
+                m.peers = [_peer(pid, v.split("|", 1)[1], own) for pid, v in zip(m.pids.tolist(), flags)]
                 p = replace(p, shm=m)
         out.append(p)
     return out
