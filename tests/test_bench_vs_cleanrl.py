@@ -1,6 +1,6 @@
 """benchmarks/sac/vs_cleanrl.py: the real CleanRL SAC (unmodified, in its own venv) against hpcrl.
 
-CleanRL's source is not in the repository: benchmarks/peers/cleanrl_source.py gets it at run time (pinned
+CleanRL's source is not in the repository: benchmarks/peers/sources.py gets it at run time (pinned
 commit, sha-256 checked). The harness's tests run without it; the two that run the real script skip, with
 the line saying how to get it, where it is absent and cannot be fetched (``HPCRL_CLEANRL_SRC=DIR``: a checkout at
 the pinned commit, for a machine without network). The quick mode runs both systems on
@@ -22,7 +22,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import schema  # noqa: E402
-from benchmarks.peers import cleanrl_source  # noqa: E402
+import dataclasses  # noqa: E402
+
+from benchmarks.peers import pinned  # noqa: E402
+from benchmarks.peers.sources import CLEANRL, LEANRL, PeerSourceError, PeerSourceMissing  # noqa: E402
 from benchmarks.sac import vs_cleanrl  # noqa: E402
 
 
@@ -31,21 +34,29 @@ def cleanrl_src() -> Path:
     """CleanRL's checked source (fetched into the cache when absent); a skip with the reason where it is absent
     and cannot be fetched (a source that differs from the pinned files fails)."""
     try:
-        return cleanrl_source.locate()
-    except cleanrl_source.PeerSourceMissing as e:
+        return CLEANRL.locate()
+    except PeerSourceMissing as e:
         pytest.skip(str(e))
 
 
 @pytest.fixture(scope="session")
-def peer_venv(cleanrl_src: Path) -> Path:
-    if not (REPO / ".venv-peers" / ".complete").exists():
-        subprocess.run(["bash", "tools/peer_venv.sh"], cwd=REPO, check=True, timeout=1200)
+def leanrl_src() -> Path:
+    """LeanRL's checked source, as ``cleanrl_src``."""
+    try:
+        return LEANRL.locate()
+    except PeerSourceMissing as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def peer_venv() -> Path:
+    subprocess.run(["bash", "tools/peer_venv.sh"], cwd=REPO, check=True, timeout=1200)  # at once when complete
     return vs_cleanrl.PEER_PYTHON
 
 
 def fake_source(root: Path) -> Path:
     """A folder shaped like CleanRL's checkout whose files are not upstream's."""
-    for name in cleanrl_source.FILES:
+    for name in CLEANRL.files:
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(f"not {name}\n")
     return root
@@ -54,66 +65,65 @@ def fake_source(root: Path) -> Path:
 def test_the_pinned_peer_is_documented() -> None:
     """The pinned commit and every file's digest are in benchmarks/README.md."""
     readme = (REPO / "benchmarks" / "README.md").read_text()
-    assert cleanrl_source.COMMIT in readme
-    for name, digest in cleanrl_source.FILES.items():
-        assert f"`{digest}`" in readme, name
-    assert cleanrl_source.SCRIPT in cleanrl_source.FILES
+    for peer in (CLEANRL, LEANRL):
+        assert peer.commit in readme and peer.repo in readme
+        for name, digest in peer.files.items():
+            assert f"`{digest}`" in readme, name
+        assert peer.script in peer.files
 
 
 def test_a_cached_source_with_a_wrong_digest_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                          capsys: pytest.CaptureFixture) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.delenv(cleanrl_source.ENV_VAR, raising=False)
-    fake_source(cleanrl_source.cache_dir())
-    with pytest.raises(cleanrl_source.PeerSourceError, match="refusing to run CleanRL") as refused:
-        cleanrl_source.locate()
-    assert not isinstance(refused.value, cleanrl_source.PeerSourceMissing)  # a real-peer test fails on it, not skips
+    monkeypatch.delenv(CLEANRL.env_var, raising=False)
+    fake_source(CLEANRL.cache_dir())
+    with pytest.raises(PeerSourceError, match="refusing to run CleanRL") as refused:
+        CLEANRL.locate()
+    assert not isinstance(refused.value, PeerSourceMissing)  # a real-peer test fails on it, not skips
     a = ["--quick", "--system", "cleanrl", "--out", str(tmp_path / "out")]
     assert vs_cleanrl.main(a) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "refusing to run CleanRL" in err
-    assert sorted(cleanrl_source.mismatches(cleanrl_source.cache_dir())) == sorted(cleanrl_source.FILES)
+    assert sorted(CLEANRL.mismatches(CLEANRL.cache_dir())) == sorted(CLEANRL.files)
 
 
 def test_a_given_source_is_checked_and_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--cleanrl-src DIR: its files are checked against the recorded digests (here the fake's own)."""
     src = fake_source(tmp_path / "checkout")
-    with pytest.raises(cleanrl_source.PeerSourceError, match="differ from vwxyzjn/cleanrl"):
-        cleanrl_source.locate(src)
-    monkeypatch.setattr(cleanrl_source, "FILES", {n: cleanrl_source.sha256(src / n) for n in cleanrl_source.FILES})
-    assert cleanrl_source.locate(src) == src.resolve()
-    (src / cleanrl_source.SCRIPT).write_text("edited\n")
-    assert cleanrl_source.mismatches(src) == [cleanrl_source.SCRIPT]
+    with pytest.raises(PeerSourceError, match="differ from vwxyzjn/cleanrl"):
+        CLEANRL.locate(src)
+    peer = dataclasses.replace(CLEANRL, files={n: pinned.sha256(src / n) for n in CLEANRL.files})
+    assert peer.locate(src) == src.resolve()
+    (src / peer.script).write_text("edited\n")
+    assert peer.mismatches(src) == [peer.script]
 
 
 def test_a_missing_source_that_cannot_be_fetched_says_how_to_get_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                     capsys: pytest.CaptureFixture) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.delenv(cleanrl_source.ENV_VAR, raising=False)
-    monkeypatch.setattr(cleanrl_source, "RAW_URL", (tmp_path / "no-such-mirror").as_uri())
-    fetch = cleanrl_source.fetch
-    monkeypatch.setattr(cleanrl_source, "fetch", lambda dest: fetch(dest, cleanrl_source.RAW_URL))
-    with pytest.raises(cleanrl_source.PeerSourceMissing, match="cannot fetch"):
-        cleanrl_source.locate()
-    assert not cleanrl_source.cache_dir().exists()  # nothing half-fetched is left to be taken as the source
+    monkeypatch.delenv(CLEANRL.env_var, raising=False)
+    monkeypatch.setattr(pinned.Pinned, "raw_url", property(lambda peer: (tmp_path / "no-such-mirror").as_uri()))
+    with pytest.raises(PeerSourceMissing, match="cannot fetch"):
+        CLEANRL.locate()
+    assert not CLEANRL.cache_dir().exists()  # nothing half-fetched is left to be taken as the source
     assert vs_cleanrl.main(["--quick", "--system", "cleanrl", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "git clone https://github.com/vwxyzjn/cleanrl" in err
-    assert cleanrl_source.COMMIT in err and "--cleanrl-src" in err
-    with pytest.raises(cleanrl_source.PeerSourceMissing, match="is not in"):
-        cleanrl_source.locate(tmp_path / "empty")
+    assert CLEANRL.commit in err and "--cleanrl-src" in err
+    with pytest.raises(PeerSourceMissing, match="is not in"):
+        CLEANRL.locate(tmp_path / "empty")
 
 
 def test_a_fetch_is_checked_before_it_lands_in_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A mirror serving files other than the pinned ones leaves the cache empty."""
     mirror = fake_source(tmp_path / "mirror")
-    dest = tmp_path / "cache" / cleanrl_source.COMMIT
-    with pytest.raises(cleanrl_source.PeerSourceError, match="refusing"):
-        cleanrl_source.fetch(dest, mirror.as_uri())
+    dest = tmp_path / "cache" / CLEANRL.commit
+    with pytest.raises(PeerSourceError, match="refusing"):
+        CLEANRL.fetch(dest, mirror.as_uri())
     assert not dest.exists() and list((tmp_path / "cache").glob("*")) == []
-    monkeypatch.setattr(cleanrl_source, "FILES", {n: cleanrl_source.sha256(mirror / n) for n in cleanrl_source.FILES})
-    assert cleanrl_source.fetch(dest, mirror.as_uri()) == dest
-    assert cleanrl_source.mismatches(dest) == []
+    peer = dataclasses.replace(CLEANRL, files={n: pinned.sha256(mirror / n) for n in CLEANRL.files})
+    assert peer.fetch(dest, mirror.as_uri()) == dest
+    assert peer.mismatches(dest) == []
 
 
 def test_evals_are_filed_under_the_nearest_point() -> None:
@@ -154,14 +164,51 @@ def test_targets_time_hpcrl_to_cleanrls_final_return() -> None:
     assert "time_to_solve" not in got  # a task without a solved return
 
 
-def test_pendulum_time_to_solve_is_the_first_point_above_the_solved_return() -> None:
-    peer = {"env_steps": [1000, 2000, 3000], "return_mean": [-900.0, -300.0, -200.0], "wall_s_mean": [4.0, 8.0, 12.0]}
-    ours = {"env_steps": [1000, 2000, 3000], "return_mean": [-800.0, -240.0, -150.0], "wall_s_mean": [1.0, 2.0, 3.0]}
-    got = vs_cleanrl.targets(peer, ours, 3000, "pendulum")["time_to_solve"]
-    assert got == {"solved_return": -250.0, "cleanrl_env_steps": 3000, "cleanrl_wall_s": 12.0, "hpcrl_env_steps": 2000,
-                   "hpcrl_wall_s": 2.0, "speedup": 6.0}
-    never = {**ours, "return_mean": [-900.0, -800.0, -700.0]}
-    assert vs_cleanrl.targets(peer, never, 3000, "pendulum")["time_to_solve"]["speedup"] is None
+def fake_part(system: str, seed: int, returns: list[float], wall: list[float], startup: float) -> dict:
+    steps = [1000 * (i + 1) for i in range(len(returns))]
+    return {"header": {"config": {"system": system, "label": system}},
+            "results": {"seed": seed, "system": system, "env_id": "Pendulum-v1", "command": system,
+                        "load_before": [0.0], "load_after": [0.0], "startup_s": startup,
+                        "curve": {"env_steps": steps, "eval_return": returns, "wall_s": wall,
+                                  "launch_s": [startup + w for w in wall]}}}
+
+
+def test_pendulum_time_to_solve_is_each_seeds_first_point_above_the_solved_return_on_both_clocks() -> None:
+    goal = vs_cleanrl.SOLVED["pendulum"]
+    peer = vs_cleanrl.aggregate([fake_part("cleanrl", 0, [-900.0, -300.0, -200.0], [4.0, 8.0, 12.0], 3.0),
+                                 fake_part("cleanrl", 1, [-900.0, -240.0, -200.0], [4.0, 8.0, 12.0], 5.0)], goal)
+    assert peer["solved"] == [{"seed": 0, "env_steps": 3000, "wall_s": 12.0, "launch_s": 15.0},
+                              {"seed": 1, "env_steps": 2000, "wall_s": 8.0, "launch_s": 13.0}]
+    assert peer["time_to_solve"] == {"env_steps": 2500, "wall_s": 10.0, "launch_s": 14.0}
+    assert peer["launch_s_mean"] == [8.0, 12.0, 16.0]  # the startup moves the from-launch clock only
+    ours = vs_cleanrl.aggregate([fake_part("hpcrl", 0, [-800.0, -240.0, -150.0], [1.0, 2.0, 3.0], 3.0)], goal)
+    got = vs_cleanrl.targets(peer, ours, 3000)["time_to_solve"]
+    assert got == {"cleanrl_env_steps": 2500, "cleanrl_wall_s": 10.0, "cleanrl_launch_s": 14.0, "hpcrl_env_steps": 2000,
+                   "hpcrl_wall_s": 2.0, "hpcrl_launch_s": 5.0, "speedup": 5.0, "speedup_from_launch": 2.8}
+    # a seed that never solves: no time for the label (a mean over the seeds that did would flatter it)
+    never = vs_cleanrl.aggregate([fake_part("hpcrl", 0, [-800.0, -240.0, -150.0], [1.0, 2.0, 3.0], 3.0),
+                                  fake_part("hpcrl", 1, [-900.0, -800.0, -700.0], [1.0, 2.0, 3.0], 3.0)], goal)
+    assert never["time_to_solve"] is None and never["solved"][1] == {"seed": 1}
+    assert vs_cleanrl.targets(peer, never, 3000)["time_to_solve"]["speedup"] is None
+
+
+def test_quick_runs_leanrl_compiled_and_times_it_from_launch(tmp_path: Path, leanrl_src: Path,
+                                                               peer_venv: Path) -> None:
+    """LeanRL's compiled script through the runner: evaluated on the way, both clocks, its packages recorded."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "benchmarks/sac/vs_cleanrl.py", "--quick", "--system", "leanrl",
+                           "--seed", "1", "--out", str(out), "--peer-python", str(peer_venv),
+                           "--leanrl-src", str(leanrl_src), "--leanrl-flags=--learning-starts 120"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads((out / "vs_cleanrl" / "pendulum-leanrl-seed1.json").read_text())
+    r = doc["results"]
+    assert r["command"].startswith("python leanrl/sac_continuous_action_torchcompile.py --env-id Pendulum-v1")
+    assert "--compile" in r["command"].split() and r["peer"]["commit"] == LEANRL.commit
+    assert {"tensordict", "torchrl"} <= set(r["versions"])
+    assert r["curve"]["env_steps"] == [200, 400] and all(math.isfinite(x) for x in r["curve"]["eval_return"])
+    assert 0 < r["startup_s"] < 120  # interpreter, imports, env and networks: before the training clock
+    assert [round(x - r["startup_s"], 2) for x in r["curve"]["launch_s"]] == [round(x, 2) for x in r["curve"]["wall_s"]]
 
 
 def test_quick_runs_both_systems_and_merges(tmp_path: Path, cleanrl_src: Path, peer_venv: Path) -> None:
@@ -190,8 +237,11 @@ def test_quick_runs_both_systems_and_merges(tmp_path: Path, cleanrl_src: Path, p
     assert task["cleanrl"]["versions"]["gymnasium"] == "0.29.1"
     assert task["cleanrl"]["command"].startswith("python cleanrl/sac_continuous_action.py --env-id Pendulum-v1")
     assert task["cleanrl"]["command"].endswith("--learning-starts 120")  # after the quick sizes' 100: it wins
-    assert {"at_200", "at_400", "time_to_solve"} <= set(task["targets"])
-    assert doc["results"]["peer"]["files"] == cleanrl_source.FILES
+    assert {"at_200", "at_400", "time_to_solve"} <= set(task["targets"]["hpcrl"])
+    for system in ("cleanrl", "hpcrl"):  # both clocks: from launch is later by the start-up
+        agg = task[system]
+        assert all(launch > wall for launch, wall in zip(agg["launch_s_mean"], agg["wall_s_mean"]))
+    assert doc["results"]["peer"]["files"] == CLEANRL.files
     assert (out / "vs_cleanrl.png").stat().st_size > 10_000
 
 

@@ -379,3 +379,28 @@ def test_learning_quick_writes_curves(tmp_path: Path) -> None:
         assert key in doc["figures"], key
     assert (tmp_path / "out" / "learning_halfcheetah.png").stat().st_size > 10_000
     assert not (tmp_path / "out" / "learning_playground.json").exists()
+
+
+def test_world_loop_times_updates_inside_the_window() -> None:
+    """benchmarks/sac/world_loop.py: seconds per update between the first training row at or past the window's start
+    and the last one; eval rows (their own times) and rows before the window do not count."""
+    from benchmarks.sac import world_loop
+
+    rows = [{"time": 1.0, "env_steps": 500, "updates": 100}, {"time": 2.0, "env_steps": 1000, "updates": 300},
+            {"time": 2.5, "env_steps": 1000, "updates": 300, "eval_return": -200.0},
+            {"time": 4.0, "env_steps": 2000, "updates": 700}, {"time": 9.0, "env_steps": 2000, "eval_return": -150.0}]
+    assert world_loop.per_update_s(rows, 1000) == (2.0 / 400, 400)
+    with pytest.raises(ValueError, match="no updates"):
+        world_loop.per_update_s(rows[:2], 1000)
+
+
+@pytest.mark.extended  # two short training runs: the fast tier keeps the pure part above
+def test_world_loop_quick_runs_one_and_two_ranks(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "benchmarks/sac/world_loop.py", "--quick", "--json", str(tmp_path / "w.json")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "w.json").read_text())
+    assert schema.validate(doc) == []
+    s = doc["results"]["summary"]
+    assert s["w1_update_s"] > 0 and s["w2_update_s"] > 0 and s["w2_over_w1"] == pytest.approx(s["w2_update_s"] / s["w1_update_s"])
+    assert all(r["updates_timed"] > 0 for runs in doc["results"]["runs"].values() for r in runs)

@@ -74,7 +74,8 @@ def _kill_and_wait(killed: subprocess.Popen, healthy: subprocess.Popen) -> tuple
     return time.time() - t0, err
 
 
-@pytest.mark.parametrize("timeout_args", [["--timeout-s", "30"], []], ids=["timeout-30", "default-timeout"])
+@pytest.mark.parametrize("timeout_args", [pytest.param(["--timeout-s", "30"], marks=pytest.mark.extended), []],
+                         ids=["timeout-30", "default-timeout"])  # the fast tier keeps the default users run
 def test_frozen_rank_under_nproc_is_named_and_the_run_exits(tmp_path, timeout_args):
     """With the default --timeout-s (300) too: the heartbeat, not the collective timeout, ends the run."""
     run = tmp_path / "run"

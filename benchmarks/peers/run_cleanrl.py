@@ -1,19 +1,22 @@
 #!/usr/bin/env python
-"""Run CleanRL's unmodified ``sac_continuous_action.py`` and evaluate it on the way.
+"""Run an unmodified SAC script of the CleanRL family and evaluate it on the way: CleanRL's
+``sac_continuous_action.py`` or LeanRL's compiled fork of it (``sac_continuous_action_torchcompile.py``).
 
-    .venv-peers/bin/python benchmarks/peers/run_cleanrl.py --cleanrl-src DIR --out CURVE.json --eval-every N
-        --eval-episodes E [--threads T] -- --env-id HalfCheetah-v4 --total-timesteps N --no-cuda --seed K
+    .venv-peers/bin/python benchmarks/peers/run_cleanrl.py [--peer cleanrl|leanrl] --src DIR --out CURVE.json
+        --eval-every N --eval-episodes E [--threads T] -- --env-id HalfCheetah-v4 --total-timesteps N --no-cuda --seed K
 
 Runs in the peer venv (gymnasium 0.29.1, numpy<2), not the main one: it imports nothing of hpcrl. ``DIR`` is
-CleanRL's source as benchmarks/peers/cleanrl_source.py located and checked it (the caller's job).
+the peer's source as benchmarks/peers/sources.py located and checked it (the caller's job).
 The script is run with ``runpy.run_path`` as ``__main__`` with its own command line (the flags after
-``--``). Its TensorBoard writer is hooked, not the script: when the script logs a scalar at a
+``--``). Its logger is hooked, not the script (CleanRL: the TensorBoard writer's ``add_scalar`` and ``close``;
+LeanRL: ``wandb.log``, W&B disabled, and the vector env's ``close``): when the script logs at a
 ``global_step`` that crosses an eval point (every ``--eval-every`` env steps), the hook takes the
-script's ``actor`` from the calling frame's globals and evaluates it; ``writer.close()`` at the end
-gives the last eval. The evaluation is the benchmark's protocol for every system: the deterministic
+script's ``actor`` from the calling frame's globals and evaluates it; the end of the run gives the last eval.
+The evaluation is the benchmark's protocol for every system: the deterministic
 policy (tanh(mean) scaled to the action box, the script's own third output of ``get_action``, computed
 without its random draw so training's random streams are untouched) on ``E`` fresh envs, one episode
-each. The wall clock starts at the script's env reset before its loop and stops while an eval runs.
+each. The training clock starts at the script's env reset before its loop and stops while an eval runs;
+``clock_start_unix`` (the epoch time of that reset) lets the caller add the time from its launch.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SCRIPT = "cleanrl/sac_continuous_action.py"  # in the source folder
+SCRIPTS = {"cleanrl": "cleanrl/sac_continuous_action.py",  # in the source folder
+           "leanrl": "leanrl/sac_continuous_action_torchcompile.py"}
 EVAL_SEED = 10_000  # eval envs' seeds: EVAL_SEED + seed + i, away from the training env's seed
 
 
@@ -36,7 +40,12 @@ class Clock:
     """Wall seconds since the script's first env reset, less the time spent evaluating."""
 
     start: float | None = None
+    start_unix: float | None = None
     paused: float = 0.0
+
+    def begin(self) -> None:
+        if self.start is None:
+            self.start, self.start_unix = time.perf_counter(), time.time()
 
     def seconds(self) -> float:
         return time.perf_counter() - (self.start or time.perf_counter()) - self.paused
@@ -96,53 +105,82 @@ def eval_at(curve: Curve, actor, env_steps: int, point: int) -> None:
           f"({wall:.1f} s training wall)", flush=True)
 
 
-def install_hooks(curve: Curve) -> None:
-    """Wrap the vector env's reset (clock start) and SummaryWriter's add_scalar (eval points) and close
-    (last eval)."""
-    import gymnasium as gym
-    from torch.utils.tensorboard import SummaryWriter
+def crossed(curve: Curve, global_step, frame_globals: dict) -> None:
+    """A log at ``global_step`` (0-based: ``global_step + 1`` env steps taken): evaluate if it crossed a point."""
+    if global_step is not None and int(global_step) + 1 >= curve.next_point():
+        actor = frame_globals.get("actor")
+        if actor is not None:
+            steps = int(global_step) + 1  # the last point crossed (a log may skip one)
+            eval_at(curve, actor, steps, steps // curve.eval_every * curve.eval_every)
 
-    reset, add_scalar, close = gym.vector.SyncVectorEnv.reset, SummaryWriter.add_scalar, SummaryWriter.close
+
+def at_end(curve: Curve, frame_globals: dict) -> None:
+    """The script is closing its logger or envs: the last eval, at the budget, if not taken yet."""
+    total = int(frame_globals["args"].total_timesteps) if "args" in frame_globals else None
+    done = curve.points[-1]["env_steps_actual"] if curve.points else 0
+    if frame_globals.get("actor") is not None and total and done < total:
+        eval_at(curve, frame_globals["actor"], total, total)
+
+
+def install_hooks(curve: Curve, peer: str) -> None:
+    """Wrap the vector env's reset (clock start) and the peer's logger (eval points, last eval)."""
+    import gymnasium as gym
+
+    reset = gym.vector.SyncVectorEnv.reset
 
     def hooked_reset(self, *args, **kwargs):
         # the script's reset right before its loop, after building envs and networks (where its own
         # start_time is taken, and where hpcrl's clock starts too); the eval envs are not vector envs
-        if curve.clock.start is None:
-            curve.clock.start = time.perf_counter()
+        curve.clock.begin()
         return reset(self, *args, **kwargs)
+
+    gym.vector.SyncVectorEnv.reset = hooked_reset
+    if peer == "leanrl":
+        os.environ["WANDB_MODE"] = "disabled"  # its wandb.init and wandb.log stay calls, nothing is sent or written
+        import wandb
+
+        init, close = wandb.init, gym.vector.SyncVectorEnv.close
+
+        def hooked_init(*args, **kwargs):
+            run = init(*args, **kwargs)
+            log = wandb.log  # init sets the module's log to its run's: wrap that one
+
+            def hooked_log(data, step=None, *args, **kwargs):
+                out = log(data, step, *args, **kwargs)
+                crossed(curve, step, sys._getframe(1).f_globals)
+                return out
+
+            wandb.log = hooked_log
+            return run
+
+        def hooked_close(self, *args, **kwargs):
+            at_end(curve, sys._getframe(1).f_globals)
+            return close(self, *args, **kwargs)
+
+        wandb.init, gym.vector.SyncVectorEnv.close = hooked_init, hooked_close
+        return
+    from torch.utils.tensorboard import SummaryWriter
+
+    add_scalar, close = SummaryWriter.add_scalar, SummaryWriter.close
 
     def hooked_add_scalar(self, tag, scalar_value, global_step=None, *args, **kwargs):
         out = add_scalar(self, tag, scalar_value, global_step, *args, **kwargs)
-        # global_step is 0-based: at the log of step k, k + 1 env steps have been taken
-        if global_step is not None and int(global_step) + 1 >= curve.next_point():
-            actor = sys._getframe(1).f_globals.get("actor")
-            if actor is not None:
-                steps = int(global_step) + 1  # the last point crossed (a log may skip one)
-                eval_at(curve, actor, steps, steps // curve.eval_every * curve.eval_every)
+        crossed(curve, global_step, sys._getframe(1).f_globals)
         return out
 
-    def hooked_close(self):
-        g = sys._getframe(1).f_globals
-        total = int(g["args"].total_timesteps) if "args" in g else None
-        done = curve.points[-1]["env_steps_actual"] if curve.points else 0
-        if g.get("actor") is not None and total and done < total:
-            eval_at(curve, g["actor"], total, total)
+    def hooked_writer_close(self):
+        at_end(curve, sys._getframe(1).f_globals)
         close(self)
 
-    gym.vector.SyncVectorEnv.reset = hooked_reset
-    SummaryWriter.add_scalar, SummaryWriter.close = hooked_add_scalar, hooked_close
+    SummaryWriter.add_scalar, SummaryWriter.close = hooked_add_scalar, hooked_writer_close
 
 
-def versions() -> dict[str, str]:
+def versions(peer: str) -> dict[str, str]:
     import platform
+    from importlib.metadata import version
 
-    import gymnasium
-    import mujoco
-    import numpy
-    import torch
-
-    return {"python": platform.python_version(), "torch": torch.__version__, "gymnasium": gymnasium.__version__,
-            "mujoco": mujoco.__version__, "numpy": numpy.__version__}
+    names = ["torch", "gymnasium", "mujoco", "numpy"] + (["tensordict", "torchrl"] if peer == "leanrl" else [])
+    return {"python": platform.python_version(), **{name: version(name) for name in names}}
 
 
 def script_flag(argv: list[str], name: str, default: str) -> str:
@@ -151,33 +189,36 @@ def script_flag(argv: list[str], name: str, default: str) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cleanrl-src", required=True, help="CleanRL's source folder (checked by the caller)")
+    p.add_argument("--peer", choices=sorted(SCRIPTS), default="cleanrl")
+    p.add_argument("--src", required=True, help="the peer's source folder (checked by the caller)")
     p.add_argument("--out", required=True, help="the curve's JSON")
     p.add_argument("--eval-every", type=int, required=True, help="env steps between evals")
     p.add_argument("--eval-episodes", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (set before the script runs)")
-    p.add_argument("--workdir", default=".", help="the script's cwd (its runs/ TensorBoard folder goes there)")
+    p.add_argument("--workdir", default=".", help="the script's cwd (CleanRL's runs/ TensorBoard folder goes there)")
     args, rest = p.parse_known_args()
     script_argv = rest[1:] if rest[:1] == ["--"] else rest
     import torch
 
     torch.set_num_threads(args.threads)
-    curve = Curve(args.eval_every, args.eval_episodes, script_flag(script_argv, "--env-id", "Hopper-v4"),
+    # the scripts' own defaults where the caller gives no --env-id / --seed
+    curve = Curve(args.eval_every, args.eval_episodes,
+                  script_flag(script_argv, "--env-id", "Hopper-v4" if args.peer == "cleanrl" else "HalfCheetah-v4"),
                   int(script_flag(script_argv, "--seed", "1")))
-    install_hooks(curve)
+    install_hooks(curve, args.peer)
     out = Path(args.out).resolve()
-    src = Path(args.cleanrl_src).resolve()
-    script = src / SCRIPT
-    sys.path.insert(0, str(src))  # the script's `from cleanrl_utils.buffers import ...`
+    src = Path(args.src).resolve()
+    script = src / SCRIPTS[args.peer]
+    sys.path.insert(0, str(src))  # CleanRL's `from cleanrl_utils.buffers import ...`
     sys.argv = [str(script), *script_argv]
     os.makedirs(args.workdir, exist_ok=True)
     os.chdir(args.workdir)
     runpy.run_path(str(script), run_name="__main__")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"env_id": curve.env_id, "seed": curve.seed, "script_argv": script_argv,
-                               "threads": args.threads, "eval_every": args.eval_every,
-                               "eval_episodes": args.eval_episodes, "versions": versions(),
-                               "points": curve.points}, indent=1))
+    out.write_text(json.dumps({"peer": args.peer, "env_id": curve.env_id, "seed": curve.seed,
+                               "script_argv": script_argv, "threads": args.threads, "eval_every": args.eval_every,
+                               "eval_episodes": args.eval_episodes, "versions": versions(args.peer),
+                               "clock_start_unix": curve.clock.start_unix, "points": curve.points}, indent=1))
     return 0
 
 

@@ -27,7 +27,7 @@ actor all-reduce from the all_reduce/ring fit in results/cost_model.json (gloo, 
 ideal-split one t(W=1)/2 + that communication.
 
 ``--cleanrl`` adds the real CleanRL SAC (``sac_continuous_action.py``, unmodified, got at run time by
-benchmarks/peers/cleanrl_source.py or from ``--cleanrl-src DIR``, run by benchmarks/peers/run_cleanrl.py in
+benchmarks/peers/sources.py or from ``--cleanrl-src DIR``, run by benchmarks/peers/run_cleanrl.py in
 the peer venv: tools/peer_venv.sh) on Pendulum-v1, 1 thread: after its
 warm-up (``--learning-starts``) every env step is one update of its two Q networks plus, on average, one of
 its actor and alpha (policy_frequency 2, two actor steps every second step), at its own sizes (hidden
@@ -228,22 +228,22 @@ def bench_world(name: str, repeats: int, min_repeat_s: float, batch: int | None)
 
 def bench_cleanrl(quick: bool, cleanrl_src: str | None = None) -> dict[str, Any]:
     """Seconds per update step of the real CleanRL SAC on Pendulum-v1 (see the module doc). Raises
-    cleanrl_source.PeerSourceError where its source is missing or differs."""
+    PeerSourceError where its source is missing or differs."""
     import json
     import subprocess
     import tempfile
 
-    from benchmarks.peers import cleanrl_source
+    from benchmarks.peers.sources import CLEANRL
     from benchmarks.sac import vs_cleanrl as vs
 
-    src = cleanrl_source.locate(cleanrl_src)
+    src = CLEANRL.locate(cleanrl_src)
     if not vs.PEER_PYTHON.exists():
         raise SystemExit(f"sac_ladder --cleanrl: {vs.PEER_PYTHON} missing: run `bash tools/peer_venv.sh` first")
     warmup, steps = (100, 300) if quick else (CLEANRL_WARMUP, CLEANRL_STEPS)
     with tempfile.TemporaryDirectory(prefix="sac_ladder_cleanrl_") as tmp:
         script = ["--env-id", "Pendulum-v1", "--total-timesteps", str(warmup + steps), "--learning-starts",
                   str(warmup), "--no-cuda", "--seed", "0"]
-        cmd = [str(vs.PEER_PYTHON), str(vs.RUNNER), "--cleanrl-src", str(src), "--out", f"{tmp}/curve.json",
+        cmd = [str(vs.PEER_PYTHON), str(vs.RUNNER), "--src", str(src), "--out", f"{tmp}/curve.json",
                "--eval-every", str(warmup), "--eval-episodes", "1", "--threads", "1", "--workdir", tmp, "--", *script]
         load = loadavg()
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -262,11 +262,11 @@ def bench_cleanrl(quick: bool, cleanrl_src: str | None = None) -> dict[str, Any]
 
 def cleanrl_source_line(src: str | None) -> str | None:
     """CleanRL's checked source folder, or None after one line on stderr saying how to get it."""
-    from benchmarks.peers import cleanrl_source
+    from benchmarks.peers.sources import CLEANRL, PeerSourceError
 
     try:
-        return str(cleanrl_source.locate(src))
-    except cleanrl_source.PeerSourceError as e:
+        return str(CLEANRL.locate(src))
+    except PeerSourceError as e:
         print(f"sac_ladder --cleanrl: {e}", file=sys.stderr)
         return None
 

@@ -53,15 +53,18 @@ _REGISTRY: dict[str, Callable[..., Workload]] = {
 }
 
 
+# Only what checking the workload imports anyway (its config and tokenizer): the model code
+# (transformers.modeling_utils, ~4 s on this machine) goes with Workload.rank_modules to the ranks' server, so a
+# launcher that refuses bad input never loads it.
 _SHARED_IMPORTS: dict[str, tuple[str, ...]] = {
-    "hf": ("hpcrl.ppo.workloads.hf", "transformers.modeling_utils", "transformers.models.auto"),
+    "hf": ("hpcrl.ppo.workloads.hf", "transformers.models.auto"),
 }
 
 
 def shared_imports(name: str) -> tuple[str, ...]:
     """Modules that both the launcher (checking the workload) and every rank of a registered workload
     import: a launcher imports them before it forks its ranks' server (:mod:`hpcrl.comm.prefork`), so a
-    run imports them once."""
+    run imports them once. Modules only the ranks need are the workload's ``rank_modules``."""
     return _SHARED_IMPORTS.get(name, ())
 
 
