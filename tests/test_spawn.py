@@ -199,7 +199,8 @@ def _holds(path: str) -> bool:
 def _server_view(path: str) -> dict:
     server = os.getppid()
     server_parent = int(Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    return {"mark": MARK, "server_parent": server_parent, "holds": _holds(path), "sympy": "sympy" in sys.modules,
+    return {"mark": MARK, "server_parent": server_parent, "holds": _holds(path),
+            "polynomial": "numpy.polynomial" in sys.modules,
             "sigusr1": str(signal.getsignal(signal.SIGUSR1)), "torch_threads": torch.get_num_threads()}
 
 
@@ -214,7 +215,7 @@ if sys.argv[1] == "thread":
     threading.Thread(target=threading.Event().wait, daemon=True).start()
 forked = prefork()
 test_spawn.MARK = "run state"  # what the launcher does after the fork stays its own
-import sympy  # a library it imported meanwhile: preloaded
+import numpy.polynomial  # a library's module it imported meanwhile (and torch does not): preloaded
 signal.signal(signal.SIGUSR1, lambda *a: None)  # the launcher's handler: a rank starts without it
 views = spawn(test_spawn._server_view, 2, args=(sys.argv[2],), timeout_s=60, num_threads=2)
 print(json.dumps({"forked": forked, "launcher": os.getpid(), "views": views}))
@@ -236,7 +237,7 @@ def test_a_launcher_forked_before_its_own_work_is_its_ranks_server(tmp_path, thr
     assert probe["forked"] is forked
     for view in probe["views"]:
         assert view["mark"] == ("imported and set" if forked else "as imported")
-        assert view["sympy"] is forked  # the fresh server preloads only what the run names
+        assert view["polynomial"] is forked  # the fresh server preloads only what the run names
         assert view["server_parent"] == probe["launcher"]  # either server is the launcher's child
         assert not view["holds"]
         assert view["sigusr1"] == str(signal.SIG_DFL)  # what a fresh interpreter has
@@ -279,13 +280,18 @@ def _loaded(module: str) -> bool:
     return module in sys.modules
 
 
-@pytest.mark.parametrize("preload", [["colorsys"], []])
+@pytest.mark.parametrize("preload", [["tabnanny"], []])  # a module neither torch nor hpcrl imports
 def test_preloaded_modules_are_imported_by_the_server_not_by_each_rank(tmp_path, preload):
     code = ("from hpcrl.comm import spawn; from test_spawn import _loaded; "
-            f"print(spawn(_loaded, 2, args=('colorsys',), timeout_s=60, preload={preload!r}))")
+            f"print(spawn(_loaded, 2, args=('tabnanny',), timeout_s=60, preload={preload!r}))")
     out = subprocess.run([sys.executable, "-c", code], env=_env(tmp_path), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == str([bool(preload)] * 2)
+
+
+def test_ranks_start_with_what_an_optimizer_imports_loaded_once_by_the_server():
+    """torch.optim.Optimizer's constructor imports torch._dynamo (~1 s): the ranks' server has it, not each rank."""
+    assert spawn(_loaded, 2, args=("torch._dynamo",), timeout_s=60) == [True, True]
 
 
 def test_sigint_becomes_a_stop_and_a_second_one_kills(tmp_path):

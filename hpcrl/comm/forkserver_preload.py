@@ -21,5 +21,6 @@ os.environ["OMP_NUM_THREADS"] = "1"
 signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT))
 
 import torch  # noqa: E402,F401  the point of this module
+import torch._dynamo  # noqa: E402,F401  every rank builds an optimizer, whose constructor imports it (~1 s)
 
 import hpcrl.comm.spawn_child  # noqa: E402,F401  what every rank runs first
