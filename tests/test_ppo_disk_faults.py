@@ -21,9 +21,9 @@ from hpcrl.core.diskfault import DiskFault
 from hpcrl.run import checkpoint
 
 TESTS = Path(__file__).resolve().parent
-# 1 maker : 1 trainer, a checkpoint every 5 updates, ~1 s apart: time to fill the disk after the first
+# 1 maker : 1 trainer, a checkpoint every 5 updates, ~0.5 s apart: time to fill the disk after the first
 ARGS = ["--workload", "ppo_toy:ToyWorkload", "--makers", "1", "--trainers", "1", "--total-steps", "30",
-        "--rollout-s", "0.2", "--checkpoint-every", "5", "--timeout-s", "60"]
+        "--rollout-s", "0.1", "--checkpoint-every", "5", "--timeout-s", "60"]
 COUNTED = ("env_steps", "updates", "policy_version", "episode_return", "dropped_stale", "checksum_mismatches", "loss")
 
 
