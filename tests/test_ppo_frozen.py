@@ -42,8 +42,9 @@ def _launch(run: Path, steps: int, trainers: int = 1, args: list[str] = ARGS,
 
 
 def _rows(run: Path) -> list[dict]:
+    """The complete rows so far (read while the run writes: a row being written is left for the next look)."""
     path = run / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1] if line.strip()] if path.exists() else []
 
 
 def _wait_rows(run: Path, n: int, procs: list[subprocess.Popen], timeout: float = 60) -> None:
