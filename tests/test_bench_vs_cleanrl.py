@@ -29,23 +29,23 @@ from benchmarks.peers.sources import CLEANRL, LEANRL, PeerSourceError, PeerSourc
 from benchmarks.sac import vs_cleanrl  # noqa: E402
 
 
-@pytest.fixture(scope="session")
-def cleanrl_src() -> Path:
-    """CleanRL's checked source (fetched into the cache when absent); a skip with the reason where it is absent
+def located(peer: pinned.Pinned) -> Path:
+    """The peer's checked source (fetched into the cache when absent); a skip with the reason where it is absent
     and cannot be fetched (a source that differs from the pinned files fails)."""
     try:
-        return CLEANRL.locate()
+        return peer.locate()
     except PeerSourceMissing as e:
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def cleanrl_src() -> Path:
+    return located(CLEANRL)
 
 
 @pytest.fixture(scope="session")
 def leanrl_src() -> Path:
-    """LeanRL's checked source, as ``cleanrl_src``."""
-    try:
-        return LEANRL.locate()
-    except PeerSourceMissing as e:
-        pytest.skip(str(e))
+    return located(LEANRL)
 
 
 @pytest.fixture(scope="session")
