@@ -1,1 +1,1 @@
-"""Peers run beside hpcrl (each in its own venv) and the fetcher of CleanRL's source."""
+"""Peers run beside hpcrl (each in its own venv) and their pinned sources, fetched at run time."""

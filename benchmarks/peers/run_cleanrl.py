@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SCRIPTS = {"cleanrl": "cleanrl/sac_continuous_action.py",  # in the source folder
-           "leanrl": "leanrl/sac_continuous_action_torchcompile.py"}
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: its peers' pins (standard library)
+from benchmarks.peers.sources import PEERS  # noqa: E402
 EVAL_SEED = 10_000  # eval envs' seeds: EVAL_SEED + seed + i, away from the training env's seed
 
 
@@ -189,7 +189,7 @@ def script_flag(argv: list[str], name: str, default: str) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--peer", choices=sorted(SCRIPTS), default="cleanrl")
+    p.add_argument("--peer", choices=sorted(PEERS), default="cleanrl")
     p.add_argument("--src", required=True, help="the peer's source folder (checked by the caller)")
     p.add_argument("--out", required=True, help="the curve's JSON")
     p.add_argument("--eval-every", type=int, required=True, help="env steps between evals")
@@ -208,7 +208,7 @@ def main() -> int:
     install_hooks(curve, args.peer)
     out = Path(args.out).resolve()
     src = Path(args.src).resolve()
-    script = src / SCRIPTS[args.peer]
+    script = src / PEERS[args.peer].script
     sys.path.insert(0, str(src))  # CleanRL's `from cleanrl_utils.buffers import ...`
     sys.argv = [str(script), *script_argv]
     os.makedirs(args.workdir, exist_ok=True)

@@ -62,7 +62,7 @@ if str(REPO) not in sys.path:
 from benchmarks.common import schema  # noqa: E402
 from benchmarks.common.paths import RESULTS  # noqa: E402
 from benchmarks.common.timing import loadavg, write_json  # noqa: E402
-from benchmarks.peers.sources import CLEANRL, LEANRL, PeerSourceError  # noqa: E402
+from benchmarks.peers.sources import CLEANRL, LEANRL, PEERS, PeerSourceError  # noqa: E402
 
 RUNNER = REPO / "benchmarks" / "peers" / "run_cleanrl.py"
 PEER_PYTHON = REPO / ".venv-peers" / "bin" / "python"
@@ -115,26 +115,21 @@ def run_logged(cmd: list[str], log: Path, cwd: Path, watch: Path | None = None) 
     return seen
 
 
-PEERS = {"cleanrl": CLEANRL, "leanrl": LEANRL}
-QUICK_PEER = {"cleanrl": QUICK_CLEANRL, "leanrl": QUICK_CLEANRL}
-
-
 def run_peer(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     """CleanRL's or LeanRL's script in the peer venv; its curve, and its clock start as epoch seconds."""
     peer = PEERS[a.system]
     src = peer.locate(getattr(a, f"{a.system}_src"))  # PeerSourceError: main's one line, exit 2
     if not Path(a.peer_python).exists():
         raise SystemExit(f"vs_cleanrl: {a.peer_python} missing: run `bash tools/peer_venv.sh` first")
-    env_id = TASKS[a.task][0]
+    env_id, flags = TASKS[a.task][0], getattr(a, f"{a.system}_flags")
     script = ["--env-id", env_id, "--total-timesteps", str(a.env_steps), "--no-cuda", "--seed", str(a.seed),
-              *(["--compile"] if a.system == "leanrl" else []), *(QUICK_PEER[a.system] if a.quick else []),
-              *shlex.split(getattr(a, f"{a.system}_flags"))]
+              *(["--compile"] if a.system == "leanrl" else []), *(QUICK_CLEANRL if a.quick else []),  # one CLI
+              *shlex.split(flags)]
     cmd = [str(a.peer_python), str(RUNNER), "--peer", a.system, "--src", str(src), "--out", str(work / "curve.json"),
            "--eval-every", str(a.eval_every), "--eval-episodes", str(a.eval_episodes), "--threads", str(a.threads),
            "--workdir", str(work), "--", *script]
     run_logged(cmd, work / "run.log", REPO)
     doc = json.loads((work / "curve.json").read_text())
-    flags = getattr(a, f"{a.system}_flags")
     return {"env_id": env_id, "points": doc["points"], "versions": doc.get("versions", {}),
             "clock_start_unix": doc["clock_start_unix"], "peer": {"repo": peer.repo, "commit": peer.commit},
             "command": shlex.join(["python", peer.script, *script]), "runner": shlex.join(cmd),
