@@ -267,13 +267,35 @@ def test_cpu_presets_validate_and_fit_the_protocol(task: str, update_to_data: fl
         (f"{task}-cpu", 50_000, 5_000, 5)
 
 
-def test_the_ladder_times_the_real_cleanrl_update_step(cleanrl_src: Path, peer_venv: Path) -> None:
-    """benchmarks/sac/sac_ladder.py --cleanrl: the real script, past its warm-up, timed per env step."""
+def test_the_ladder_times_the_peers_interleaved_with_its_rungs(cleanrl_src: Path, leanrl_src: Path,
+                                                               peer_venv: Path) -> None:
+    """benchmarks/sac/sac_ladder.py --cleanrl --leanrl: the real scripts, paced past their warm-up, timed per loop
+    iteration in the same rounds as hpcrl's update at equal work (policy_frequency 1) and at the preset's."""
     sys.path.insert(0, str(REPO / "benchmarks" / "sac"))
     import sac_ladder
 
-    got = sac_ladder.bench_cleanrl(quick=True, cleanrl_src=str(cleanrl_src))
-    assert got["command"] == ("python cleanrl/sac_continuous_action.py --env-id Pendulum-v1 --total-timesteps 400 "
-                              "--learning-starts 100 --no-cuda --seed 0")
-    assert got["timed_steps"] >= 100 and 1e-4 < got["update_step_s"] < 1.0
-    assert got["update_steps_per_s"] == pytest.approx(1 / got["update_step_s"])
+    got = sac_ladder.bench_peers({"cleanrl": cleanrl_src, "leanrl": leanrl_src}, quick=True, repeats=2,
+                                 min_repeat_s=0.02, rungs=("flat_pf1", "flat"))
+    assert set(got["hpcrl"]) == {"flat_pf1", "flat"} and set(got["peers"]) == {"cleanrl", "leanrl"}
+    assert got["peers"]["cleanrl"]["command"] == (
+        "python cleanrl/sac_continuous_action.py --env-id Pendulum-v1 --total-timesteps 240 --learning-starts 100 "
+        "--no-cuda --seed 0")
+    assert got["peers"]["leanrl"]["command"].endswith("--seed 0 --compile")
+    for peer in got["peers"].values():
+        assert len(peer["samples_s"]) == 2 and 1e-4 < peer["step_s"] < 1.0 and 0 < peer["env_share"] < 0.5
+        assert 0 < peer["cpu_step_s"] < 2 * peer["step_s"]
+    pf1, pf2 = got["hpcrl"]["flat_pf1"], got["hpcrl"]["flat"]
+    assert len(pf1["samples_s"]) == 2 and (pf1["policy_frequency"], pf2["policy_frequency"]) == (1, 2)
+    assert pf1["update_s"] > pf2["update_s"]  # an actor step in every update costs more than in every second one
+
+
+def test_a_stalled_peer_is_an_error_that_names_it(tmp_path: Path) -> None:
+    """A paced peer that sends no timing within the bound: an error naming the peer and its log, not a hang."""
+    sys.path.insert(0, str(REPO / "benchmarks" / "sac"))
+    import sac_ladder
+
+    script = "import sys, time; print('still compiling', file=sys.stderr, flush=True); time.sleep(60)"
+    peer = sac_ladder.PacedPeer("cleanrl", [sys.executable, "-c", script], tmp_path / "cleanrl.log")
+    with pytest.raises(RuntimeError, match=r"(?s)the cleanrl peer sent no timing in 1 s.*still compiling"):
+        peer.segment(timeout_s=1.0)
+    assert peer.proc.returncode is not None  # killed, not left behind

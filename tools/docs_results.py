@@ -12,11 +12,12 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
 SUPERSEDED = {
-    "sac_ladder.json": "sac_ladder_pendulum_stored.json",
-    "sac_ladder_pendulum.json": "sac_ladder_pendulum_stored.json",
-    "sac_ladder_pendulum_quiet.json": "sac_ladder_pendulum_stored.json",
-    "sac_ladder_pendulum_cpp_wrapper.json": "sac_ladder_pendulum_stored.json",
-    "sac_ladder_pendulum_cleanrl.json": "sac_ladder_pendulum_stored.json",
+    "sac_ladder.json": "sac_ladder_pendulum_peers.json",
+    "sac_ladder_pendulum.json": "sac_ladder_pendulum_peers.json",
+    "sac_ladder_pendulum_quiet.json": "sac_ladder_pendulum_peers.json",
+    "sac_ladder_pendulum_cpp_wrapper.json": "sac_ladder_pendulum_peers.json",
+    "sac_ladder_pendulum_cleanrl.json": "sac_ladder_pendulum_peers.json",
+    "sac_ladder_pendulum_stored.json": "sac_ladder_pendulum_peers.json",
     "sac_ladder_world_pendulum.json": "sac_ladder_world_pendulum_shm.json",
     "sac_ladder_world_halfcheetah_cpu_quiet.json": "sac_ladder_world_halfcheetah_cpu_shm.json",
     "sac_throughput_quick.json": "sac_throughput.json",
@@ -77,13 +78,16 @@ HEADLINE: list[tuple[str, str | tuple[str, ...], str | tuple[str, ...], Callable
                f"({figure(d, 'halfcheetah_time_to_cleanrl_final_hpcrl_wall_s'):.0f} s vs "
                f"{figure(d, 'halfcheetah_time_to_cleanrl_final_cleanrl_wall_s'):.0f} s); "
                f"{figure(d, 'halfcheetah_at_50000_hpcrl'):,.0f} / {figure(d, 'halfcheetah_at_50000_cleanrl'):,.0f}"),
-    ("FastSAC update, pendulum preset: `--compile` vs eager (flat parameters); 2 ranks vs 1 at the same global "
-     "batch, the update alone / per update of the whole training loop",
-     ("sac_ladder_pendulum_stored.json", "sac_ladder_world_pendulum_shm.json", "world_loop.json"),
+    ("FastSAC update, pendulum preset: `--compile` vs eager (flat parameters); a loop iteration of the real CleanRL / "
+     "LeanRL SAC (env step, replay, updates) over the compiled update doing the same updates; 2 ranks vs 1 at the same "
+     "global batch, the update alone / per update of the whole training loop",
+     ("sac_ladder_pendulum_peers.json", "sac_ladder_world_pendulum_shm.json", "world_loop.json"),
      ("sac_ladder", "world_loop"),
      lambda d, w, loop: f"{figure(d, 'pendulum_compiled_update_s') * 1e3:.2f} ms vs "
                         f"{figure(d, 'pendulum_flat_update_s') * 1e3:.2f} ms "
-                        f"(**{figure(d, 'pendulum_compiled_vs_flat'):.2f}×**); 2 ranks: "
+                        f"(**{figure(d, 'pendulum_compiled_vs_flat'):.2f}×**); CleanRL / LeanRL "
+                        f"**{figure(d, 'pendulum_compiled_vs_cleanrl_equal_work'):.1f}×** / "
+                        f"**{figure(d, 'pendulum_compiled_vs_leanrl_equal_work'):.1f}×** the time; 2 ranks: "
                         f"{figure(w, 'pendulum_w2_vs_w1'):.2f}× / {figure(loop, 'pendulum_loop_w2_over_w1'):.2f}× the time"),
     ("Detached PPO 1:1, lag 1 vs lag 0 (40 ms rollout, 40 ms update)", "ppo_throughput.json", "ppo_throughput",
      lambda d: f"**{d['summary']['detached_1to1_over_lag0']:.2f}×** (ideal 2×)"),

@@ -17,6 +17,11 @@ policy (tanh(mean) scaled to the action box, the script's own third output of ``
 without its random draw so training's random streams are untouched) on ``E`` fresh envs, one episode
 each. The training clock starts at the script's env reset before its loop and stops while an eval runs;
 ``clock_start_unix`` (the epoch time of that reset) lets the caller add the time from its launch.
+
+``--pace K --pace-from S`` is the timing mode benchmarks/sac/sac_ladder.py interleaves with its rungs: from env
+step ``S`` on, the script's ``envs.step`` waits for a line on stdin before every ``K`` loop iterations and, after
+them, prints ``[pace] {"steps": K, "wall_s": ..., "cpu_s": ..., "env_s": ...}`` (wall and process CPU seconds of
+those iterations, and the wall of their env steps alone); end of stdin ends the process.
 """
 
 from __future__ import annotations
@@ -122,6 +127,48 @@ def at_end(curve: Curve, frame_globals: dict) -> None:
         eval_at(curve, frame_globals["actor"], total, total)
 
 
+@dataclass
+class Pace:
+    """The timing mode (module doc): segments of ``every`` loop iterations from env step ``start`` on, each
+    begun by a line on stdin and reported on stdout."""
+
+    every: int
+    start: int
+    calls: int = 0
+    segment: tuple[float, float] | None = None  # (wall, process CPU) at the segment's start
+    env_s: float = 0.0
+
+    def before_step(self) -> None:
+        """Called as the script steps its envs: the loop's iteration ``calls`` begins."""
+        done = self.calls - self.start
+        self.calls += 1
+        if done < 0 or done % self.every:
+            return
+        if self.segment is not None:
+            wall, cpu = time.perf_counter() - self.segment[0], time.process_time() - self.segment[1]
+            print("[pace] " + json.dumps({"steps": self.every, "wall_s": wall, "cpu_s": cpu, "env_s": self.env_s}),
+                  flush=True)
+        if not sys.stdin.readline():  # the caller is done: leave without the rest of the run
+            sys.stdout.flush()
+            os._exit(0)
+        self.segment, self.env_s = (time.perf_counter(), time.process_time()), 0.0
+
+
+def install_pace(pace: Pace) -> None:
+    import gymnasium as gym
+
+    step = gym.vector.SyncVectorEnv.step
+
+    def paced_step(self, *args, **kwargs):
+        pace.before_step()
+        t0 = time.perf_counter()
+        out = step(self, *args, **kwargs)
+        pace.env_s += time.perf_counter() - t0
+        return out
+
+    gym.vector.SyncVectorEnv.step = paced_step
+
+
 def install_hooks(curve: Curve, peer: str) -> None:
     """Wrap the vector env's reset (clock start) and the peer's logger (eval points, last eval)."""
     import gymnasium as gym
@@ -196,6 +243,9 @@ def main() -> int:
     p.add_argument("--eval-episodes", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (set before the script runs)")
     p.add_argument("--workdir", default=".", help="the script's cwd (CleanRL's runs/ TensorBoard folder goes there)")
+    p.add_argument("--pace", type=int, default=0, help="timing mode: segments of this many loop iterations, each "
+                   "started by a line on stdin and reported on stdout (module doc)")
+    p.add_argument("--pace-from", type=int, default=0, help="with --pace: the env step the first segment starts at")
     args, rest = p.parse_known_args()
     script_argv = rest[1:] if rest[:1] == ["--"] else rest
     import torch
@@ -206,6 +256,8 @@ def main() -> int:
                   script_flag(script_argv, "--env-id", "Hopper-v4" if args.peer == "cleanrl" else "HalfCheetah-v4"),
                   int(script_flag(script_argv, "--seed", "1")))
     install_hooks(curve, args.peer)
+    if args.pace > 0:
+        install_pace(Pace(args.pace, args.pace_from))
     out = Path(args.out).resolve()
     src = Path(args.src).resolve()
     script = src / PEERS[args.peer].script

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """FastSAC update ladder: updates/s of ``FastSAC.update`` per rung, the rungs timed interleaved.
 
-    python benchmarks/sac/sac_ladder.py [--quick] [--json PATH] [--sizes ...] [--world] [--cleanrl]
+    python benchmarks/sac/sac_ladder.py [--quick] [--json PATH] [--sizes ...] [--world] [--cleanrl] [--leanrl]
 
 Rungs (``SACConfig`` fields): ``per_head`` (per-head critic, per-parameter tensors: the old path),
 ``flat`` (flat parameters only: the default), ``batched`` (batched critic only), ``batched_flat`` (both),
@@ -26,14 +26,19 @@ path the alpha-beta prediction: t(W=2) = t(half batch, W=1) + the critic and 1/p
 actor all-reduce from the all_reduce/ring fit in results/cost_model.json (gloo, this machine), and the
 ideal-split one t(W=1)/2 + that communication.
 
-``--cleanrl`` adds the real CleanRL SAC (``sac_continuous_action.py``, unmodified, got at run time by
-benchmarks/peers/sources.py or from ``--cleanrl-src DIR``, run by benchmarks/peers/run_cleanrl.py in
-the peer venv: tools/peer_venv.sh) on Pendulum-v1, 1 thread: after its
-warm-up (``--learning-starts``) every env step is one update of its two Q networks plus, on average, one of
-its actor and alpha (policy_frequency 2, two actor steps every second step), at its own sizes (hidden
-256, batch 256). Seconds per such step = the wall between its evals at the end of the warm-up and
-``CLEANRL_STEPS`` later, over those steps (its env step included: ~2 % of it). A process of its own after
-the rungs, not interleaved with them: compare it to the rungs of the same run only.
+``--cleanrl`` and ``--leanrl`` add the peers: the real CleanRL SAC (``sac_continuous_action.py``) and LeanRL's
+compiled fork of it (``sac_continuous_action_torchcompile.py --compile``), unmodified, got at run time by
+benchmarks/peers/sources.py (or from ``--cleanrl-src`` / ``--leanrl-src DIR``) and run by
+benchmarks/peers/run_cleanrl.py in the peer venv (tools/peer_venv.sh), on Pendulum-v1, 1 thread, at their own
+sizes (hidden 256, batch 256). Past its warm-up (``--learning-starts``) every loop iteration of a peer is one
+env step and one update of its two Q networks plus, on average, one of its actor and alpha (policy_frequency 2:
+two actor steps every second iteration), with its replay write and sample. A peer runs paced (run_cleanrl.py
+``--pace``): each round of the interleaved timing runs ``PEER_STEPS`` of its iterations between the hpcrl
+rungs below, so load hits them alike. The hpcrl rungs of that comparison are the pendulum preset's ``flat``
+(the default) and ``compiled`` updates at two amounts of work: ``policy_frequency`` 1 (one critic and one
+actor update per update: a peer iteration's work, the equal-work figure) and the preset's 2 (one critic
+and half an actor update per update: what a FastSAC update costs). The peers' figures include their env
+step (``env_share``) and replay; hpcrl's are the update alone on a fixed batch.
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.common, hpcrl
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # the repository: benchmarks.common, hpcrl
 from benchmarks.common import schema  # noqa: E402
 from benchmarks.common.paths import RESULTS  # noqa: E402
 from benchmarks.common.timing import fmt_time, loadavg, machine_info, measure_group, print_table, write_json  # noqa: E402
@@ -64,7 +70,8 @@ RUNGS: dict[str, dict[str, bool]] = {
 }
 SIZES = {"pendulum": (3, 1), "halfcheetah": (17, 6), "halfcheetah-cpu": (17, 6)}  # (obs_dim, action_dim) of each preset's env
 BASE = "per_head"
-CLEANRL_WARMUP, CLEANRL_STEPS = 512, 1500  # env steps before its first update; timed steps after it
+PEER_WARMUP, PEER_STEPS = 512, 100  # a peer's env steps before its first update; its iterations per timed segment
+PEER_SETTLE = 50  # iterations after the first update before timing (LeanRL compiles its update, actor step, policy)
 
 
 def fixed_batch(batch: int, obs_dim: int, action_dim: int) -> tuple[Batch, UpdateNoise]:
@@ -75,7 +82,8 @@ def fixed_batch(batch: int, obs_dim: int, action_dim: int) -> tuple[Batch, Updat
     return data, UpdateNoise.draw(batch, action_dim, g, CPU)
 
 
-def rung_call(name: str, rung: dict[str, bool], batch: int | None, compile_s: dict[str, float]) -> Callable[[], None]:
+def rung_call(name: str, rung: dict[str, Any], batch: int | None, compile_s: dict[str, float],
+              key: str = "compiled") -> Callable[[], None]:
     cfg = preset(name, **rung, **({} if batch is None else {"batch_size": batch}))
     obs_dim, action_dim = SIZES[name]
     torch.manual_seed(0)
@@ -88,7 +96,7 @@ def rung_call(name: str, rung: dict[str, bool], batch: int | None, compile_s: di
             agent.update(data, noise)
     if agent.compiled is not None:  # compile (critic and actor parts) outside the timed calls
         call()
-        compile_s["compiled"] = agent.compiled.compile_s
+        compile_s[key] = agent.compiled.compile_s
     return call
 
 
@@ -226,48 +234,141 @@ def bench_world(name: str, repeats: int, min_repeat_s: float, batch: int | None)
             "threads_per_rank": 1, "note": "W=2 runs 2 processes on the machine's cores; W=1 one process"}
 
 
-def bench_cleanrl(quick: bool, cleanrl_src: str | None = None) -> dict[str, Any]:
-    """Seconds per update step of the real CleanRL SAC on Pendulum-v1 (see the module doc). Raises
-    PeerSourceError where its source is missing or differs."""
-    import json
-    import subprocess
-    import tempfile
-
-    from benchmarks.peers.sources import CLEANRL
+def peer_command(peer: str, src: Path, quick: bool, steps: int, segments: int, log: Path) -> tuple[list[str], list[str]]:
+    """run_cleanrl.py's command for ``peer`` in timing mode (``segments`` of ``steps`` iterations after its warm-up),
+    and the peer script's own flags."""
     from benchmarks.sac import vs_cleanrl as vs
 
-    src = CLEANRL.locate(cleanrl_src)
-    if not vs.PEER_PYTHON.exists():
-        raise SystemExit(f"sac_ladder --cleanrl: {vs.PEER_PYTHON} missing: run `bash tools/peer_venv.sh` first")
-    warmup, steps = (100, 300) if quick else (CLEANRL_WARMUP, CLEANRL_STEPS)
-    with tempfile.TemporaryDirectory(prefix="sac_ladder_cleanrl_") as tmp:
-        script = ["--env-id", "Pendulum-v1", "--total-timesteps", str(warmup + steps), "--learning-starts",
-                  str(warmup), "--no-cuda", "--seed", "0"]
-        cmd = [str(vs.PEER_PYTHON), str(vs.RUNNER), "--src", str(src), "--out", f"{tmp}/curve.json",
-               "--eval-every", str(warmup), "--eval-episodes", "1", "--threads", "1", "--workdir", tmp, "--", *script]
-        load = loadavg()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if proc.returncode != 0:
-            raise RuntimeError(f"sac_ladder --cleanrl: {' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-        points = json.loads(Path(tmp, "curve.json").read_text())["points"]
-    at = {p["env_steps"]: p for p in points}
-    first = min(at, key=lambda s: abs(s - warmup))  # the eval filed at the end of the warm-up
-    last = max(at)
-    step_s = (at[last]["wall_s"] - at[first]["wall_s"]) / (at[last]["env_steps_actual"] - at[first]["env_steps_actual"])
-    return {"env_id": "Pendulum-v1", "command": "python cleanrl/sac_continuous_action.py " + " ".join(script),
-            "warmup_steps": warmup, "timed_steps": at[last]["env_steps_actual"] - at[first]["env_steps_actual"],
-            "update_step_s": step_s, "update_steps_per_s": 1.0 / step_s, "loadavg": [load, loadavg()],
-            "work_per_step": "1 critic update (2 Q nets, hidden 256, batch 256) + on average 1 actor and alpha update"}
+    warmup = 100 if quick else PEER_WARMUP
+    start = warmup + PEER_SETTLE
+    script = ["--env-id", "Pendulum-v1", "--total-timesteps", str(start + steps * (segments + 1) + 10),
+              "--learning-starts", str(warmup), "--no-cuda", "--seed", "0", *(["--compile"] if peer == "leanrl" else [])]
+    cmd = [str(vs.PEER_PYTHON), str(vs.RUNNER), "--peer", peer, "--src", str(src), "--out", str(log.with_suffix(".json")),
+           "--eval-every", str(10**9), "--eval-episodes", "1", "--threads", "1", "--workdir", str(log.parent),
+           "--pace", str(steps), "--pace-from", str(start), "--", *script]
+    return cmd, script
 
 
-def cleanrl_source_line(src: str | None) -> str | None:
-    """CleanRL's checked source folder, or None after one line on stderr saying how to get it."""
-    from benchmarks.peers.sources import CLEANRL, PeerSourceError
+class PacedPeer:
+    """A peer's script in timing mode (run_cleanrl.py ``--pace``), its stderr in ``log``: ``segment()`` runs one
+    segment of its loop iterations and returns their seconds as the peer measured them."""
+
+    def __init__(self, name: str, cmd: list[str], log: Path) -> None:
+        import subprocess
+
+        self.name, self.log, self.buf = name, log, b""
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("wb"),
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    def segment(self, timeout_s: float = 600.0) -> dict[str, float]:
+        import json
+        import select
+        import time
+
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(b"go\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout_s  # the first segment waits for the warm-up (LeanRL: its compile)
+        while True:
+            line, nl, rest = self.buf.partition(b"\n")
+            if nl:
+                self.buf = rest
+                if line.startswith(b"[pace] "):
+                    return json.loads(line[len(b"[pace] "):])
+                continue
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            chunk = os.read(self.proc.stdout.fileno(), 65536) if ready else b""
+            if not chunk:
+                self.proc.kill()
+                self.proc.wait()
+                why = "ended" if ready else f"sent no timing in {timeout_s:.0f} s"
+                raise RuntimeError(f"sac_ladder: the {self.name} peer {why}; its log {self.log}:\n"
+                                   f"{self.log.read_text(errors='replace')[-3000:]}")
+            self.buf += chunk
+
+    def close(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()  # end of stdin: the paced script exits at its next segment
+        try:
+            self.proc.wait(timeout=60)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait()
+
+
+EQUAL_WORK = {"flat_pf1": ("flat", 1), "compiled_pf1": ("compiled", 1), "flat": ("flat", 2), "compiled": ("compiled", 2)}
+
+
+def bench_peers(srcs: dict[str, Path], quick: bool, repeats: int, min_repeat_s: float,
+                rungs: tuple[str, ...] = tuple(EQUAL_WORK)) -> dict[str, Any]:
+    """The peers' loop iterations and hpcrl's pendulum update at equal work and at its own, timed interleaved (the
+    module doc). Raises RuntimeError when a peer fails or stalls."""
+    import tempfile
+    import time
+
+    compile_s: dict[str, float] = {}
+    calls = {key: (rung_call("pendulum", {**RUNGS[rung], "policy_frequency": pf}, None, compile_s, key), pf)
+             for key, (rung, pf) in EQUAL_WORK.items() if key in rungs}
+    steps = 20 if quick else PEER_STEPS
+    inner = {}
+    for key, (call, pf) in calls.items():  # hpcrl calls per timed repeat: at least min_repeat_s of work
+        call()
+        t0 = time.perf_counter()
+        call()
+        inner[key] = max(1, min(200, int(min_repeat_s / max(time.perf_counter() - t0, 1e-6))))
+    hpcrl = {key: {"wall": [], "cpu": []} for key in calls}
+    peers = {name: {"wall": [], "cpu": [], "env": []} for name in srcs}
+    load = loadavg()
+    with tempfile.TemporaryDirectory(prefix="sac_ladder_peers_") as tmp:
+        commands = {name: peer_command(name, src, quick, steps, repeats + 1, Path(tmp) / f"{name}.log")
+                    for name, src in srcs.items()}
+        paced = {name: PacedPeer(name, cmd, Path(tmp) / f"{name}.log") for name, (cmd, _) in commands.items()}
+        try:
+            for peer in paced.values():
+                peer.segment()  # the first segment: a warm-up, not kept
+            for _ in range(repeats):
+                for key, (call, pf) in calls.items():
+                    w0, c0 = time.perf_counter(), time.process_time()
+                    for _ in range(inner[key]):
+                        call()
+                    hpcrl[key]["wall"].append((time.perf_counter() - w0) / inner[key] / pf)
+                    hpcrl[key]["cpu"].append((time.process_time() - c0) / inner[key] / pf)
+                for name, peer in paced.items():
+                    got = peer.segment()
+                    peers[name]["wall"].append(got["wall_s"] / got["steps"])
+                    peers[name]["cpu"].append(got["cpu_s"] / got["steps"])
+                    peers[name]["env"].append(got["env_s"] / got["wall_s"])
+        finally:
+            for peer in paced.values():
+                peer.close()
+    from benchmarks.peers.sources import PEERS
+
+    return {
+        "hpcrl": {key: {"rung": EQUAL_WORK[key][0], "policy_frequency": EQUAL_WORK[key][1],
+                        "update_s": _median(t["wall"]), "cpu_update_s": _median(t["cpu"]), "inner": inner[key],
+                        "samples_s": t["wall"], **({"compile_s": compile_s[key]} if key in compile_s else {})}
+                  for key, t in hpcrl.items()},
+        "peers": {name: {"step_s": _median(t["wall"]), "cpu_step_s": _median(t["cpu"]), "env_share": _median(t["env"]),
+                         "steps_per_segment": steps, "samples_s": t["wall"],
+                         "command": "python " + PEERS[name].script + " " + " ".join(commands[name][1]),
+                         "repo": PEERS[name].repo, "commit": PEERS[name].commit}
+                  for name, t in peers.items()},
+        "repeats": repeats, "loadavg": [load, loadavg()],
+        "work_per_step": {"peers": "1 env step + replay write and sample + 1 critic update (2 Q nets, hidden 256, batch "
+                                   "256) + on average 1 actor and alpha update",
+                          "hpcrl_pf1": "1 critic update + 1 actor and alpha update (pendulum preset), fixed batch",
+                          "hpcrl": "1 critic update + 1/2 actor and alpha update (pendulum preset), fixed batch"},
+    }
+
+
+def peer_sources(args: argparse.Namespace) -> dict[str, Path] | None:
+    """The checked source folder of each peer asked for, or None after one line on stderr saying how to get it."""
+    from benchmarks.peers.sources import PEERS, PeerSourceError
 
     try:
-        return str(CLEANRL.locate(src))
+        return {name: PEERS[name].locate(getattr(args, f"{name}_src")) for name in PEERS if getattr(args, name)}
     except PeerSourceError as e:
-        print(f"sac_ladder --cleanrl: {e}", file=sys.stderr)
+        print(f"sac_ladder: {e}", file=sys.stderr)
         return None
 
 
@@ -278,7 +379,10 @@ def main() -> int:
     ap.add_argument("--sizes", default="pendulum,halfcheetah", help="comma-separated presets to run")
     ap.add_argument("--world", action="store_true", help="add the W = 1 vs W = 2 rung (2 processes)")
     ap.add_argument("--no-rungs", action="store_true", help="skip the single-process rungs (with --world)")
-    ap.add_argument("--cleanrl", action="store_true", help="add the real CleanRL SAC's update step on Pendulum")
+    ap.add_argument("--cleanrl", action="store_true", help="add the real CleanRL SAC on Pendulum, interleaved")
+    ap.add_argument("--leanrl", action="store_true", help="add LeanRL's compiled SAC on Pendulum, interleaved")
+    ap.add_argument("--leanrl-src", default=None, help="with --leanrl: a checkout of meta-pytorch/LeanRL at the pinned "
+                    "commit (default: $HPCRL_LEANRL_SRC, else the cache, fetched into when empty)")
     ap.add_argument("--cleanrl-src", default=None, help="with --cleanrl: a checkout of vwxyzjn/cleanrl at the pinned "
                     "commit (default: $HPCRL_CLEANRL_SRC, else the cache, fetched into when empty)")
     args = ap.parse_args()
@@ -292,12 +396,15 @@ def main() -> int:
         print(f"sac_ladder: --sizes {','.join(unknown)}: choose from {','.join(SIZES)}", file=sys.stderr)
         return 2
     qbatch = {"halfcheetah": 1024 if args.quick else None}
-    src = cleanrl_source_line(args.cleanrl_src) if args.cleanrl else None  # before the rungs: a missing one ends it
-    if args.cleanrl and src is None:
+    srcs = peer_sources(args)  # before the rungs: a missing one ends it
+    if srcs is None:
+        return 2
+    if srcs and not (REPO / ".venv-peers" / "bin" / "python").exists():
+        print("sac_ladder: .venv-peers missing: run `bash tools/peer_venv.sh` first", file=sys.stderr)
         return 2
     sizes = {} if args.no_rungs else {n: bench_size(n, repeats, min_repeat_s, qbatch.get(n)) for n in names}
     world = {n: bench_world(n, repeats, min_repeat_s, qbatch.get(n)) for n in names} if args.world else {}
-    cleanrl = bench_cleanrl(args.quick, src) if args.cleanrl else None
+    peers = bench_peers(srcs, args.quick, repeats, min_repeat_s) if srcs else None
     rows = [[name, rung, fmt_time(r["update_s"]), f"{r['updates_per_s']:.1f}", f"{r['speedup_vs_per_head']:.2f}x",
              fmt_time(r["cpu_update_s"]), f"{r['cpu_speedup_vs_per_head']:.2f}x", f"{r['cpu_frac']:.2f}"] for name, size in sizes.items() for rung, r in size["rungs"].items()]
     print_table("FastSAC.update, 1 thread, rungs interleaved (median)",
@@ -326,17 +433,21 @@ def main() -> int:
         figures[f"{name}_compiled_vs_flat_cpu"] = schema.figure(r["flat"]["cpu_update_s"] / r["compiled"]["cpu_update_s"],
                                                                "x", True)
         figures[f"{name}_compile_s"] = schema.figure(r["compiled"]["compile_s"], "s", False)
-    if cleanrl is not None:
-        print(f"real CleanRL SAC, Pendulum-v1: {fmt_time(cleanrl['update_step_s'])} per update step "
-              f"({cleanrl['update_steps_per_s']:.1f}/s; {cleanrl['work_per_step']})")
-        figures["cleanrl_pendulum_update_step_s"] = schema.figure(cleanrl["update_step_s"], "s", False)
-        if "pendulum" in sizes:
-            for rung in ("flat", "compiled"):
-                figures[f"pendulum_{rung}_vs_cleanrl_step"] = schema.figure(
-                    cleanrl["update_step_s"] / sizes["pendulum"]["rungs"][rung]["update_s"], "x", True)
+    if peers is not None:
+        rows = [[key, fmt_time(r["update_s"]), fmt_time(r["cpu_update_s"])] for key, r in peers["hpcrl"].items()]
+        rows += [[f"{name} (iteration)", fmt_time(r["step_s"]), fmt_time(r["cpu_step_s"])]
+                 for name, r in peers["peers"].items()]
+        print_table("Pendulum: hpcrl's update (pf1: a peer iteration's work) and the peers' loop iterations, "
+                    "interleaved (median)", ["what", "wall", "CPU time"], rows)
+        for name, r in peers["peers"].items():
+            figures[f"{name}_pendulum_update_step_s"] = schema.figure(r["step_s"], "s", False)
+            for key, h in peers["hpcrl"].items():
+                suffix = "equal_work" if h["policy_frequency"] == 1 else "step"
+                figures[f"pendulum_{h['rung']}_vs_{name}_{suffix}"] = schema.figure(r["step_s"] / h["update_s"], "x", True)
     config = {"quick": args.quick, "sizes": names, "world": args.world, "repeats": repeats, "min_repeat_s": min_repeat_s, "threads": 1,
-              "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "cleanrl": args.cleanrl}
-    results = {"machine": machine_info(CPU, 1), "sizes": sizes, "world": world, "cleanrl": cleanrl,
+              "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "cleanrl": args.cleanrl,
+              "leanrl": args.leanrl}
+    results = {"machine": machine_info(CPU, 1), "sizes": sizes, "world": world, "peers": peers,
                "note": "ratios are what counts: the machine may be shared (see loadavg and cpu_frac)"}
     path = write_json(out_path, schema.make("sac_ladder", schema.header("cpu", 1, config), figures, results))
     print(f"\nwrote {path}")
