@@ -8,24 +8,33 @@ cache with this process."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("mujoco_playground")
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+from hpcrl.envs import make_env
 
-from hpcrl.envs import make_env  # noqa: E402
+# Playground and JAX load only where this module runs (about 4 s): every pytest worker collects it.
+if importlib.util.find_spec("mujoco_playground") is None:
+    pytest.skip("mujoco_playground is not installed (the `playground` extra)", allow_module_level=True)
 
 N, LIMIT = 8, 40
 NAME = f"playground:CartpoleBalance?impl=jax&episode_length={LIMIT}"
 CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/hpcrl-jax-cache")
-jax.config.update("jax_compilation_cache_dir", CACHE)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def jax():
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", CACHE)  # also where jax was imported before the variable was set
+    return jax
 
 
 def _actions(steps: int, n: int, seed: int = 0) -> torch.Tensor:
@@ -33,7 +42,7 @@ def _actions(steps: int, n: int, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_flags_and_final_obs_match_playground():
+def test_flags_and_final_obs_match_playground(jax):
     from mujoco_playground import wrapper
 
     env = make_env(NAME, N, seed=1)

