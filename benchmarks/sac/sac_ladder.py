@@ -44,8 +44,13 @@ step (``env_share``) and replay; hpcrl's are the update alone on a fixed batch.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import select
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -141,7 +146,6 @@ def world_rank(name: str, global_batch: int, repeats: int, inner: int) -> dict[s
     """One of 2 ranks: seconds per update on its half of the global batch, summing through shared memory
     (the default on one host), through gloo, and through gloo overlapped with backward; interleaved."""
     import dataclasses
-    import time
 
     from hpcrl.comm import init_distributed
 
@@ -181,8 +185,6 @@ def alpha_beta_fit() -> dict[str, float] | None:
 
 
 def json_load(path: Path) -> dict:
-    import json
-
     return json.loads(path.read_text())
 
 
@@ -254,17 +256,11 @@ class PacedPeer:
     segment of its loop iterations and returns their seconds as the peer measured them."""
 
     def __init__(self, name: str, cmd: list[str], log: Path) -> None:
-        import subprocess
-
         self.name, self.log, self.buf = name, log, b""
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("wb"),
                                      env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     def segment(self, timeout_s: float = 600.0) -> dict[str, float]:
-        import json
-        import select
-        import time
-
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(b"go\n")
         self.proc.stdin.flush()
@@ -291,7 +287,7 @@ class PacedPeer:
             self.proc.stdin.close()  # end of stdin: the paced script exits at its next segment
         try:
             self.proc.wait(timeout=60)
-        except Exception:
+        except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
 
@@ -303,9 +299,6 @@ def bench_peers(srcs: dict[str, Path], quick: bool, repeats: int, min_repeat_s: 
                 rungs: tuple[str, ...] = tuple(EQUAL_WORK)) -> dict[str, Any]:
     """The peers' loop iterations and hpcrl's pendulum update at equal work and at its own, timed interleaved (the
     module doc). Raises RuntimeError when a peer fails or stalls."""
-    import tempfile
-    import time
-
     compile_s: dict[str, float] = {}
     calls = {key: (rung_call("pendulum", {**RUNGS[rung], "policy_frequency": pf}, None, compile_s, key), pf)
              for key, (rung, pf) in EQUAL_WORK.items() if key in rungs}
