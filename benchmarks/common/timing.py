@@ -29,8 +29,8 @@ def wait_for(device: torch.device | str) -> None:
         torch.cuda.synchronize()
 
 
-def _calls_per_repeat(fn: Callable[[], Any], device: torch.device, warmup: int, min_repeat_s: float,
-                      max_inner: int) -> int:
+def calls_per_repeat(fn: Callable[[], Any], device: torch.device, warmup: int, min_repeat_s: float,
+                     max_inner: int) -> int:
     """Warm up, then calibrate (first calls pay for allocation and page faults): grow the call count
     until a batch takes >= min_repeat_s / 4, then scale to min_repeat_s."""
     for _ in range(warmup):
@@ -66,7 +66,7 @@ def measure_group(
     """
     device = torch.device(device)
     is_cuda = device.type == "cuda"
-    inner = {name: _calls_per_repeat(fn, device, warmup, min_repeat_s, max_inner) for name, fn in fns.items()}
+    inner = {name: calls_per_repeat(fn, device, warmup, min_repeat_s, max_inner) for name, fn in fns.items()}
     samples: dict[str, list[float]] = {name: [] for name in fns}
     cpu_samples: dict[str, list[float]] = {name: [] for name in fns}
     wall = dict.fromkeys(fns, 0.0)

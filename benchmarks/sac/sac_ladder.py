@@ -56,11 +56,13 @@ from typing import Any, Callable
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))  # the repository: benchmarks.common, hpcrl
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.common, hpcrl
 from benchmarks.common import schema  # noqa: E402
 from benchmarks.common.paths import RESULTS  # noqa: E402
-from benchmarks.common.timing import fmt_time, loadavg, machine_info, measure_group, print_table, write_json  # noqa: E402
+from benchmarks.common.timing import (calls_per_repeat, fmt_time, loadavg, machine_info, measure_group,  # noqa: E402
+                                      print_table, write_json)
+from benchmarks.peers.sources import PEERS, PeerSourceError  # noqa: E402
+from benchmarks.sac import vs_cleanrl  # noqa: E402
 from hpcrl.comm import Plane  # noqa: E402
 from hpcrl.replay import Batch  # noqa: E402
 from hpcrl.sac import FastSAC, UpdateNoise, preset  # noqa: E402
@@ -239,13 +241,11 @@ def bench_world(name: str, repeats: int, min_repeat_s: float, batch: int | None)
 def peer_command(peer: str, src: Path, quick: bool, steps: int, segments: int, log: Path) -> tuple[list[str], list[str]]:
     """run_cleanrl.py's command for ``peer`` in timing mode (``segments`` of ``steps`` iterations after its warm-up),
     and the peer script's own flags."""
-    from benchmarks.sac import vs_cleanrl as vs
-
     warmup = 100 if quick else PEER_WARMUP
     start = warmup + PEER_SETTLE
     script = ["--env-id", "Pendulum-v1", "--total-timesteps", str(start + steps * (segments + 1) + 10),
               "--learning-starts", str(warmup), "--no-cuda", "--seed", "0", *(["--compile"] if peer == "leanrl" else [])]
-    cmd = [str(vs.PEER_PYTHON), str(vs.RUNNER), "--peer", peer, "--src", str(src), "--out", str(log.with_suffix(".json")),
+    cmd = [str(vs_cleanrl.PEER_PYTHON), str(vs_cleanrl.RUNNER), "--peer", peer, "--src", str(src), "--out", str(log.with_suffix(".json")),
            "--eval-every", str(10**9), "--eval-episodes", "1", "--threads", "1", "--workdir", str(log.parent),
            "--pace", str(steps), "--pace-from", str(start), "--", *script]
     return cmd, script
@@ -303,12 +303,7 @@ def bench_peers(srcs: dict[str, Path], quick: bool, repeats: int, min_repeat_s: 
     calls = {key: (rung_call("pendulum", {**RUNGS[rung], "policy_frequency": pf}, None, compile_s, key), pf)
              for key, (rung, pf) in EQUAL_WORK.items() if key in rungs}
     steps = 20 if quick else PEER_STEPS
-    inner = {}
-    for key, (call, pf) in calls.items():  # hpcrl calls per timed repeat: at least min_repeat_s of work
-        call()
-        t0 = time.perf_counter()
-        call()
-        inner[key] = max(1, min(200, int(min_repeat_s / max(time.perf_counter() - t0, 1e-6))))
+    inner = {key: calls_per_repeat(call, CPU, 1, min_repeat_s, 200) for key, (call, _) in calls.items()}
     hpcrl = {key: {"wall": [], "cpu": []} for key in calls}
     peers = {name: {"wall": [], "cpu": [], "env": []} for name in srcs}
     load = loadavg()
@@ -334,8 +329,6 @@ def bench_peers(srcs: dict[str, Path], quick: bool, repeats: int, min_repeat_s: 
         finally:
             for peer in paced.values():
                 peer.close()
-    from benchmarks.peers.sources import PEERS
-
     return {
         "hpcrl": {key: {"rung": EQUAL_WORK[key][0], "policy_frequency": EQUAL_WORK[key][1],
                         "update_s": _median(t["wall"]), "cpu_update_s": _median(t["cpu"]), "inner": inner[key],
@@ -356,8 +349,6 @@ def bench_peers(srcs: dict[str, Path], quick: bool, repeats: int, min_repeat_s: 
 
 def peer_sources(args: argparse.Namespace) -> dict[str, Path] | None:
     """The checked source folder of each peer asked for, or None after one line on stderr saying how to get it."""
-    from benchmarks.peers.sources import PEERS, PeerSourceError
-
     try:
         return {name: PEERS[name].locate(getattr(args, f"{name}_src")) for name in PEERS if getattr(args, name)}
     except PeerSourceError as e:
@@ -392,8 +383,8 @@ def main() -> int:
     srcs = peer_sources(args)  # before the rungs: a missing one ends it
     if srcs is None:
         return 2
-    if srcs and not (REPO / ".venv-peers" / "bin" / "python").exists():
-        print("sac_ladder: .venv-peers missing: run `bash tools/peer_venv.sh` first", file=sys.stderr)
+    if srcs and not vs_cleanrl.PEER_PYTHON.exists():
+        print(f"sac_ladder: {vs_cleanrl.PEER_PYTHON} missing: run `bash tools/peer_venv.sh` first", file=sys.stderr)
         return 2
     sizes = {} if args.no_rungs else {n: bench_size(n, repeats, min_repeat_s, qbatch.get(n)) for n in names}
     world = {n: bench_world(n, repeats, min_repeat_s, qbatch.get(n)) for n in names} if args.world else {}
